@@ -1,0 +1,51 @@
+"""Settings of the cloud processes (coordinator, verifier, CLI); the only module that reads the environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path.home() / ".local" / "share" / "specfleet"
+
+
+class Settings(BaseSettings):
+    """One per process; `SPECFLEET_*` environment variables override the defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECFLEET_", env_file=None, extra="ignore")
+
+    # "quickstart" is the embedded, single-machine mode: anonymous devices and built-in secrets
+    # are accepted there only.
+    environment: Literal["quickstart", "production"] = "quickstart"
+    home: Path = DEFAULT_HOME
+    database_url: str = ""
+    broker_url: str = "mqtt://127.0.0.1:1883"
+    broker_username: str | None = None
+    broker_password: str | None = None
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=8420, ge=0, le=65535)
+    models_dir: Path | None = None
+    # Presence: a device is offline after its Last Will, or after this many keepalives of silence.
+    device_keepalive_s: int = Field(default=10, ge=1)
+    secret_key: str = ""
+
+    @model_validator(mode="after")
+    def _fill_defaults_and_refuse_weak_secrets(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{self.home / 'specfleet.db'}"
+        if self.models_dir is None:
+            self.models_dir = self.home / "models"
+        if self.environment == "production" and len(self.secret_key) < 16:
+            raise ValueError("SPECFLEET_SECRET_KEY must be set (16+ characters) in production")
+        return self
+
+    @property
+    def resolved_models_dir(self) -> Path:
+        assert self.models_dir is not None  # filled by the validator
+        return self.models_dir
+
+
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,1 @@
+"""The `specfleet` command line: the cloud side's entry point."""

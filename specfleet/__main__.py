@@ -1,0 +1,5 @@
+"""Run the `specfleet` command line with `python -m specfleet`."""
+
+from specfleet.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""The `specfleet` command: each role package registers its own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# Modules that expose `register(subparsers)`; each adds its subcommands with a `func` default.
+COMMAND_MODULES = (
+    "coordinator.commands",
+    "inference.commands",
+)
+
+
+class CommandError(Exception):
+    """A bad argument or a failed precondition: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specfleet",
+        description="Distributed speculative decoding on a fleet of edge devices over MQTT.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        result: int | None = args.func(args)
+    except CommandError as exc:
+        print(f"specfleet {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return result or 0
