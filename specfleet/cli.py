@@ -12,6 +12,7 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "coordinator.commands",
     "inference.commands",
+    "bench.commands",
 )
 
 

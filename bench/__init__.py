@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table, writes JSON, and compares with its baseline in the same run."""

@@ -1,0 +1,22 @@
+"""`specfleet bench ...`: wiring only; each benchmark lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# (name, module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
+BENCHMARKS = (
+    ("bus", "bench.bus", "round trip of a draft-sized message through the broker"),
+    ("models", "bench.models", "draft and target costs, acceptance and speculative speedup"),
+)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = subparsers.add_parser("bench", help="run a benchmark; prints a table, writes JSON")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    for name, module_name, help_text in BENCHMARKS:
+        module = importlib.import_module(module_name)
+        parser = bench_sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.run)
