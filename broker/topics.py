@@ -1,0 +1,73 @@
+"""Every topic of the bus, under `specfleet/v1/`; both ends build topics only through this module."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+ROOT = "specfleet/v1"
+
+# Device ids are MQTT usernames and topic levels, so they must be free of wildcards and separators.
+DEVICE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class DeviceChannel(str, Enum):
+    """Topics below `dev/{device_id}/`; `uplink` says who may publish on it."""
+
+    STATUS = "status"  # retained presence; the Last Will publishes "offline" here
+    TELEMETRY = "telemetry"
+    DRAFT = "draft"
+    ACK = "ack"  # command acknowledgements
+    VERDICT = "verdict"
+    COMMAND = "cmd"
+
+    @property
+    def uplink(self) -> bool:
+        """True where the device publishes, False where it only reads."""
+        return self not in (DeviceChannel.VERDICT, DeviceChannel.COMMAND)
+
+
+UPLINK_CHANNELS = tuple(c for c in DeviceChannel if c.uplink)
+DOWNLINK_CHANNELS = tuple(c for c in DeviceChannel if not c.uplink)
+
+
+def validate_device_id(device_id: str) -> str:
+    if not DEVICE_ID_PATTERN.fullmatch(device_id):
+        raise ValueError(
+            f"invalid device id {device_id!r}: use 1-64 letters, digits, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+    return device_id
+
+
+def device_topic(device_id: str, channel: DeviceChannel) -> str:
+    return f"{ROOT}/dev/{validate_device_id(device_id)}/{channel.value}"
+
+
+def device_subscription(channel: DeviceChannel) -> str:
+    """Subscription to one channel of every device (the coordinator's side)."""
+    return f"{ROOT}/dev/+/{channel.value}"
+
+
+@dataclass(frozen=True)
+class ParsedDeviceTopic:
+    device_id: str
+    channel: DeviceChannel
+
+
+_DEVICE_TOPIC = re.compile(rf"^{re.escape(ROOT)}/dev/([^/]+)/([^/]+)$")
+
+
+def parse_device_topic(topic: str) -> ParsedDeviceTopic | None:
+    """The device and channel of a device topic; None for any other topic."""
+    match = _DEVICE_TOPIC.fullmatch(topic)
+    if match is None:
+        return None
+    device_id, channel = match.groups()
+    if not DEVICE_ID_PATTERN.fullmatch(device_id):
+        return None
+    try:
+        return ParsedDeviceTopic(device_id, DeviceChannel(channel))
+    except ValueError:
+        return None
