@@ -1,0 +1,298 @@
+"""The bus contract: versioned message schemas, and encode/decode with validation at the boundary.
+
+Every payload is a JSON object with `v` (the schema version) and `type`. Receivers of version 1
+ignore fields they do not know, so adding an optional field needs no new version; removing or
+changing the meaning of one does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from enum import Enum
+from typing import Annotated, Any, Literal, TypeAlias, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+SCHEMA_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({SCHEMA_VERSION})
+
+# A provisional tail sent after a long offline spell is one long draft; 2,048 tokens with a
+# top-8 sparse q' stays well under this.
+MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_DRAFT_TOKENS = 2048
+MAX_SPARSE_K = 64
+MAX_TOKEN_ID = 2**31 - 1
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Milliseconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+SessionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class BusError(Exception):
+    """A payload the bus contract refuses; `reason` is fit for a log line or an error reply."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PayloadTooLarge(BusError):
+    def __init__(self, size: int) -> None:
+        super().__init__(f"payload of {size} bytes exceeds the limit of {MAX_PAYLOAD_BYTES}")
+        self.size = size
+
+
+class MalformedPayload(BusError):
+    """Not UTF-8 JSON, not an object, or missing `v`/`type`."""
+
+
+class UnsupportedVersion(BusError):
+    def __init__(self, version: object) -> None:
+        supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        super().__init__(f"unsupported schema version {version!r} (supported: {supported})")
+        self.version = version
+
+
+class UnknownMessageType(BusError):
+    def __init__(self, message_type: object) -> None:
+        super().__init__(f"unknown message type {message_type!r}")
+        self.message_type = message_type
+
+
+class SchemaViolation(BusError):
+    """A known type whose fields do not validate."""
+
+    def __init__(self, message_type: str, errors: list[str]) -> None:
+        super().__init__(f"invalid {message_type}: " + "; ".join(errors))
+        self.message_type = message_type
+        self.errors = errors
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+
+
+class DeviceState(str, Enum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class Status(_Message):
+    """Presence, retained on `dev/{id}/status`; the Last Will carries state=offline."""
+
+    type: Literal["status"] = "status"
+    device_id: Name
+    state: DeviceState
+    at: float = Field(ge=0, allow_inf_nan=False)  # unix seconds
+    agent_version: str = Field(default="", max_length=64)
+    kind: str = Field(default="other", max_length=32)
+    runtimes: tuple[Name, ...] = Field(default=(), max_length=8)
+    drafts: tuple[Name, ...] = Field(default=(), max_length=64)
+    keepalive_s: int = Field(default=0, ge=0, le=65535)
+    reason: str = Field(default="", max_length=256)
+
+
+class Telemetry(_Message):
+    """Periodic health of a device; `probe_nonce` asks the coordinator to echo, to measure RTT."""
+
+    type: Literal["telemetry"] = "telemetry"
+    device_id: Name
+    at: float = Field(ge=0, allow_inf_nan=False)
+    rtt_ms: Milliseconds | None = None
+    cpu_percent: float | None = Field(default=None, ge=0, le=100 * 1024)
+    memory_percent: float | None = Field(default=None, ge=0, le=100)
+    battery_percent: float | None = Field(default=None, ge=0, le=100)
+    thermal_c: float | None = Field(default=None, ge=-100, le=200)
+    probe_nonce: str | None = Field(default=None, max_length=64)
+
+
+class DraftTimings(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    draft_ms: Milliseconds = 0.0
+    sent_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)  # unix seconds, device clock
+
+
+class Draft(_Message):
+    """k drafted tokens after the first `base_len` committed tokens of a session.
+
+    `q_ids`/`q_probs` carry q', the draft's distribution cut to its top-K and renormalised, one
+    row per drafted position; both are absent for greedy sessions.
+    """
+
+    type: Literal["draft"] = "draft"
+    session_id: SessionId
+    round: int = Field(ge=0)
+    base_len: int = Field(ge=0)
+    tokens: tuple[TokenId, ...] = Field(max_length=MAX_DRAFT_TOKENS)  # [k]
+    q_ids: tuple[tuple[TokenId, ...], ...] | None = None  # [k, K]
+    q_probs: tuple[tuple[Probability, ...], ...] | None = None  # [k, K]
+    draft_model: Name
+    provisional: bool = False  # drafted offline and already shown to the user
+    timings: DraftTimings = DraftTimings()
+
+    @model_validator(mode="after")
+    def _sparse_q_matches_tokens(self) -> Draft:
+        if (self.q_ids is None) != (self.q_probs is None):
+            raise ValueError("q_ids and q_probs come together")
+        if self.q_ids is not None and self.q_probs is not None:
+            if len(self.q_ids) != len(self.tokens) or len(self.q_probs) != len(self.tokens):
+                raise ValueError("q_ids and q_probs need one row per drafted token")
+            for ids, probs in zip(self.q_ids, self.q_probs, strict=True):
+                if not 1 <= len(ids) <= MAX_SPARSE_K or len(ids) != len(probs):
+                    raise ValueError(f"each q' row holds 1..{MAX_SPARSE_K} ids and as many probs")
+                if not math.isclose(sum(probs), 1.0, abs_tol=1e-3):
+                    raise ValueError("each q' row must sum to 1")
+        return self
+
+
+class Mode(str, Enum):
+    DISTRIBUTED = "distributed"  # the device drafts
+    CLOUD = "cloud"  # the verifier host drafts and streams tokens
+    LOCAL = "local"  # the device drafts alone, offline; its output is provisional
+
+
+class Policy(BaseModel):
+    """What the agent should do next round."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    mode: Mode = Mode.DISTRIBUTED
+    draft_model: Name
+    k: int = Field(ge=0, le=64)
+
+
+class Verdict(_Message):
+    """The target's decision on a draft; the agent commits tokens[base_len:committed_len]."""
+
+    type: Literal["verdict"] = "verdict"
+    session_id: SessionId
+    round: int = Field(ge=0)
+    base_len: int = Field(ge=0)
+    n_accepted: int = Field(ge=0)
+    next_token: TokenId | None = None  # None only when the session ended on an accepted eos
+    committed_len: int = Field(ge=0)
+    finished: bool = False
+    policy: Policy | None = None
+    verifier_id: str = Field(default="", max_length=128)
+
+    @model_validator(mode="after")
+    def _lengths_add_up(self) -> Verdict:
+        expected = self.base_len + self.n_accepted + (0 if self.next_token is None else 1)
+        if self.committed_len != expected:
+            raise ValueError(
+                f"committed_len {self.committed_len} != base_len + n_accepted + next_token "
+                f"({expected})"
+            )
+        return self
+
+
+class CommandName(str, Enum):
+    PING = "ping"
+    ECHO = "echo"  # the answer to a telemetry probe
+    START_SESSION = "start_session"
+    CANCEL_SESSION = "cancel_session"
+
+
+class Command(_Message):
+    type: Literal["command"] = "command"
+    command_id: str = Field(min_length=1, max_length=64)
+    name: CommandName
+    args: dict[str, Any] = Field(default_factory=dict)
+    issued_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    @field_validator("args")
+    @classmethod
+    def _args_are_small(cls, args: dict[str, Any]) -> dict[str, Any]:
+        if len(args) > 32:
+            raise ValueError("at most 32 command arguments")
+        return args
+
+
+class CommandAck(_Message):
+    type: Literal["command_ack"] = "command_ack"
+    command_id: str = Field(min_length=1, max_length=64)
+    device_id: Name
+    ok: bool
+    result: dict[str, Any] = Field(default_factory=dict)
+    error: str = Field(default="", max_length=1024)
+    at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class ErrorReply(_Message):
+    """Sent back where a refused message has somewhere to reply (the device's verdict topic)."""
+
+    type: Literal["error"] = "error"
+    refused_type: str = Field(max_length=32)
+    session_id: str | None = Field(default=None, max_length=64)
+    round: int | None = None
+    reason: str = Field(max_length=1024)
+
+
+M = TypeVar("M", bound="_Message")
+
+Message: TypeAlias = Status | Telemetry | Draft | Verdict | Command | CommandAck | ErrorReply
+
+MESSAGE_TYPES: dict[str, type[_Message]] = {
+    cls.model_fields["type"].default: cls
+    for cls in (Status, Telemetry, Draft, Verdict, Command, CommandAck, ErrorReply)
+}
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {name: TypeAdapter(cls) for name, cls in MESSAGE_TYPES.items()}
+
+
+def encode(message: Message) -> bytes:
+    """Compact JSON; optional fields left at None are omitted."""
+    payload = message.model_dump_json(exclude_none=True).encode()
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLarge(len(payload))
+    return payload
+
+
+def decode(payload: bytes) -> Message:
+    """Validate a payload from the bus; raise a `BusError` subclass with the reason on refusal."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLarge(len(payload))
+    try:
+        document = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise MalformedPayload(f"not UTF-8 JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise MalformedPayload(f"expected a JSON object, got {type(document).__name__}")
+    if "v" not in document or "type" not in document:
+        raise MalformedPayload("missing 'v' or 'type'")
+    version = document["v"]
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(version)
+    message_type = document["type"]
+    if not isinstance(message_type, str) or message_type not in _ADAPTERS:
+        raise UnknownMessageType(message_type)
+    try:
+        message: Message = _ADAPTERS[message_type].validate_python(document)
+    except ValidationError as exc:
+        errors = [
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors(include_url=False)[:5]
+        ]
+        raise SchemaViolation(message_type, errors) from None
+    return message
+
+
+def decode_as(payload: bytes, expected: type[M]) -> M:
+    """Decode and require one message type (e.g. a draft topic carries only drafts)."""
+    message = decode(payload)
+    if not isinstance(message, expected):
+        raise BusError(f"expected {expected.model_fields['type'].default}, got {message.type}")
+    return message

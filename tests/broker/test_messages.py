@@ -1,0 +1,208 @@
+"""The bus contract: every valid message round-trips, and any bytes are refused, never crash."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import messages as m
+
+names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=20)
+session_ids = st.text(alphabet="abcdef0123456789-", min_size=1, max_size=36)
+token_ids = st.integers(min_value=0, max_value=m.MAX_TOKEN_ID)
+unix_times = st.floats(min_value=0, max_value=4e9, allow_nan=False, allow_infinity=False)
+ms = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def drafts(draw: st.DrawFn) -> m.Draft:
+    tokens = draw(st.lists(token_ids, max_size=16))
+    sparse = draw(st.booleans())
+    q_ids = q_probs = None
+    if sparse:
+        top_k = draw(st.integers(min_value=1, max_value=4))
+        q_ids = tuple(tuple(draw(st.lists(token_ids, min_size=top_k, max_size=top_k))) for _ in tokens)
+        q_probs = tuple((1.0 / top_k,) * top_k for _ in tokens)
+    return m.Draft(
+        session_id=draw(session_ids),
+        round=draw(st.integers(min_value=0, max_value=10_000)),
+        base_len=draw(st.integers(min_value=0, max_value=100_000)),
+        tokens=tuple(tokens),
+        q_ids=q_ids,
+        q_probs=q_probs,
+        draft_model=draw(names),
+        provisional=draw(st.booleans()),
+        timings=m.DraftTimings(draft_ms=draw(ms), sent_at=draw(unix_times)),
+    )
+
+
+@st.composite
+def verdicts(draw: st.DrawFn) -> m.Verdict:
+    base_len = draw(st.integers(min_value=0, max_value=100_000))
+    n_accepted = draw(st.integers(min_value=0, max_value=64))
+    next_token = draw(st.none() | token_ids)
+    policy = draw(
+        st.none()
+        | st.builds(m.Policy, mode=st.sampled_from(m.Mode), draft_model=names, k=st.integers(0, 64))
+    )
+    return m.Verdict(
+        session_id=draw(session_ids),
+        round=draw(st.integers(min_value=0, max_value=10_000)),
+        base_len=base_len,
+        n_accepted=n_accepted,
+        next_token=next_token,
+        committed_len=base_len + n_accepted + (next_token is not None),
+        finished=draw(st.booleans()),
+        policy=policy,
+        verifier_id=draw(names),
+    )
+
+
+statuses = st.builds(
+    m.Status,
+    device_id=names,
+    state=st.sampled_from(m.DeviceState),
+    at=unix_times,
+    kind=st.sampled_from(["pi", "jetson", "phone", "other"]),
+    drafts=st.lists(names, max_size=4).map(tuple),
+    keepalive_s=st.integers(0, 600),
+)
+telemetry = st.builds(
+    m.Telemetry,
+    device_id=names,
+    at=unix_times,
+    rtt_ms=st.none() | ms,
+    cpu_percent=st.none() | st.floats(0, 400),
+    memory_percent=st.none() | st.floats(0, 100),
+    battery_percent=st.none() | st.floats(0, 100),
+    thermal_c=st.none() | st.floats(-20, 120),
+    probe_nonce=st.none() | names,
+)
+json_scalars = st.none() | st.booleans() | st.integers(-1000, 1000) | names
+commands = st.builds(
+    m.Command,
+    command_id=names,
+    name=st.sampled_from(m.CommandName),
+    args=st.dictionaries(names, json_scalars, max_size=4),
+    issued_at=unix_times,
+)
+acks = st.builds(
+    m.CommandAck,
+    command_id=names,
+    device_id=names,
+    ok=st.booleans(),
+    result=st.dictionaries(names, json_scalars, max_size=4),
+    error=names,
+    at=unix_times,
+)
+errors = st.builds(
+    m.ErrorReply,
+    refused_type=names,
+    session_id=st.none() | session_ids,
+    round=st.none() | st.integers(0, 100),
+    reason=names,
+)
+any_message = st.one_of(drafts(), verdicts(), statuses, telemetry, commands, acks, errors)
+
+
+@given(any_message)
+@settings(max_examples=300)
+def test_every_valid_message_round_trips(message: m.Message) -> None:
+    assert m.decode(m.encode(message)) == message
+
+
+@given(st.binary(max_size=2048))
+@settings(max_examples=500)
+def test_arbitrary_bytes_are_refused_with_a_reason_never_a_crash(payload: bytes) -> None:
+    try:
+        m.decode(payload)
+    except m.BusError as exc:
+        assert exc.reason
+    # Anything that decodes is a valid message by construction; nothing else may escape.
+
+
+json_values = st.recursive(
+    json_scalars | st.floats(allow_nan=False),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(names, children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(
+    st.sampled_from(sorted(m.MESSAGE_TYPES)),
+    st.dictionaries(st.sampled_from(["session_id", "round", "tokens", "base_len", "device_id",
+                                     "state", "at", "next_token", "n_accepted", "committed_len",
+                                     "draft_model", "q_ids", "q_probs", "name", "ok"]),
+                    json_values, max_size=8),
+)
+@settings(max_examples=500)
+def test_json_objects_of_known_types_validate_or_are_refused(
+    message_type: str, fields: dict[str, object]
+) -> None:
+    payload = json.dumps({"v": 1, "type": message_type, **fields}).encode()
+    try:
+        message = m.decode(payload)
+    except m.BusError as exc:
+        assert exc.reason
+    else:
+        assert message.type == message_type  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("payload", "error", "reason_part"),
+    [
+        (b"\xff\xfe", m.MalformedPayload, "not UTF-8 JSON"),
+        (b"[1, 2]", m.MalformedPayload, "expected a JSON object"),
+        (b'{"type": "draft"}', m.MalformedPayload, "missing"),
+        (b'{"v": 2, "type": "draft"}', m.UnsupportedVersion, "unsupported schema version 2"),
+        (b'{"v": true, "type": "draft"}', m.UnsupportedVersion, "unsupported schema version"),
+        (b'{"v": 1, "type": "gossip"}', m.UnknownMessageType, "unknown message type 'gossip'"),
+        (b'{"v": 1, "type": "draft", "session_id": "s"}', m.SchemaViolation, "round"),
+        (b"x" * (m.MAX_PAYLOAD_BYTES + 1), m.PayloadTooLarge, "exceeds the limit"),
+    ],
+)
+def test_refusals_say_why(payload: bytes, error: type[m.BusError], reason_part: str) -> None:
+    with pytest.raises(error) as caught:
+        m.decode(payload)
+    assert reason_part in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason_part"),
+    [
+        ({"q_ids": [[1]], "q_probs": None}, "come together"),
+        ({"q_ids": [[1], [2]], "q_probs": [[1.0], [1.0]]}, "one row per drafted token"),
+        ({"q_ids": [[1, 2]], "q_probs": [[0.2, 0.2]]}, "sum to 1"),
+        ({"tokens": [-1]}, "greater than or equal to 0"),
+        ({"round": -1}, "greater than or equal to 0"),
+    ],
+)
+def test_draft_shapes_are_checked(fields: dict[str, object], reason_part: str) -> None:
+    document = {"v": 1, "type": "draft", "session_id": "s", "round": 0, "base_len": 3,
+                "tokens": [5], "draft_model": "lookup", **fields}
+    with pytest.raises(m.SchemaViolation) as caught:
+        m.decode(json.dumps(document).encode())
+    assert reason_part in caught.value.reason
+
+
+def test_verdict_lengths_must_add_up() -> None:
+    document = {"v": 1, "type": "verdict", "session_id": "s", "round": 0, "base_len": 3,
+                "n_accepted": 2, "next_token": 9, "committed_len": 5}
+    with pytest.raises(m.SchemaViolation, match="committed_len 5"):
+        m.decode(json.dumps(document).encode())
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    status = m.Status(device_id="pi-1", state=m.DeviceState.ONLINE, at=1.0)
+    document = json.loads(m.encode(status))
+    document["added_in_a_later_minor_release"] = [1, 2, 3]
+    assert m.decode(json.dumps(document).encode()) == status
+
+
+def test_decode_as_refuses_the_wrong_type() -> None:
+    status = m.encode(m.Status(device_id="pi-1", state=m.DeviceState.ONLINE, at=1.0))
+    with pytest.raises(m.BusError, match="expected draft, got status"):
+        m.decode_as(status, m.Draft)
