@@ -1,0 +1,290 @@
+"""The MQTT boundary: the one module that imports the MQTT client library.
+
+Everything above it sees `BusClient` (publish, subscribe, an async iterator of `Incoming`) and
+`run_with_reconnect`, which keeps a session alive with jittered exponential backoff. TCP_NODELAY
+is set on every socket: without it Nagle's algorithm and delayed ACKs turn a QoS 1 round trip of
+a fraction of a millisecond into tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+log = logging.getLogger(__name__)
+
+# Module-level so tests can shrink them.
+RECONNECT_MIN_S = 0.2
+RECONNECT_MAX_S = 30.0
+# A connection that lasted this long resets the backoff: the broker was healthy.
+STABLE_CONNECTION_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+# MQTT 5 session expiry for persistent sessions: QoS 1 messages queued while a client is away
+# survive a drop of this length.
+SESSION_EXPIRY_S = 3600
+
+Protocol = Literal["auto", "5", "3.1.1"]
+
+
+class BusConnectionError(Exception):
+    """The broker could not be reached, refused us, or dropped the connection."""
+
+
+class BusAuthError(BusConnectionError):
+    """The broker refused our credentials: retrying will not help."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where the broker listens: `mqtt://host:port` or `mqtts://host:port` (TLS)."""
+
+    host: str
+    port: int
+    tls: bool = False
+    ca_file: Path | None = None
+
+    @classmethod
+    def from_url(cls, url: str, ca_file: Path | None = None) -> BrokerAddress:
+        parts = urlsplit(url)
+        if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+            raise ValueError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://")
+        if not parts.hostname:
+            raise ValueError(f"broker URL {url!r} has no host")
+        tls = parts.scheme in ("mqtts", "ssl")
+        try:
+            port = parts.port or (8883 if tls else 1883)
+        except ValueError:
+            raise ValueError(f"broker URL {url!r} has an invalid port") from None
+        return cls(parts.hostname, port, tls, ca_file)
+
+    @property
+    def url(self) -> str:
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Will:
+    """Published by the broker when the client vanishes without a clean disconnect."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    client_id: str
+    username: str | None = None
+    password: str | None = None
+    keepalive_s: int = 10
+    will: Will | None = None
+    # A persistent session keeps subscriptions and queued QoS 1 messages across short drops.
+    persistent: bool = False
+    protocol: Protocol = "auto"
+    tcp_nodelay: bool = True
+
+
+@dataclass(frozen=True)
+class Incoming:
+    topic: str
+    payload: bytes
+    retain: bool = False
+
+
+@dataclass
+class BusClient:
+    """A connected MQTT session."""
+
+    _client: aiomqtt.Client
+    protocol: Literal["5", "3.1.1"]
+    connected_at: float = field(default_factory=time.monotonic)
+
+    async def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        try:
+            await self._client.publish(topic, payload, qos=qos, retain=retain)
+        except aiomqtt.MqttError as exc:
+            raise BusConnectionError(f"publish to {topic} failed: {exc}") from exc
+
+    async def subscribe(self, topic_filter: str, qos: int = 1) -> None:
+        try:
+            granted = await self._client.subscribe(topic_filter, qos=qos)
+        except aiomqtt.MqttError as exc:
+            raise BusConnectionError(f"subscribe to {topic_filter} failed: {exc}") from exc
+        # A broker signals a refused subscription (e.g. by ACL) with a failure code >= 0x80.
+        codes = [code.value if isinstance(code, ReasonCode) else int(code) for code in granted]
+        if any(code >= 0x80 for code in codes):
+            raise BusConnectionError(f"subscription to {topic_filter} refused (codes {codes})")
+
+    async def messages(self) -> AsyncIterator[Incoming]:
+        try:
+            async for message in self._client.messages:
+                payload = message.payload
+                yield Incoming(
+                    topic=message.topic.value,
+                    payload=payload if isinstance(payload, bytes) else str(payload).encode(),
+                    retain=message.retain,
+                )
+        except aiomqtt.MqttError as exc:
+            raise BusConnectionError(f"connection lost: {exc}") from exc
+
+
+def _tls_context(address: BrokerAddress) -> ssl.SSLContext | None:
+    if not address.tls:
+        return None
+    context = ssl.create_default_context(cafile=str(address.ca_file) if address.ca_file else None)
+    return context
+
+
+def _make_client(
+    address: BrokerAddress, options: ConnectOptions, protocol: Literal["5", "3.1.1"]
+) -> aiomqtt.Client:
+    will = None
+    if options.will is not None:
+        will = aiomqtt.Will(
+            options.will.topic, options.will.payload, options.will.qos, options.will.retain
+        )
+    socket_options = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),) if options.tcp_nodelay else ()
+    if protocol == "5":
+        properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        properties.SessionExpiryInterval = SESSION_EXPIRY_S if options.persistent else 0
+        return aiomqtt.Client(
+            address.host,
+            address.port,
+            identifier=options.client_id,
+            username=options.username,
+            password=options.password,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            clean_start=not options.persistent,
+            properties=properties,
+            will=will,
+            keepalive=options.keepalive_s,
+            timeout=CONNECT_TIMEOUT_S,
+            tls_context=_tls_context(address),
+            socket_options=socket_options,
+        )
+    return aiomqtt.Client(
+        address.host,
+        address.port,
+        identifier=options.client_id,
+        username=options.username,
+        password=options.password,
+        protocol=aiomqtt.ProtocolVersion.V311,
+        clean_session=not options.persistent,
+        will=will,
+        keepalive=options.keepalive_s,
+        timeout=CONNECT_TIMEOUT_S,
+        tls_context=_tls_context(address),
+        socket_options=socket_options,
+    )
+
+
+def _is_auth_refusal(exc: aiomqtt.MqttError) -> bool:
+    rc = getattr(exc, "rc", None)
+    # 3.1.1: 4 bad credentials, 5 not authorised; MQTT 5: 0x86 bad credentials, 0x87 not authorised.
+    return rc is not None and int(getattr(rc, "value", rc)) in (4, 5, 0x86, 0x87)
+
+
+# Brokers known to speak only 3.1.1 are remembered, so reconnects skip the MQTT 5 attempt.
+_V311_ONLY: set[tuple[str, int]] = set()
+
+
+@contextlib.asynccontextmanager
+async def connect(address: BrokerAddress, options: ConnectOptions) -> AsyncIterator[BusClient]:
+    """Connect once, with MQTT 5 where the broker offers it and 3.1.1 otherwise."""
+    attempts: list[Literal["5", "3.1.1"]]
+    if options.protocol == "auto":
+        attempts = ["3.1.1"] if (address.host, address.port) in _V311_ONLY else ["5", "3.1.1"]
+    else:
+        attempts = [options.protocol]
+    last_error: aiomqtt.MqttError | None = None
+    for protocol in attempts:
+        client = _make_client(address, options, protocol)
+        try:
+            await client.__aenter__()
+        except aiomqtt.MqttError as exc:
+            last_error = exc
+            if _is_auth_refusal(exc):
+                raise BusAuthError(f"{address.url} refused the credentials: {exc}") from exc
+            if protocol == "5" and len(attempts) > 1:
+                log.debug("MQTT 5 refused by %s (%s); trying 3.1.1", address.url, exc)
+                continue
+            raise BusConnectionError(f"cannot connect to {address.url}: {exc}") from exc
+        if protocol == "3.1.1" and options.protocol == "auto":
+            _V311_ONLY.add((address.host, address.port))
+        try:
+            yield BusClient(client, protocol)
+        finally:
+            with contextlib.suppress(aiomqtt.MqttError):
+                await client.__aexit__(None, None, None)
+        return
+    raise BusConnectionError(f"cannot connect to {address.url}: {last_error}")
+
+
+class Backoff:
+    """Full-jitter exponential backoff: each `next()` waits up to twice as long as the last."""
+
+    def __init__(self, minimum: float | None = None, maximum: float | None = None) -> None:
+        self.minimum = RECONNECT_MIN_S if minimum is None else minimum
+        self.maximum = RECONNECT_MAX_S if maximum is None else maximum
+        self.attempt = 0
+
+    def next(self) -> float:
+        ceiling = min(self.maximum, self.minimum * 2.0**self.attempt)
+        self.attempt += 1
+        return random.uniform(self.minimum, max(self.minimum, ceiling))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def run_with_reconnect(
+    address: BrokerAddress,
+    options: ConnectOptions,
+    session: Callable[[BusClient], Awaitable[None]],
+    on_disconnect: Callable[[Exception], Awaitable[None]] | None = None,
+) -> None:
+    """Run `session` on a connected client; reconnect with jittered backoff when it drops.
+
+    Returns when `session` returns. Refused credentials are retried too, slowly, since an
+    operator may fix the registry while the device keeps trying.
+    """
+    backoff = Backoff()
+    while True:
+        connected_at: float | None = None
+        try:
+            async with connect(address, options) as client:
+                connected_at = time.monotonic()
+                log.info(
+                    "connected to %s as %s (MQTT %s)",
+                    address.url,
+                    options.client_id,
+                    client.protocol,
+                )
+                await session(client)
+                return
+        except BusConnectionError as exc:
+            if connected_at is not None and time.monotonic() - connected_at >= STABLE_CONNECTION_S:
+                backoff.reset()
+            if on_disconnect is not None:
+                await on_disconnect(exc)
+            wait = backoff.next()
+            if isinstance(exc, BusAuthError):
+                wait = max(wait, RECONNECT_MAX_S / 2)
+            log.warning("bus: %s; reconnecting in %.2fs", exc, wait)
+            await asyncio.sleep(wait)
