@@ -82,7 +82,7 @@ class SchemaViolation(BusError):
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[1] = 1
 
 
 class DeviceState(str, Enum):
@@ -250,7 +250,9 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.model_fields["type"].default: cls
     for cls in (Status, Telemetry, Draft, Verdict, Command, CommandAck, ErrorReply)
 }
-_ADAPTERS: dict[str, TypeAdapter[Any]] = {name: TypeAdapter(cls) for name, cls in MESSAGE_TYPES.items()}
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {
+    name: TypeAdapter(cls) for name, cls in MESSAGE_TYPES.items()
+}
 
 
 def encode(message: Message) -> bytes:

@@ -1,4 +1,4 @@
-"""Every topic of the bus, under `specfleet/v1/`; both ends build topics only through this module."""
+"""Every topic of the bus, under `specfleet/v1/`; both ends build topics through this module."""
 
 from __future__ import annotations
 
