@@ -1,0 +1,350 @@
+"""The project's ONNX exporter for llama-family decoders: numpy weights in, ONNX graph out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from inference.gguf_source import F32, LlamaConfig, QuantizedMatrix
+
+Precision = Literal["fp32", "q4"]
+OPSET = 17
+MS_DOMAIN = "com.microsoft"
+# Masked scores: finite so that a fully masked row never turns into NaN, and far below any logit.
+MASK_VALUE = -1.0e30
+
+# Names of the graph's inputs and outputs; the runtime and the draft exporters use the same ones.
+INPUT_IDS = "input_ids"  # [batch, new] int64
+POSITION_IDS = "position_ids"  # [batch, new] int64
+ATTENTION_MASK = "attention_mask"  # [batch, past + new] int64, 1 = a real position
+LOGITS = "logits"  # [batch, new, head]
+HIDDEN = "hidden_states"  # [batch, new, d_model], after the final norm
+META_HEAD_IDS = "specfleet.head_ids"  # JSON list of vocabulary ids of a trimmed head
+META_CONFIG = "specfleet.config"  # JSON LlamaConfig (with the graph's own n_layers)
+
+
+def past_name(layer: int, kind: str) -> str:
+    """Cache input of one layer; kind is "key" or "value". # [batch, n_kv, past, head_dim]"""
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    """Cache output of one layer. # [batch, n_kv, past + new, head_dim]"""
+    return f"present.{layer}.{kind}"
+
+
+@dataclass
+class _Graph:
+    """Nodes and initializers under construction, with unique names."""
+
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: list[onnx.TensorProto] = field(default_factory=list)
+    counter: int = 0
+
+    def name(self, hint: str) -> str:
+        self.counter += 1
+        return f"{hint}_{self.counter}"
+
+    def const(self, hint: str, value: npt.ArrayLike, dtype: Any = None) -> str:
+        name = self.name(hint)
+        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str = "", **attrs: Any) -> str:
+        (out,) = self.op_n(op_type, inputs, 1, hint, **attrs)
+        return out
+
+    def op_n(
+        self, op_type: str, inputs: Sequence[str], n_out: int, hint: str = "", **attrs: Any
+    ) -> list[str]:
+        outputs = [self.name(hint or op_type.lower()) for _ in range(n_out)]
+        domain = MS_DOMAIN if op_type in ("MatMulNBits", "GatherBlockQuantized") else ""
+        self.nodes.append(helper.make_node(op_type, list(inputs), outputs, domain=domain, **attrs))
+        return outputs
+
+    def named_op(self, op_type: str, inputs: Sequence[str], output: str, **attrs: Any) -> str:
+        self.nodes.append(helper.make_node(op_type, list(inputs), [output], **attrs))
+        return output
+
+
+def _nbits_operands(matrix: QuantizedMatrix) -> tuple[npt.NDArray[np.uint8], F32, npt.NDArray[Any]]:
+    """MatMulNBits B, scales and zero points for llama.cpp blocks; w = (code - zp) * scale."""
+    codes = matrix.codes  # [rows, n_blocks, 32]
+    scales = matrix.scales.reshape(-1)
+    if matrix.kind == "q4_1":
+        packed = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).astype(np.uint8)
+        # d * q + m == d * (q - (-m / d)); a float zero point keeps the block's own min.
+        safe = np.where(matrix.scales == 0, 1.0, matrix.scales)
+        zero_points: npt.NDArray[Any] = (-matrix.mins / safe).astype(np.float32).reshape(-1)
+        return packed, scales, zero_points
+    return codes, scales, np.full(scales.shape, 128, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What to export: how many blocks, which head rows, and which extra outputs."""
+
+    n_layers: int | None = None  # None: all of the config's layers
+    head_ids: tuple[int, ...] | None = None  # a trimmed head: logits only for these token ids
+    output_hidden: bool = False
+
+
+class _DecoderBuilder:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: Mapping[str, F32],
+        quantized: Mapping[str, QuantizedMatrix],
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.quantized = quantized
+        self.g = _Graph()
+        self._tables: dict[str, str] = {}
+
+    def table(self, name: str) -> str:
+        """An fp32 [rows, d] matrix used as is (embedding, tied head), stored once."""
+        if name not in self._tables:
+            self._tables[name] = self.g.const("table", self.weights[name].astype(np.float32))
+        return self._tables[name]
+
+    def linear(self, x: str, name: str) -> str:
+        """x @ W.T for an [out, in] weight, quantised where blocks are given."""
+        if name in self.quantized:
+            matrix = self.quantized[name]
+            packed, scales, zero_points = _nbits_operands(matrix)
+            bits = 4 if matrix.kind == "q4_1" else 8
+            return self.g.op(
+                "MatMulNBits",
+                [x, self.g.const("qw", packed), self.g.const("qs", scales),
+                 self.g.const("qz", zero_points)],
+                K=matrix.cols, N=matrix.rows, bits=bits, block_size=32,
+            )  # fmt: skip
+        weight_t = np.ascontiguousarray(self.weights[name].T, dtype=np.float32)
+        return self.g.op("MatMul", [x, self.g.const("w", weight_t)])
+
+    def rms_norm(self, x: str, weight_name: str) -> str:
+        # The Pow/ReduceMean/Add/Sqrt/Div/Mul chain is the one ORT fuses into one kernel.
+        g = self.g
+        square = g.op("Pow", [x, g.const("two", np.float32(2.0))])
+        mean = g.op("ReduceMean", [square], axes=[-1], keepdims=1)
+        std = g.op("Sqrt", [g.op("Add", [mean, g.const("eps", np.float32(self.config.rms_eps))])])
+        normed = g.op("Div", [x, std])
+        weight = self.weights[weight_name].astype(np.float32)
+        return g.op("Mul", [normed, g.const("norm_w", weight)])
+
+    def embed(self, input_ids: str) -> str:
+        name = "model.embed_tokens.weight"
+        if name in self.quantized and self.quantized[name].kind == "q8_0":
+            matrix = self.quantized[name]
+            return self.g.op(
+                "GatherBlockQuantized",
+                [
+                    self.g.const("emb_q", matrix.codes.reshape(matrix.rows, matrix.cols)),
+                    input_ids,
+                    self.g.const("emb_s", matrix.scales),
+                    self.g.const("emb_z", np.full(matrix.scales.shape, 128, dtype=np.uint8)),
+                ],
+                bits=8, block_size=32, gather_axis=0, quantize_axis=1,
+            )  # fmt: skip
+        return self.g.op("Gather", [self.table(name), input_ids], axis=0)
+
+    def rope_tables(self, position_ids: str) -> tuple[str, str]:
+        """cos and sin # [batch, 1, new, head_dim], HF rotate-half layout."""
+        g, hd = self.g, self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_base ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+        positions = g.op("Cast", [position_ids], to=TensorProto.FLOAT)
+        angles = g.op(
+            "Mul",
+            [g.op("Unsqueeze", [positions, g.const("ax", [-1], np.int64)]),
+             g.const("inv_freq", inv_freq.astype(np.float32))],
+        )  # fmt: skip
+        full = g.op("Concat", [angles, angles], axis=-1)
+        full = g.op("Unsqueeze", [full, g.const("ax", [1], np.int64)])
+        return g.op("Cos", [full]), g.op("Sin", [full])
+
+    def apply_rope(self, x: str, cos: str, sin: str) -> str:
+        g, half = self.g, self.config.head_dim // 2
+        first, second = g.op_n("Split", [x, g.const("split", [half, half], np.int64)], 2, axis=-1)
+        rotated = g.op("Concat", [g.op("Neg", [second]), first], axis=-1)
+        return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rotated, sin])])
+
+    def attention_bias(self, input_ids: str, attention_mask: str) -> str:
+        """Additive mask # [batch, 1, 1, new, past + new]: causal in the new block, no padding."""
+        g = self.g
+        new = g.op("Gather", [g.op("Shape", [input_ids]), g.const("i1", 1, np.int64)], axis=0)
+        total = g.op(
+            "Gather", [g.op("Shape", [attention_mask]), g.const("i1", 1, np.int64)], axis=0
+        )
+        past = g.op("Sub", [total, new])
+        one = g.const("one", 1, np.int64)
+        key_pos = g.op("Range", [g.const("zero", 0, np.int64), total, one])  # [total]
+        query_pos = g.op("Range", [past, total, one])  # [new]
+        causal = g.op(
+            "LessOrEqual",
+            [g.op("Unsqueeze", [key_pos, g.const("ax", [0], np.int64)]),
+             g.op("Unsqueeze", [query_pos, g.const("ax", [1], np.int64)])],
+        )  # fmt: skip  # [new, total]
+        valid = g.op("Cast", [attention_mask], to=TensorProto.BOOL)
+        valid = g.op("Unsqueeze", [valid, g.const("ax", [1, 2, 3], np.int64)])  # [b,1,1,1,total]
+        allowed = g.op("And", [causal, valid])  # [batch, 1, 1, new, total]
+        return g.op(
+            "Where",
+            [allowed, g.const("zero_f", np.float32(0.0)), g.const("neg", np.float32(MASK_VALUE))],
+        )
+
+    def layer(self, i: int, x: str, cos: str, sin: str, bias: str) -> str:
+        g, c = self.g, self.config
+        prefix = f"model.layers.{i}."
+        group = c.n_heads // c.n_kv_heads
+        h = self.rms_norm(x, prefix + "input_layernorm.weight")
+
+        def heads(y: str, n: int) -> str:  # [b, s, n*hd] -> [b, n, s, hd]
+            y = g.op("Reshape", [y, g.const("shape", [0, 0, n, c.head_dim], np.int64)])
+            return g.op("Transpose", [y], perm=[0, 2, 1, 3])
+
+        q = self.apply_rope(
+            heads(self.linear(h, prefix + "self_attn.q_proj.weight"), c.n_heads), cos, sin
+        )
+        k = self.apply_rope(
+            heads(self.linear(h, prefix + "self_attn.k_proj.weight"), c.n_kv_heads), cos, sin
+        )
+        v = heads(self.linear(h, prefix + "self_attn.v_proj.weight"), c.n_kv_heads)
+        keys = g.named_op("Concat", [past_name(i, "key"), k], present_name(i, "key"), axis=2)
+        values = g.named_op("Concat", [past_name(i, "value"), v], present_name(i, "value"), axis=2)
+
+        # Grouped-query attention without repeating K/V: queries [b, n_kv, group, s, hd] against
+        # keys broadcast over the group axis.
+        q5 = g.op(
+            "Reshape", [q, g.const("shape", [0, c.n_kv_heads, group, -1, c.head_dim], np.int64)]
+        )
+        q5 = g.op("Mul", [q5, g.const("scale", np.float32(1.0 / np.sqrt(c.head_dim)))])
+        k5 = g.op("Unsqueeze", [keys, g.const("ax", [2], np.int64)])
+        v5 = g.op("Unsqueeze", [values, g.const("ax", [2], np.int64)])
+        scores = g.op("MatMul", [q5, g.op("Transpose", [k5], perm=[0, 1, 2, 4, 3])])
+        probs = g.op("Softmax", [g.op("Add", [scores, bias])], axis=-1)
+        context = g.op("MatMul", [probs, v5])  # [b, n_kv, group, s, hd]
+        context = g.op(
+            "Reshape", [context, g.const("shape", [0, c.n_heads, -1, c.head_dim], np.int64)]
+        )
+        context = g.op("Transpose", [context], perm=[0, 2, 1, 3])
+        context = g.op(
+            "Reshape", [context, g.const("shape", [0, 0, c.n_heads * c.head_dim], np.int64)]
+        )
+        x = g.op("Add", [x, self.linear(context, prefix + "self_attn.o_proj.weight")])
+
+        h = self.rms_norm(x, prefix + "post_attention_layernorm.weight")
+        gate = self.linear(h, prefix + "mlp.gate_proj.weight")
+        up = self.linear(h, prefix + "mlp.up_proj.weight")
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+        return g.op("Add", [x, self.linear(act, prefix + "mlp.down_proj.weight")])
+
+    def head(self, h: str, head_ids: tuple[int, ...] | None) -> str:
+        """Logits # [batch, new, head]; tied to the embedding unless lm_head.weight is given."""
+        g = self.g
+        name = (
+            "lm_head.weight"
+            if "lm_head.weight" in self.weights or "lm_head.weight" in self.quantized
+            else "model.embed_tokens.weight"
+        )
+        rows = self._head_rows(name)
+        if head_ids is not None and rows != len(head_ids):
+            ids = np.asarray(head_ids, dtype=np.int64)
+            if name in self.quantized:
+                self.quantized = {
+                    **self.quantized,
+                    "head.sub": self.quantized[name].permute_rows(ids),
+                }
+            else:
+                self.weights = {**self.weights, "head.sub": self.weights[name][ids]}
+            name = "head.sub"
+        if name in self.quantized:
+            return g.named_op("Identity", [self.linear(h, name)], LOGITS)
+        # Gemm's transB reads the [vocab, d] table in place: a tied head costs no second copy.
+        flat = g.op("Reshape", [h, g.const("shape", [-1, self.config.d_model], np.int64)])
+        logits = g.op("Gemm", [flat, self.table(name)], transB=1)
+        batch_new = g.op(
+            "Slice", [g.op("Shape", [h]), g.const("s", [0], np.int64), g.const("e", [2], np.int64)]
+        )
+        shape = g.op("Concat", [batch_new, g.const("v", [-1], np.int64)], axis=0)
+        return g.named_op("Reshape", [logits, shape], LOGITS)
+
+    def _head_rows(self, name: str) -> int:
+        if name in self.quantized:
+            return self.quantized[name].rows
+        return int(self.weights[name].shape[0])
+
+
+def build_decoder(
+    config: LlamaConfig,
+    weights: Mapping[str, F32],
+    spec: DecoderSpec = DecoderSpec(),
+    quantized: Mapping[str, QuantizedMatrix] | None = None,
+    name: str = "decoder",
+) -> onnx.ModelProto:
+    """A decoder graph with a KV cache that returns logits for every new position.
+
+    `weights` are fp32 under HF llama names ([out, in] matrices, Q/K in rotate-half order); the
+    head is tied to `model.embed_tokens.weight` unless `lm_head.weight` is present. Weights named in
+    `quantized` become MatMulNBits (q4_1: 4 bits, q8_0: 8 bits) and a q8_0 embedding a
+    GatherBlockQuantized; everything else is fp32. A batch may mix past lengths: each row's past is
+    left-padded to the common length and marked 0 in `attention_mask`.
+    """
+    n_layers = config.n_layers if spec.n_layers is None else spec.n_layers
+    graph_config = config.with_layers(n_layers)
+    builder = _DecoderBuilder(graph_config, weights, quantized or {})
+    g = builder.g
+    x = builder.embed(INPUT_IDS)
+    cos, sin = builder.rope_tables(POSITION_IDS)
+    bias = builder.attention_bias(INPUT_IDS, ATTENTION_MASK)
+    for i in range(n_layers):
+        x = builder.layer(i, x, cos, sin, bias)
+    hidden = builder.rms_norm(x, "model.norm.weight")
+    builder.head(hidden, spec.head_ids)
+    head_size = config.vocab_size if spec.head_ids is None else len(spec.head_ids)
+
+    cache_shape: list[str | int] = ["batch", config.n_kv_heads, "past", config.head_dim]
+    present_shape: list[str | int] = ["batch", config.n_kv_heads, "total", config.head_dim]
+    inputs = [
+        helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", "new"]),
+        helper.make_tensor_value_info(POSITION_IDS, TensorProto.INT64, ["batch", "new"]),
+        helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, ["batch", "total"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(LOGITS, TensorProto.FLOAT, ["batch", "new", head_size])
+    ]
+    for i in range(n_layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                helper.make_tensor_value_info(past_name(i, kind), TensorProto.FLOAT, cache_shape)
+            )
+            outputs.append(
+                helper.make_tensor_value_info(
+                    present_name(i, kind), TensorProto.FLOAT, present_shape
+                )
+            )
+    if spec.output_hidden:
+        g.named_op("Identity", [hidden], HIDDEN)
+        outputs.append(
+            helper.make_tensor_value_info(
+                HIDDEN, TensorProto.FLOAT, ["batch", "new", config.d_model]
+            )
+        )
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.initializers)
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(node.domain == MS_DOMAIN for node in g.nodes):
+        opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="specfleet")
+    model.ir_version = 9  # readable by onnxruntime >= 1.17 (the floor in pyproject)
+    metadata = {META_CONFIG: json.dumps(graph_config.to_json())}
+    if spec.head_ids is not None:
+        metadata[META_HEAD_IDS] = json.dumps(list(spec.head_ids))
+    helper.set_model_props(model, metadata)
+    return model

@@ -1,0 +1,184 @@
+"""ONNX Runtime behind the Runtime protocol; the only module that imports onnxruntime."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import onnxruntime as ort
+
+from inference.gguf_source import F32, LlamaConfig
+from inference.onnx_graph import (
+    ATTENTION_MASK,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    META_CONFIG,
+    META_HEAD_IDS,
+    POSITION_IDS,
+    past_name,
+    present_name,
+)
+from inference.runtime import KVCache, Logits
+
+
+class OnnxKVCache:
+    """Keys and values of one sequence, per layer # [1, n_kv, length, head_dim]."""
+
+    def __init__(self, keys: list[F32], values: list[F32]) -> None:
+        self.keys = keys
+        self.values = values
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def trim(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot trim a cache of {self.length} positions to {length}")
+        if length == self.length:
+            return
+        # A copy, not a view: ORT wants contiguous inputs and the tail's memory can go.
+        self.keys = [np.ascontiguousarray(k[:, :, :length]) for k in self.keys]
+        self.values = [np.ascontiguousarray(v[:, :, :length]) for v in self.values]
+
+    def copy(self) -> OnnxKVCache:
+        return OnnxKVCache([k.copy() for k in self.keys], [v.copy() for v in self.values])
+
+
+def _own_cache(cache: KVCache) -> OnnxKVCache:
+    if not isinstance(cache, OnnxKVCache):
+        raise TypeError(f"OnnxRuntime needs its own caches, got {type(cache).__name__}")
+    return cache
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One sequence's share of a forward pass."""
+
+    logits: Logits  # [new, head]
+    hidden: F32 | None  # [new, d_model] after the final norm, when the graph exports it
+
+
+class OnnxRuntime:
+    """A decoder exported by `inference.onnx_graph`, run on the CPU."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        threads: int | None = None,
+        allow_spinning: bool = False,
+        name: str | None = None,
+    ) -> None:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # Spinning threads of two sessions on a small machine steal each other's cores.
+        options.add_session_config_entry(
+            "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
+        )
+        self.session = ort.InferenceSession(
+            str(model_path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        self.name = name or model_path.stem
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.config = LlamaConfig.from_json(json.loads(metadata[META_CONFIG]))
+        head = metadata.get(META_HEAD_IDS)  # absent for a full-vocabulary head
+        self.head_ids: npt.NDArray[np.int64] | None = (
+            np.asarray(json.loads(head), dtype=np.int64) if head is not None else None
+        )
+        self.vocab_size = (
+            self.config.vocab_size if self.head_ids is None else int(self.head_ids.shape[0])
+        )
+        self._outputs = [LOGITS] + [
+            present_name(i, kind) for i in range(self.config.n_layers) for kind in ("key", "value")
+        ]
+        self.has_hidden = HIDDEN in {output.name for output in self.session.get_outputs()}
+        if self.has_hidden:
+            self._outputs.append(HIDDEN)
+
+    def new_cache(self) -> OnnxKVCache:
+        c = self.config
+        empty = np.zeros((1, c.n_kv_heads, 0, c.head_dim), dtype=np.float32)
+        return OnnxKVCache([empty] * c.n_layers, [empty] * c.n_layers)
+
+    def forward(self, token_ids: Sequence[int], cache: KVCache) -> Logits:
+        return self.run_batch([(token_ids, cache)])[0].logits
+
+    def forward_batch(self, requests: Sequence[tuple[Sequence[int], KVCache]]) -> list[Logits]:
+        return [step.logits for step in self.run_batch(requests)]
+
+    def run_batch(self, requests: Sequence[tuple[Sequence[int], KVCache]]) -> list[StepOutput]:
+        """One pass over several sequences; each cache grows by its own new tokens.
+
+        Pasts are left-padded to the longest and new tokens right-padded to the longest, so every
+        row's new block starts at the same slot; `attention_mask` hides the padding.
+        """
+        if not requests:
+            return []
+        c = self.config
+        own = [(ids, _own_cache(cache)) for ids, cache in requests]
+        past_lens = [cache.length for _, cache in own]
+        new_lens = [len(ids) for ids, _ in own]
+        if min(new_lens) == 0:
+            raise ValueError("every sequence needs at least one new token")
+        batch, past, new = len(own), max(past_lens), max(new_lens)
+
+        input_ids = np.zeros((batch, new), dtype=np.int64)
+        position_ids = np.zeros((batch, new), dtype=np.int64)
+        mask = np.zeros((batch, past + new), dtype=np.int64)
+        for row, ((ids, _), p, n) in enumerate(zip(own, past_lens, new_lens, strict=True)):
+            input_ids[row, :n] = ids
+            position_ids[row] = np.arange(p, p + new)
+            mask[row, past - p : past + n] = 1
+
+        feeds: dict[str, npt.NDArray[np.generic]] = {
+            INPUT_IDS: input_ids,
+            POSITION_IDS: position_ids,
+            ATTENTION_MASK: mask,
+        }
+        padded = batch > 1 and (min(past_lens) != past)
+        for layer in range(c.n_layers):
+            for kind in ("key", "value"):
+                parts = [(cache.keys if kind == "key" else cache.values)[layer] for _, cache in own]
+                if batch == 1:
+                    feeds[past_name(layer, kind)] = parts[0]
+                elif not padded:
+                    feeds[past_name(layer, kind)] = np.concatenate(parts, axis=0)
+                else:
+                    stacked = np.zeros((batch, c.n_kv_heads, past, c.head_dim), dtype=np.float32)
+                    for row, (part, p) in enumerate(zip(parts, past_lens, strict=True)):
+                        stacked[row, :, past - p :] = part[0]
+                    feeds[past_name(layer, kind)] = stacked
+
+        results = self.session.run(self._outputs, feeds)
+        logits = results[0]
+        presents = results[1 : 1 + 2 * c.n_layers]
+        hidden = results[-1] if self.has_hidden else None
+
+        outputs: list[StepOutput] = []
+        for row, ((_, cache), p, n) in enumerate(zip(own, past_lens, new_lens, strict=True)):
+            start, stop = past - p, past + n
+            if batch == 1 and n == new:
+                cache.keys, cache.values = list(presents[0::2]), list(presents[1::2])
+            else:
+                cache.keys = [
+                    np.ascontiguousarray(k[row : row + 1, :, start:stop]) for k in presents[0::2]
+                ]
+                cache.values = [
+                    np.ascontiguousarray(v[row : row + 1, :, start:stop]) for v in presents[1::2]
+                ]
+            outputs.append(
+                StepOutput(
+                    logits=logits[row, :n],
+                    hidden=hidden[row, :n] if hidden is not None else None,
+                )
+            )
+        return outputs
