@@ -203,8 +203,6 @@ class Verdict(_Message):
 class CommandName(str, Enum):
     PING = "ping"
     ECHO = "echo"  # the answer to a telemetry probe
-    START_SESSION = "start_session"
-    CANCEL_SESSION = "cancel_session"
 
 
 class Command(_Message):
