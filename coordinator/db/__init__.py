@@ -1,0 +1,1 @@
+"""Persistence of the coordinator: ORM tables, engines and Alembic migrations."""

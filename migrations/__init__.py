@@ -1,0 +1,1 @@
+"""Alembic migrations of the coordinator database; run them with `specfleet db upgrade`."""
