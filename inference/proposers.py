@@ -1,0 +1,432 @@
+"""Drafters: prompt lookup, an n-gram table, a neural draft model, and a hybrid of them.
+
+Every drafter has the shape of transformers' candidate generator: `get_candidates` proposes up
+to k tokens after the committed context, and `update_candidate_strategy(n_accepted)` feeds the
+verdict back. Drafters that hold a KV cache also `rollback(committed_len)`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from inference.runtime import KVCache, Runtime
+from inference.sampling import (
+    IntArray,
+    SparseDraftProbs,
+    draft_sparse_probs,
+    sample_sparse,
+    softmax,
+)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A proposal: the drafted tokens and the q' they were sampled from."""
+
+    tokens: IntArray  # [n], n <= k
+    # [n, K]; None for a deterministic proposal, which the verifier treats as q' one-hot.
+    q: SparseDraftProbs | None
+
+    def __post_init__(self) -> None:
+        if self.q is not None and self.q.k != self.tokens.shape[0]:
+            raise ValueError(f"q' has {self.q.k} rows for {self.tokens.shape[0]} tokens")
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def no_candidates() -> Candidates:
+    return Candidates(tokens=np.zeros(0, dtype=np.int64), q=None)
+
+
+class Proposer(Protocol):
+    """Anything that drafts tokens for the verifier."""
+
+    name: str
+
+    def get_candidates(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Candidates:
+        """Up to k tokens that may follow `context_ids` (the committed sequence so far).
+
+        `rng` is the round's draft stream (sampling.round_rng(..., RngStream.DRAFT)); only a
+        drafter that samples uses it.
+        """
+        ...
+
+    def update_candidate_strategy(self, n_accepted: int) -> None:
+        """The verdict of the last proposal: how many of its tokens the target accepted."""
+        ...
+
+    def rollback(self, committed_len: int) -> None:
+        """Forget any state past the first `committed_len` tokens of the sequence."""
+        ...
+
+
+class PromptLookupProposer:
+    """Copies from the context: finds the last n tokens earlier on and proposes what followed.
+
+    It tries n from `max_ngram` down to `min_ngram` and takes the most recent earlier match.
+    The proposal is a deterministic function of the context, so with sampling its q' is the
+    one-hot on each proposed token, and verification with q' = one-hot stays exact: x is kept
+    with probability p(x), and otherwise resampled from p with x removed.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "lookup") -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.name = name
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def get_candidates(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Candidates:
+        tokens = lookup_continuation(
+            np.asarray(context_ids, dtype=np.int64), k, self.max_ngram, self.min_ngram
+        )
+        return Candidates(tokens=tokens, q=None)
+
+    def update_candidate_strategy(self, n_accepted: int) -> None:
+        """Nothing to adapt: the match alone decides the proposal."""
+
+    def rollback(self, committed_len: int) -> None:
+        """Stateless: the proposal is recomputed from the context each round."""
+
+
+def lookup_continuation(context: IntArray, k: int, max_ngram: int, min_ngram: int) -> IntArray:
+    """The tokens that followed the most recent earlier occurrence of the context's tail # [<=k]."""
+    length = int(context.shape[0])
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = context[length - n :]
+        # Windows that start before the tail itself, so that something follows each of them.
+        windows = np.lib.stride_tricks.sliding_window_view(context[: length - 1], n)
+        starts = np.flatnonzero((windows == pattern).all(axis=1))
+        if starts.size:
+            begin = int(starts[-1]) + n
+            return context[begin : begin + k].copy()
+    return np.zeros(0, dtype=np.int64)
+
+
+# An n-gram table file: magic, version, order, then per context length m = order-1 .. 1 a count
+# and int32 rows of (context[m], next, count, total); lower orders are the backoff.
+_NGRAM_MAGIC = b"SFNG"
+_NGRAM_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NGramEntry:
+    """The most frequent continuation of one context, with how often it was seen."""
+
+    next_token: int
+    count: int
+    total: int  # how often the context itself was seen with any continuation
+
+
+@dataclass
+class NGramTable:
+    """For each context of 1 .. order-1 tokens, its most frequent next token in a corpus."""
+
+    order: int
+    entries: dict[tuple[int, ...], NGramEntry] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, sequences: Iterable[Sequence[int]], order: int = 4) -> NGramTable:
+        if order < 2:
+            raise ValueError(f"order must be >= 2, got {order}")
+        counts: dict[tuple[int, ...], Counter[int]] = {}
+        for sequence in sequences:
+            seq = [int(t) for t in sequence]
+            for end in range(1, len(seq)):
+                for m in range(1, min(order - 1, end) + 1):
+                    counts.setdefault(tuple(seq[end - m : end]), Counter())[seq[end]] += 1
+        entries = {}
+        for ctx, counter in counts.items():
+            # Ties go to the smaller token id, so that a rebuild gives the same file.
+            next_token, count = min(counter.items(), key=lambda item: (-item[1], item[0]))
+            entries[ctx] = NGramEntry(next_token, count, sum(counter.values()))
+        return cls(order=order, entries=entries)
+
+    def save(self, path: Path) -> None:
+        """Write the table compactly; the same table always gives the same bytes."""
+        parts = [_NGRAM_MAGIC, struct.pack("<II", _NGRAM_VERSION, self.order)]
+        for m in range(self.order - 1, 0, -1):
+            keys = sorted(ctx for ctx in self.entries if len(ctx) == m)
+            rows = np.array(
+                [
+                    [*ctx, e.next_token, e.count, e.total]
+                    for ctx in keys
+                    for e in (self.entries[ctx],)
+                ],
+                dtype="<i4",
+            ).reshape(len(keys), m + 3)
+            parts += [struct.pack("<I", len(keys)), rows.tobytes()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join(parts))
+
+    @classmethod
+    def load(cls, path: Path) -> NGramTable:
+        blob = path.read_bytes()
+        if blob[:4] != _NGRAM_MAGIC:
+            raise ValueError(f"{path} is not an n-gram table")
+        version, order = struct.unpack_from("<II", blob, 4)
+        if version != _NGRAM_VERSION:
+            raise ValueError(f"{path}: n-gram table version {version}, expected {_NGRAM_VERSION}")
+        offset = 12
+        entries: dict[tuple[int, ...], NGramEntry] = {}
+        for m in range(order - 1, 0, -1):
+            (n_rows,) = struct.unpack_from("<I", blob, offset)
+            offset += 4
+            rows = np.frombuffer(blob, dtype="<i4", count=n_rows * (m + 3), offset=offset)
+            offset += rows.nbytes
+            for row in rows.reshape(n_rows, m + 3).tolist():
+                entries[tuple(row[:m])] = NGramEntry(row[m], row[m + 1], row[m + 2])
+        return cls(order=order, entries=entries)
+
+    def lookup(self, context: Sequence[int], min_context: int) -> NGramEntry | None:
+        """The entry of the longest context tail (down to `min_context` tokens) in the table."""
+        for m in range(min(self.order - 1, len(context)), min_context - 1, -1):
+            entry = self.entries.get(tuple(context[len(context) - m :]))
+            if entry is not None:
+                return entry
+        return None
+
+
+class NGramTableProposer:
+    """Chains the table's most frequent continuations, backing off to shorter contexts.
+
+    A continuation is proposed only when it was seen at least `min_count` times and makes up at
+    least `min_share` of its context's continuations; drafting stops at the first that is not.
+    Deterministic, so q' is one-hot (see PromptLookupProposer).
+    """
+
+    def __init__(
+        self,
+        table: NGramTable,
+        min_context: int = 2,
+        min_count: int = 1,
+        min_share: float = 0.0,
+        name: str = "ngram",
+    ) -> None:
+        if not 1 <= min_context <= table.order - 1:
+            raise ValueError(f"min_context must be in 1..{table.order - 1}, got {min_context}")
+        self.name = name
+        self.table = table
+        self.min_context = min_context
+        self.min_count = min_count
+        self.min_share = min_share
+
+    def get_candidates(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Candidates:
+        tail = [int(t) for t in context_ids[len(context_ids) - (self.table.order - 1) :]]
+        proposed: list[int] = []
+        for _ in range(k):
+            entry = self.table.lookup(tail, self.min_context)
+            if (
+                entry is None
+                or entry.count < self.min_count
+                or entry.count < self.min_share * entry.total
+            ):
+                break
+            proposed.append(entry.next_token)
+            tail = [*tail, entry.next_token][-(self.table.order - 1) :]
+        return Candidates(tokens=np.asarray(proposed, dtype=np.int64), q=None)
+
+    def update_candidate_strategy(self, n_accepted: int) -> None:
+        """Nothing to adapt: the table is fixed."""
+
+    def rollback(self, committed_len: int) -> None:
+        """Stateless: the proposal is recomputed from the context each round."""
+
+
+class NeuralProposer:
+    """A draft model run by any Runtime, with its own KV cache kept in step with the context.
+
+    Greedy drafting (temperature 0) proposes the draft's argmax and is deterministic (q' one-hot).
+    Sampled drafting draws each token from q', the draft's softmax at `temperature` cut to its
+    top `top_k` and renormalised, and returns q' for the verifier. Drafting stops early when the
+    draft's top probability (at temperature 1) falls below `min_confidence`, after `min_tokens`.
+    A runtime whose output axis is a subset of the vocabulary says which (`head_token_ids`).
+    With `adaptive`, the window follows transformers' heuristic: +2 after a fully accepted
+    proposal, -1 otherwise, never above the k asked for.
+    """
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        temperature: float = 0.0,
+        top_k: int = 8,
+        min_confidence: float = 0.0,
+        min_tokens: int = 1,
+        adaptive: bool = False,
+        name: str | None = None,
+    ) -> None:
+        if temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.runtime = runtime
+        self.name = name or runtime.name
+        self.temperature = temperature
+        self.top_k = top_k
+        self.min_confidence = min_confidence
+        self.min_tokens = min_tokens
+        self.adaptive = adaptive
+        self.window: int | None = None
+        self.output_ids = head_token_ids(runtime)
+        self._cache: KVCache = runtime.new_cache()
+        self._cached: list[int] = []  # the tokens whose positions the cache holds
+        self._last_proposed = 0
+
+    def get_candidates(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Candidates:
+        if not context_ids:
+            raise ValueError("the draft needs at least one context token")
+        if self.temperature > 0.0 and rng is None:
+            raise ValueError("a sampling draft needs the round's draft rng")
+        if self.adaptive:
+            self.window = k if self.window is None else min(self.window, k)
+            k = self.window
+        logits = self._sync(context_ids)
+        tokens: list[int] = []
+        rows: list[tuple[IntArray, npt.NDArray[np.float64]]] = []
+        while len(tokens) < k:
+            if self.min_confidence > 0.0 and len(tokens) >= self.min_tokens:
+                top_prob = float(softmax(logits).max())
+                if top_prob < self.min_confidence:
+                    break
+            ids, probs = draft_sparse_probs(logits, self.temperature, self.top_k)
+            if self.output_ids is not None:
+                ids = self.output_ids[ids]
+            if self.temperature == 0.0:
+                token = int(ids[0])
+            else:
+                assert rng is not None
+                token = sample_sparse(ids, probs, rng)
+            tokens.append(token)
+            rows.append((ids, probs))
+            if len(tokens) < k:
+                logits = self._feed([token])
+        self._last_proposed = len(tokens)
+        token_array = np.asarray(tokens, dtype=np.int64)
+        if self.temperature == 0.0 or not rows:
+            return Candidates(tokens=token_array, q=None)
+        q = SparseDraftProbs(
+            ids=np.stack([ids for ids, _ in rows]), probs=np.stack([p for _, p in rows])
+        )
+        return Candidates(tokens=token_array, q=q)
+
+    def update_candidate_strategy(self, n_accepted: int) -> None:
+        if not self.adaptive or self.window is None:
+            return
+        if n_accepted >= self._last_proposed:
+            self.window += 2
+        else:
+            self.window = max(1, self.window - 1)
+
+    def rollback(self, committed_len: int) -> None:
+        if committed_len < len(self._cached):
+            self._cache.trim(committed_len)
+            del self._cached[committed_len:]
+
+    def _sync(self, context_ids: Sequence[int]) -> npt.NDArray[np.float32]:
+        """Bring the cache to the context, reusing the common prefix; the last row's logits."""
+        common = 0
+        limit = min(len(self._cached), len(context_ids) - 1)  # the last token is always re-fed
+        while common < limit and self._cached[common] == context_ids[common]:
+            common += 1
+        self.rollback(common)
+        return self._feed([int(t) for t in context_ids[common:]])
+
+    def _feed(self, token_ids: list[int]) -> npt.NDArray[np.float32]:
+        logits = self.runtime.forward(token_ids, self._cache)
+        self._cached += token_ids
+        last: npt.NDArray[np.float32] = logits[-1]
+        return last
+
+
+def head_token_ids(runtime: Runtime) -> IntArray | None:
+    """The vocabulary id of each output column of a trimmed head; None for a full head.
+
+    ONNX drafts name them `head_ids`; other runtimes may call them `output_ids`.
+    """
+    for attribute in ("head_ids", "output_ids"):
+        ids = getattr(runtime, attribute, None)
+        if ids is not None:
+            return np.asarray(ids, dtype=np.int64)
+    return None
+
+
+class HybridProposer:
+    """Asks its drafters in order and takes the first non-empty proposal.
+
+    With `fill`, a proposal shorter than k is extended by the following drafters from the
+    context plus what is already proposed.
+    """
+
+    def __init__(self, proposers: Sequence[Proposer], fill: bool = False, name: str = "hybrid"):
+        if not proposers:
+            raise ValueError("a hybrid needs at least one drafter")
+        self.name = name
+        self.proposers = list(proposers)
+        self.fill = fill
+        self._used: list[tuple[Proposer, int]] = []  # who proposed how many, in order
+
+    def get_candidates(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Candidates:
+        self._used = []
+        parts: list[Candidates] = []
+        context = [int(t) for t in context_ids]
+        for proposer in self.proposers:
+            remaining = k - sum(part.n for part in parts)
+            if remaining <= 0 or (parts and not self.fill):
+                break
+            candidates = proposer.get_candidates(context, remaining, rng)
+            if candidates.n:
+                parts.append(candidates)
+                self._used.append((proposer, candidates.n))
+                context += candidates.tokens.tolist()
+        return concat_candidates(parts)
+
+    def update_candidate_strategy(self, n_accepted: int) -> None:
+        # Each drafter hears how much of its own part was accepted.
+        offset = 0
+        for proposer, n in self._used:
+            proposer.update_candidate_strategy(max(0, min(n, n_accepted - offset)))
+            offset += n
+
+    def rollback(self, committed_len: int) -> None:
+        for proposer in self.proposers:
+            proposer.rollback(committed_len)
+
+
+def concat_candidates(parts: Sequence[Candidates]) -> Candidates:
+    """One proposal from consecutive parts; deterministic parts get one-hot rows of q'."""
+    if not parts:
+        return no_candidates()
+    tokens = np.concatenate([part.tokens for part in parts])
+    if all(part.q is None for part in parts):
+        return Candidates(tokens=tokens, q=None)
+    width = max(part.q.ids.shape[1] for part in parts if part.q is not None)
+    ids = np.zeros((tokens.shape[0], width), dtype=np.int64)
+    probs = np.zeros((tokens.shape[0], width), dtype=np.float64)
+    row = 0
+    for part in parts:
+        if part.q is None:
+            ids[row : row + part.n, 0] = part.tokens
+            probs[row : row + part.n, 0] = 1.0
+        else:
+            ids[row : row + part.n, : part.q.ids.shape[1]] = part.q.ids
+            probs[row : row + part.n, : part.q.ids.shape[1]] = part.q.probs
+        row += part.n
+    return Candidates(tokens=tokens, q=SparseDraftProbs(ids=ids, probs=probs))
