@@ -65,7 +65,7 @@ class _Graph:
         self, op_type: str, inputs: Sequence[str], n_out: int, hint: str = "", **attrs: Any
     ) -> list[str]:
         outputs = [self.name(hint or op_type.lower()) for _ in range(n_out)]
-        domain = MS_DOMAIN if op_type in ("MatMulNBits", "GatherBlockQuantized") else ""
+        domain = MS_DOMAIN if op_type == "MatMulNBits" else ""
         self.nodes.append(helper.make_node(op_type, list(inputs), outputs, domain=domain, **attrs))
         return outputs
 
@@ -74,17 +74,13 @@ class _Graph:
         return output
 
 
-def _nbits_operands(matrix: QuantizedMatrix) -> tuple[npt.NDArray[np.uint8], F32, npt.NDArray[Any]]:
-    """MatMulNBits B, scales and zero points for llama.cpp blocks; w = (code - zp) * scale."""
+def _nbits_operands(matrix: QuantizedMatrix) -> tuple[npt.NDArray[np.uint8], F32, F32]:
+    """MatMulNBits operands for q4_1 blocks: packed codes, scales d, and the block mins m."""
+    if matrix.kind != "q4_1":
+        raise ValueError(f"only q4_1 weights map onto MatMulNBits, not {matrix.kind}")
     codes = matrix.codes  # [rows, n_blocks, 32]
-    scales = matrix.scales.reshape(-1)
-    if matrix.kind == "q4_1":
-        packed = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).astype(np.uint8)
-        # d * q + m == d * (q - (-m / d)); a float zero point keeps the block's own min.
-        safe = np.where(matrix.scales == 0, 1.0, matrix.scales)
-        zero_points: npt.NDArray[Any] = (-matrix.mins / safe).astype(np.float32).reshape(-1)
-        return packed, scales, zero_points
-    return codes, scales, np.full(scales.shape, 128, dtype=np.uint8)
+    packed = (codes[:, :, 0::2] | (codes[:, :, 1::2] << 4)).astype(np.uint8)
+    return packed, matrix.scales.reshape(-1), matrix.mins
 
 
 @dataclass(frozen=True)
@@ -102,12 +98,15 @@ class _DecoderBuilder:
         config: LlamaConfig,
         weights: Mapping[str, F32],
         quantized: Mapping[str, QuantizedMatrix],
+        accuracy_level: int,
     ) -> None:
         self.config = config
         self.weights = weights
         self.quantized = quantized
         self.g = _Graph()
+        self.accuracy_level = accuracy_level
         self._tables: dict[str, str] = {}
+        self._block_sums: dict[str, str] = {}
 
     def table(self, name: str) -> str:
         """An fp32 [rows, d] matrix used as is (embedding, tied head), stored once."""
@@ -116,19 +115,35 @@ class _DecoderBuilder:
         return self._tables[name]
 
     def linear(self, x: str, name: str) -> str:
-        """x @ W.T for an [out, in] weight, quantised where blocks are given."""
-        if name in self.quantized:
-            matrix = self.quantized[name]
-            packed, scales, zero_points = _nbits_operands(matrix)
-            bits = 4 if matrix.kind == "q4_1" else 8
-            return self.g.op(
-                "MatMulNBits",
-                [x, self.g.const("qw", packed), self.g.const("qs", scales),
-                 self.g.const("qz", zero_points)],
-                K=matrix.cols, N=matrix.rows, bits=bits, block_size=32,
-            )  # fmt: skip
-        weight_t = np.ascontiguousarray(self.weights[name].T, dtype=np.float32)
-        return self.g.op("MatMul", [x, self.g.const("w", weight_t)])
+        """x @ W.T for an [out, in] weight; q4_1 blocks where given, else fp32."""
+        if name not in self.quantized:
+            weight_t = np.ascontiguousarray(self.weights[name].T, dtype=np.float32)
+            return self.g.op("MatMul", [x, self.g.const("w", weight_t)])
+        # Q4_1 is w = d * q + m per block of 32. A float zero point (-m / d) would say the same,
+        # but ORT then takes a slow path, so the min goes through its own small product:
+        # x @ W.T = MatMulNBits(x; q, d, zero point 0) + blocksum(x) @ m.T.
+        g, matrix = self.g, self.quantized[name]
+        packed, scales, mins = _nbits_operands(matrix)
+        zero_points = np.zeros(matrix.rows * ((matrix.n_blocks + 1) // 2), dtype=np.uint8)
+        scaled = g.op(
+            "MatMulNBits",
+            [x, g.const("qw", packed), g.const("qs", scales), g.const("qz", zero_points)],
+            K=matrix.cols, N=matrix.rows, bits=4, block_size=32,
+            accuracy_level=self.accuracy_level,
+        )  # fmt: skip
+        mins_t = np.ascontiguousarray(mins.T, dtype=np.float32)  # [n_blocks, rows]
+        offset = g.op("MatMul", [self.block_sums(x, matrix.cols), g.const("qm", mins_t)])
+        return g.op("Add", [scaled, offset])
+
+    def block_sums(self, x: str, cols: int) -> str:
+        """Sums of x over each block of 32 inputs # [batch, new, cols // 32]; once per tensor."""
+        if x not in self._block_sums:
+            g = self.g
+            blocks = g.op("Reshape", [x, g.const("shape", [0, 0, cols // 32, 32], np.int64)])
+            self._block_sums[x] = g.op(
+                "ReduceSum", [blocks, g.const("ax", [-1], np.int64)], keepdims=0
+            )
+        return self._block_sums[x]
 
     def rms_norm(self, x: str, weight_name: str) -> str:
         # The Pow/ReduceMean/Add/Sqrt/Div/Mul chain is the one ORT fuses into one kernel.
@@ -141,20 +156,7 @@ class _DecoderBuilder:
         return g.op("Mul", [normed, g.const("norm_w", weight)])
 
     def embed(self, input_ids: str) -> str:
-        name = "model.embed_tokens.weight"
-        if name in self.quantized and self.quantized[name].kind == "q8_0":
-            matrix = self.quantized[name]
-            return self.g.op(
-                "GatherBlockQuantized",
-                [
-                    self.g.const("emb_q", matrix.codes.reshape(matrix.rows, matrix.cols)),
-                    input_ids,
-                    self.g.const("emb_s", matrix.scales),
-                    self.g.const("emb_z", np.full(matrix.scales.shape, 128, dtype=np.uint8)),
-                ],
-                bits=8, block_size=32, gather_axis=0, quantize_axis=1,
-            )  # fmt: skip
-        return self.g.op("Gather", [self.table(name), input_ids], axis=0)
+        return self.g.op("Gather", [self.table("model.embed_tokens.weight"), input_ids], axis=0)
 
     def rope_tables(self, position_ids: str) -> tuple[str, str]:
         """cos and sin # [batch, 1, new, head_dim], HF rotate-half layout."""
@@ -249,24 +251,11 @@ class _DecoderBuilder:
     def head(self, h: str, head_ids: tuple[int, ...] | None) -> str:
         """Logits # [batch, new, head]; tied to the embedding unless lm_head.weight is given."""
         g = self.g
-        name = (
-            "lm_head.weight"
-            if "lm_head.weight" in self.weights or "lm_head.weight" in self.quantized
-            else "model.embed_tokens.weight"
-        )
-        rows = self._head_rows(name)
-        if head_ids is not None and rows != len(head_ids):
+        name = "lm_head.weight" if "lm_head.weight" in self.weights else "model.embed_tokens.weight"
+        if head_ids is not None and self.weights[name].shape[0] != len(head_ids):
             ids = np.asarray(head_ids, dtype=np.int64)
-            if name in self.quantized:
-                self.quantized = {
-                    **self.quantized,
-                    "head.sub": self.quantized[name].permute_rows(ids),
-                }
-            else:
-                self.weights = {**self.weights, "head.sub": self.weights[name][ids]}
+            self.weights = {**self.weights, "head.sub": self.weights[name][ids]}
             name = "head.sub"
-        if name in self.quantized:
-            return g.named_op("Identity", [self.linear(h, name)], LOGITS)
         # Gemm's transB reads the [vocab, d] table in place: a tied head costs no second copy.
         flat = g.op("Reshape", [h, g.const("shape", [-1, self.config.d_model], np.int64)])
         logits = g.op("Gemm", [flat, self.table(name)], transB=1)
@@ -276,11 +265,6 @@ class _DecoderBuilder:
         shape = g.op("Concat", [batch_new, g.const("v", [-1], np.int64)], axis=0)
         return g.named_op("Reshape", [logits, shape], LOGITS)
 
-    def _head_rows(self, name: str) -> int:
-        if name in self.quantized:
-            return self.quantized[name].rows
-        return int(self.weights[name].shape[0])
-
 
 def build_decoder(
     config: LlamaConfig,
@@ -288,18 +272,20 @@ def build_decoder(
     spec: DecoderSpec = DecoderSpec(),
     quantized: Mapping[str, QuantizedMatrix] | None = None,
     name: str = "decoder",
+    accuracy_level: int = 0,
 ) -> onnx.ModelProto:
     """A decoder graph with a KV cache that returns logits for every new position.
 
     `weights` are fp32 under HF llama names ([out, in] matrices, Q/K in rotate-half order); the
-    head is tied to `model.embed_tokens.weight` unless `lm_head.weight` is present. Weights named in
-    `quantized` become MatMulNBits (q4_1: 4 bits, q8_0: 8 bits) and a q8_0 embedding a
-    GatherBlockQuantized; everything else is fp32. A batch may mix past lengths: each row's past is
-    left-padded to the common length and marked 0 in `attention_mask`.
+    head is tied to `model.embed_tokens.weight` unless `lm_head.weight` is present; with `head_ids`
+    only those rows are kept (unless the given head already has exactly that many rows). Linear
+    weights named in `quantized` (q4_1 blocks) become 4-bit MatMulNBits, computed in fp32 unless
+    `accuracy_level` asks ORT for int8 activations; everything else is fp32. A batch may mix past
+    lengths: each row's past is left-padded to the common length and marked 0 in `attention_mask`.
     """
     n_layers = config.n_layers if spec.n_layers is None else spec.n_layers
     graph_config = config.with_layers(n_layers)
-    builder = _DecoderBuilder(graph_config, weights, quantized or {})
+    builder = _DecoderBuilder(graph_config, weights, quantized or {}, accuracy_level)
     g = builder.g
     x = builder.embed(INPUT_IDS)
     cos, sin = builder.rope_tables(POSITION_IDS)
