@@ -251,9 +251,9 @@ class DeviceRegistry:
         at: datetime,
         *,
         rtt_ms: float | None = None,
-        cpu_pct: float | None = None,
-        mem_pct: float | None = None,
-        battery_pct: float | None = None,
+        cpu_percent: float | None = None,
+        memory_percent: float | None = None,
+        battery_percent: float | None = None,
         thermal_c: float | None = None,
         extra: Mapping[str, TelemetryValue] | None = None,
     ) -> None:
@@ -261,9 +261,9 @@ class DeviceRegistry:
         values: dict[str, TelemetryValue] = dict(extra or {})
         values.update(
             rtt_ms=rtt_ms,
-            cpu_pct=cpu_pct,
-            mem_pct=mem_pct,
-            battery_pct=battery_pct,
+            cpu_percent=cpu_percent,
+            memory_percent=memory_percent,
+            battery_percent=battery_percent,
             thermal_c=thermal_c,
         )
         snapshot = {key: value for key, value in values.items() if value is not None}

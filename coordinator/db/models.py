@@ -141,7 +141,7 @@ class Device(Base):
     status_reason: Mapped[str | None] = mapped_column(sa.String(255))
     last_seen: Mapped[datetime | None]
     installed_models: Mapped[list[str]] = mapped_column(default=list)
-    # The latest telemetry only (rtt_ms, cpu_pct, mem_pct, battery_pct, thermal_c, ...).
+    # The latest telemetry only (rtt_ms, cpu_percent, memory_percent, battery_percent, ...).
     telemetry: Mapped[JsonDict | None] = mapped_column(sa.JSON())
     telemetry_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

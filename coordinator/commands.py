@@ -1,0 +1,413 @@
+"""Coordinator commands: `specfleet db ...`, `specfleet devices ...`, `specfleet broker ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from specfleet.cli import CommandError
+
+# Heavy imports (SQLAlchemy, Alembic) happen inside the handlers, so `specfleet --help` stays fast.
+if TYPE_CHECKING:
+    from enum import Enum
+
+    from sqlalchemy.engine import Engine
+
+    from broker.acl import ServiceRole
+    from coordinator.registry import DeviceRegistry
+
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+DEFAULT_SERVICE_USERS = ("coordinator:coordinator",)
+
+Handler = Callable[[argparse.Namespace], int]
+EnumT = TypeVar("EnumT", bound="Enum")
+
+
+def register(subparsers: Subparsers) -> None:
+    _register_db(subparsers)
+    _register_devices(subparsers)
+    _register_broker(subparsers)
+
+
+def _group(subparsers: Subparsers, name: str, help_text: str) -> Subparsers:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    group: Subparsers = parser.add_subparsers(
+        dest=f"{name}_command", metavar="ACTION", required=True
+    )
+    return group
+
+
+def _command(
+    group: Subparsers, name: str, help_text: str, handler: Handler
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = group.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(func=handler)
+    return parser
+
+
+def _add_database_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="sqlite:///PATH or postgresql://... (default: the settings' database_url)",
+    )
+
+
+# --- shared plumbing ---------------------------------------------------------------------------
+
+
+def _database_url(args: argparse.Namespace) -> str:
+    if args.database_url:
+        return str(args.database_url)
+    from pydantic import ValidationError
+
+    from coordinator.settings import Settings
+
+    try:
+        return Settings().database_url
+    except ValidationError as exc:
+        raise CommandError(f"invalid settings: {exc.errors()[0]['msg']}") from exc
+
+
+def _quiet_alembic(*, keep_migration_steps: bool) -> None:
+    # Alembic logs its plugin setup and context at INFO; an operator wants only the steps run.
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    if keep_migration_steps:
+        logging.getLogger("alembic.runtime.migration").setLevel(logging.INFO)
+
+
+@contextmanager
+def _engine(args: argparse.Namespace, *, require_head: bool = True) -> Iterator[Engine]:
+    """An engine for the command's database; refuses one whose schema is not at head."""
+    import sqlalchemy.exc
+
+    _quiet_alembic(keep_migration_steps=args.func in (_db_upgrade, _db_downgrade))
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+
+    try:
+        engine = make_engine(_database_url(args))
+    except (ValueError, sqlalchemy.exc.ArgumentError) as exc:
+        raise CommandError(str(exc)) from exc
+    try:
+        if require_head:
+            migrate.require_head(engine)
+        yield engine
+    except migrate.SchemaOutOfDateError as exc:
+        raise CommandError(str(exc)) from exc
+    except sqlalchemy.exc.OperationalError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise CommandError(f"database error: {reason}") from exc
+    finally:
+        engine.dispose()
+
+
+def _choice(enum_type: type[EnumT], value: str, option: str) -> EnumT:
+    """`value` as a member of `enum_type`; the enum, not argparse, says what is allowed."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(str(member.value) for member in enum_type)
+        raise CommandError(f"{option} {value!r}: choose one of {allowed}") from None
+
+
+def _print_json(document: Any) -> None:
+    json.dump(document, sys.stdout, indent=2, sort_keys=True, default=str)
+    sys.stdout.write("\n")
+
+
+# --- specfleet db ------------------------------------------------------------------------------
+
+
+def _register_db(subparsers: Subparsers) -> None:
+    group = _group(subparsers, "db", "migrate and check the coordinator database")
+    upgrade = _command(group, "upgrade", "apply migrations up to a revision", _db_upgrade)
+    _add_database_url(upgrade)
+    upgrade.add_argument("--revision", default="head", help="target revision (default: head)")
+    downgrade = _command(group, "downgrade", "revert migrations down to a revision", _db_downgrade)
+    _add_database_url(downgrade)
+    downgrade.add_argument("revision", help="target revision, e.g. 0001 or base")
+    check = _command(group, "check", "fail unless the schema is at head and matches", _db_check)
+    _add_database_url(check)
+    current = _command(group, "current", "print the database's revision", _db_current)
+    _add_database_url(current)
+
+
+def _run_alembic(args: argparse.Namespace, action: Callable[[Engine], None]) -> None:
+    import alembic.util
+
+    with _engine(args, require_head=False) as engine:
+        try:
+            action(engine)
+        except alembic.util.CommandError as exc:
+            raise CommandError(str(exc)) from exc
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from coordinator.db import migrate
+
+    _run_alembic(args, lambda engine: migrate.upgrade(engine, args.revision))
+    return _db_current(args)
+
+
+def _db_downgrade(args: argparse.Namespace) -> int:
+    from coordinator.db import migrate
+
+    _run_alembic(args, lambda engine: migrate.downgrade(engine, args.revision))
+    return _db_current(args)
+
+
+def _db_check(args: argparse.Namespace) -> int:
+    from coordinator.db import migrate
+
+    with _engine(args, require_head=False) as engine:
+        try:
+            migrate.check(engine)
+        except (migrate.SchemaOutOfDateError, migrate.SchemaDriftError) as exc:
+            raise CommandError(str(exc)) from exc
+    print("schema is at head and matches the models")
+    return 0
+
+
+def _db_current(args: argparse.Namespace) -> int:
+    from coordinator.db import migrate
+
+    with _engine(args, require_head=False) as engine:
+        current = migrate.current_revision(engine)
+    print(f"database revision: {current or 'none (empty database)'}")
+    return 0
+
+
+# --- specfleet devices -------------------------------------------------------------------------
+
+
+def _register_devices(subparsers: Subparsers) -> None:
+    group = _group(subparsers, "devices", "provision, list and retire devices")
+    add = _command(group, "add", "provision a device; prints its credential once", _devices_add)
+    add.add_argument("device_id", metavar="NAME", help="device id, also its MQTT username")
+    add.add_argument("--kind", required=True, help="pi, jetson, phone or other")
+    add.add_argument("--tag", action="append", default=[], help="a tag (repeat for more)")
+    add.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_database_url(add)
+
+    listing = _command(group, "list", "list devices, ordered by id", _devices_list)
+    listing.add_argument("--status", help="online, offline or retired")
+    listing.add_argument("--kind", help="pi, jetson, phone or other")
+    listing.add_argument("--tag", help="only devices with this tag")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_database_url(listing)
+
+    retire = _command(group, "retire", "retire a device for good", _devices_retire)
+    retire.add_argument("device_id", metavar="NAME")
+    retire.add_argument("--reason", default="", help="recorded in the event log")
+    _add_database_url(retire)
+
+    rotate = _command(
+        group, "rotate-credential", "issue a new credential; prints it once", _devices_rotate
+    )
+    rotate.add_argument("device_id", metavar="NAME")
+    _add_database_url(rotate)
+
+
+def _registry(engine: Engine) -> DeviceRegistry:
+    from coordinator.db.engine import make_sessionmaker
+    from coordinator.registry import DeviceRegistry
+
+    return DeviceRegistry(make_sessionmaker(engine))
+
+
+def _devices_add(args: argparse.Namespace) -> int:
+    from coordinator.db.models import DeviceKind
+    from coordinator.registry import RegistryError
+
+    kind = _choice(DeviceKind, args.kind, "--kind")
+    with _engine(args) as engine:
+        try:
+            device, credential = _registry(engine).provision(
+                args.device_id, kind, args.tag, actor="cli"
+            )
+        except (RegistryError, ValueError) as exc:
+            raise CommandError(str(exc)) from exc
+    if args.json:
+        _print_json({"id": device.id, "kind": device.kind.value, "credential": credential})
+    else:
+        print(f"device      {device.id}")
+        print(f"kind        {device.kind.value}")
+        print(f"tags        {', '.join(device.tags) or '-'}")
+        print(f"credential  {credential}")
+        print(
+            "The credential is shown only now: put it on the device (MQTT username = device id),"
+            " then run `specfleet broker write-config` and reload the broker."
+        )
+    return 0
+
+
+def _devices_list(args: argparse.Namespace) -> int:
+    from bench.report import format_table
+    from coordinator.api.schemas import DevicePublic
+    from coordinator.db.models import DeviceKind, DeviceStatus
+
+    status = _choice(DeviceStatus, args.status, "--status") if args.status else None
+    kind = _choice(DeviceKind, args.kind, "--kind") if args.kind else None
+    with _engine(args) as engine:
+        devices = _registry(engine).list(status=status, kind=kind, tag=args.tag)
+    if args.json:
+        _print_json([DevicePublic.model_validate(d).model_dump(mode="json") for d in devices])
+        return 0
+    if not devices:
+        print("no devices")
+        return 0
+    rows = [
+        (
+            d.id,
+            d.kind.value,
+            d.status.value,
+            d.last_seen.isoformat(timespec="seconds") if d.last_seen else "never",
+            ",".join(d.tags) or "-",
+        )
+        for d in devices
+    ]
+    print(format_table(("id", "kind", "status", "last_seen", "tags"), rows))
+    return 0
+
+
+def _devices_retire(args: argparse.Namespace) -> int:
+    from coordinator.registry import RegistryError
+
+    with _engine(args) as engine:
+        try:
+            device = _registry(engine).retire(args.device_id, reason=args.reason, actor="cli")
+        except RegistryError as exc:
+            raise CommandError(str(exc)) from exc
+    print(f"retired {device.id}; run `specfleet broker write-config` and reload the broker")
+    return 0
+
+
+def _devices_rotate(args: argparse.Namespace) -> int:
+    from coordinator.registry import RegistryError
+
+    with _engine(args) as engine:
+        try:
+            credential = _registry(engine).rotate_credential(args.device_id, actor="cli")
+        except RegistryError as exc:
+            raise CommandError(str(exc)) from exc
+    print(f"credential  {credential}")
+    print("Shown only now; run `specfleet broker write-config` and reload the broker.")
+    return 0
+
+
+# --- specfleet broker --------------------------------------------------------------------------
+
+
+def _register_broker(subparsers: Subparsers) -> None:
+    group = _group(subparsers, "broker", "Mosquitto configuration for the fleet")
+    write = _command(
+        group,
+        "write-config",
+        "write mosquitto.conf, acl and passwords from the device registry",
+        _broker_write_config,
+    )
+    write.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    write.add_argument(
+        "--service-user",
+        action="append",
+        metavar="NAME:ROLE",
+        help="a cloud service account, ROLE coordinator, verifier or observer (repeat for more; "
+        f"default: {', '.join(DEFAULT_SERVICE_USERS)}). A new one gets a credential printed "
+        "once; an existing one keeps its hash from DIR/passwords",
+    )
+    write.add_argument(
+        "--listener",
+        action="append",
+        metavar="'PORT [ADDRESS]'",
+        help="replace the template's listener lines in order (TLS: the TLS one first)",
+    )
+    write.add_argument("--tls", action="store_true", help="use the TLS template")
+    write.add_argument("--certfile", type=Path, help="server certificate (PEM), with --tls")
+    write.add_argument("--keyfile", type=Path, help="server key (PEM), with --tls")
+    write.add_argument("--cafile", type=Path, help="CA certificates (PEM), optional with --tls")
+    write.add_argument(
+        "--run-as-user",
+        metavar="USER",
+        help="the user mosquitto drops to when started as root (default: its own, mosquitto)",
+    )
+    _add_database_url(write)
+
+
+def _parse_service_users(specs: list[str]) -> list[tuple[str, ServiceRole]]:
+    from broker.acl import ServiceRole
+
+    users = []
+    for spec in specs:
+        name, sep, role = spec.partition(":")
+        if not sep or not name:
+            raise CommandError(f"--service-user {spec!r}: expected NAME:ROLE")
+        users.append((name, _choice(ServiceRole, role, f"--service-user {name}:")))
+    return users
+
+
+def _broker_write_config(args: argparse.Namespace) -> int:
+    from broker import acl
+    from broker.passwords import hash_credential, new_credential
+
+    tls = None
+    if args.tls:
+        if args.certfile is None or args.keyfile is None:
+            raise CommandError("--tls needs --certfile and --keyfile")
+        tls = acl.TlsFiles(args.certfile, args.keyfile, args.cafile)
+    elif args.certfile or args.keyfile or args.cafile:
+        raise CommandError("--certfile, --keyfile and --cafile go with --tls")
+
+    out_dir: Path = args.out
+    existing: dict[str, str] = {}
+    password_path = out_dir / acl.PASSWORD_FILE
+    if password_path.exists():
+        try:
+            existing = acl.parse_passwords(password_path.read_text())
+        except ValueError as exc:
+            raise CommandError(f"{password_path}: {exc}") from exc
+
+    new_credentials: list[tuple[str, ServiceRole, str]] = []
+    service_users = []
+    for name, role in _parse_service_users(args.service_user or list(DEFAULT_SERVICE_USERS)):
+        credential_hash = existing.get(name)
+        if credential_hash is None:
+            credential = new_credential()
+            credential_hash = hash_credential(credential)
+            new_credentials.append((name, role, credential))
+        try:
+            service_users.append(acl.ServiceUser(name, credential_hash, role))
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+
+    with _engine(args) as engine:
+        devices = _registry(engine).broker_accounts()
+    try:
+        acl_text = acl.generate_acl(devices, service_users)
+        passwords_text = acl.generate_passwords(devices, service_users)
+        config_text = acl.render_mosquitto_conf(
+            out_dir,
+            listeners=args.listener,
+            tls=tls,
+            run_as_user=args.run_as_user,
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    files = acl.write_broker_files(
+        out_dir, config_text=config_text, acl_text=acl_text, passwords_text=passwords_text
+    )
+    print(f"wrote {files.config}, {files.acl}, {files.passwords}")
+    print(f"{len(devices)} device(s), {len(service_users)} service user(s)")
+    for name, role, credential in new_credentials:
+        print(f"new {role.value} user {name}: credential {credential}  (shown only now)")
+    print(f"start: mosquitto -c {files.config}; after changes, reload it with SIGHUP")
+    return 0
