@@ -73,6 +73,7 @@ class OnnxRuntime:
         *,
         threads: int | None = None,
         allow_spinning: bool = False,
+        consistent_decode: bool = True,
         name: str | None = None,
     ) -> None:
         options = ort.SessionOptions()
@@ -88,6 +89,11 @@ class OnnxRuntime:
             str(model_path), sess_options=options, providers=["CPUExecutionProvider"]
         )
         self.name = name or model_path.stem
+        # CPU kernels take another path for a single row, whose last bits differ from those of
+        # the same row inside a window. Running a one-token step as two rows (the second a
+        # throwaway after it, hidden by the causal mask) makes plain decoding agree bit for bit
+        # with verification windows, at the price of one extra row per step.
+        self.consistent_decode = consistent_decode
         metadata = self.session.get_modelmeta().custom_metadata_map
         self.config = LlamaConfig.from_json(json.loads(metadata[META_CONFIG]))
         head = metadata.get(META_HEAD_IDS)  # absent for a full-vocabulary head
@@ -130,6 +136,8 @@ class OnnxRuntime:
         if min(new_lens) == 0:
             raise ValueError("every sequence needs at least one new token")
         batch, past, new = len(own), max(past_lens), max(new_lens)
+        if batch == 1 and new == 1 and self.consistent_decode:
+            new = 2
 
         input_ids = np.zeros((batch, new), dtype=np.int64)
         position_ids = np.zeros((batch, new), dtype=np.int64)
@@ -166,7 +174,7 @@ class OnnxRuntime:
         outputs: list[StepOutput] = []
         for row, ((_, cache), p, n) in enumerate(zip(own, past_lens, new_lens, strict=True)):
             start, stop = past - p, past + n
-            if batch == 1 and n == new:
+            if batch == 1 and n == new:  # the common case needs no copy
                 cache.keys, cache.values = list(presents[0::2]), list(presents[1::2])
             else:
                 cache.keys = [

@@ -1,0 +1,184 @@
+"""The real target through OnnxRuntime: greedy answer, verification windows, rollback, batching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference.onnx_runtime import OnnxKVCache, OnnxRuntime
+from inference.tokenizer import ChatTokenizer
+
+Target = tuple[OnnxRuntime, ChatTokenizer]
+FRANCE = "What is the capital of France?"
+# Where two computations run different kernel shapes (one row against many, a padded batch against
+# a lone sequence), fp32 sums differ in their last bits: measured max |diff| 6e-5 (fp32) and
+# 2e-4 (q4) on logits of magnitude ~20.
+LOGIT_TOLERANCE = 1e-3
+
+
+def greedy(runtime: OnnxRuntime, prompt: list[int], eos_id: int, limit: int) -> list[int]:
+    cache = runtime.new_cache()
+    logits = runtime.forward(prompt, cache)
+    generated: list[int] = []
+    while len(generated) < limit:
+        token = int(logits[-1].argmax())
+        if token == eos_id:
+            break
+        generated.append(token)
+        logits = runtime.forward([token], cache)
+    return generated
+
+
+def prefix_and_continuation(target: Target) -> tuple[list[int], list[int]]:
+    runtime, tokenizer = target
+    prompt = tokenizer.apply_chat_template("Tell me about the city of Paris.")
+    continuation = greedy(runtime, prompt, tokenizer.eos_id, 8)
+    assert len(continuation) == 8
+    return prompt, continuation
+
+
+def test_greedy_chat_answer(any_target: Target) -> None:
+    runtime, tokenizer = any_target
+    prompt = tokenizer.apply_chat_template(FRANCE)
+    answer = greedy(runtime, prompt, tokenizer.eos_id, 32)
+    assert tokenizer.decode(answer) == "The capital of France is Paris."
+
+
+def test_runtime_describes_its_model(target: Target) -> None:
+    runtime, _ = target
+    assert runtime.vocab_size == 49152
+    assert runtime.config.n_layers == 30
+    assert runtime.head_ids is None
+    assert runtime.new_cache().length == 0
+
+
+def window_and_steps(
+    runtime: OnnxRuntime, prompt: list[int], draft: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of the last prompt token plus a draft, scored in one call and one token at a time."""
+    stepped = runtime.new_cache()
+    runtime.forward(prompt[:-1], stepped)
+    step_logits = np.stack([runtime.forward([t], stepped)[0] for t in [prompt[-1], *draft]])
+
+    verified = runtime.new_cache()
+    runtime.forward(prompt[:-1], verified)
+    window_logits = runtime.forward([prompt[-1], *draft], verified)
+    assert verified.length == stepped.length == len(prompt) + len(draft)
+    return window_logits, step_logits
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_verify_window_equals_step_by_step_exactly(any_target: Target, k: int) -> None:
+    """Scoring a draft of k tokens in one call gives bit for bit the logits of decoding them."""
+    runtime, _ = any_target
+    assert runtime.consistent_decode
+    prompt, continuation = prefix_and_continuation(any_target)
+    window_logits, step_logits = window_and_steps(runtime, prompt, continuation[:k])
+    assert window_logits.shape == (k + 1, runtime.vocab_size)
+    np.testing.assert_array_equal(window_logits, step_logits)
+
+
+@pytest.fixture(scope="module")
+def fast_runtime(target_dir: Path) -> OnnxRuntime:
+    return OnnxRuntime(target_dir / "model.onnx", consistent_decode=False)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_fast_decode_matches_verify_within_tolerance(
+    target: Target, fast_runtime: OnnxRuntime, k: int
+) -> None:
+    """Without consistent decoding, one-row steps differ only in the last bits; argmax agrees."""
+    fast = fast_runtime
+    prompt, continuation = prefix_and_continuation(target)
+    window_logits, step_logits = window_and_steps(fast, prompt, continuation[:k])
+    np.testing.assert_allclose(window_logits, step_logits, rtol=0, atol=LOGIT_TOLERANCE)
+    assert (window_logits.argmax(-1) == step_logits.argmax(-1)).all()
+
+
+def test_trim_then_forward_repeats_exactly(target: Target) -> None:
+    runtime, tokenizer = target
+    prompt = tokenizer.apply_chat_template(FRANCE)
+    cache = runtime.new_cache()
+    runtime.forward(prompt, cache)
+    committed = cache.length
+    first = runtime.forward([578, 6303, 314], cache)
+    rejected = runtime.forward([42, 43], cache)
+    assert cache.length == committed + 5
+    cache.trim(committed)
+    assert cache.length == committed
+    again = runtime.forward([578, 6303, 314], cache)
+    np.testing.assert_array_equal(again, first)
+    cache.trim(committed + 1)
+    np.testing.assert_array_equal(runtime.forward([6303, 314], cache), first[1:])
+    assert not np.array_equal(rejected[0], first[0])
+
+
+def test_trim_refuses_growth(target: Target) -> None:
+    runtime, _ = target
+    cache = runtime.new_cache()
+    runtime.forward([1, 2, 3], cache)
+    with pytest.raises(ValueError, match="trim"):
+        cache.trim(4)
+
+
+def test_forward_batch_equals_single_forwards(any_target: Target) -> None:
+    """Different past lengths and draft lengths share one padded pass; each row keeps its answer."""
+    runtime, tokenizer = any_target
+    prompts = [
+        tokenizer.apply_chat_template(FRANCE),
+        tokenizer.apply_chat_template("Name three colours."),
+        tokenizer.encode("Once upon a time"),
+        tokenizer.apply_chat_template("Write a haiku about the sea, please, in English."),
+    ]
+    drafts = [[578, 6303], [330], [28, 253, 1700, 314, 260], [504, 1230, 29]]
+
+    singles: list[np.ndarray] = []
+    single_caches: list[OnnxKVCache] = []
+    for prompt, draft in zip(prompts, drafts, strict=True):
+        cache = runtime.new_cache()
+        runtime.forward(prompt, cache)
+        singles.append(runtime.forward(draft, cache))
+        single_caches.append(cache)
+
+    batch_caches = []
+    for prompt in prompts:
+        cache = runtime.new_cache()
+        runtime.forward(prompt, cache)
+        batch_caches.append(cache)
+    batched = runtime.forward_batch(list(zip(drafts, batch_caches, strict=True)))
+
+    for single, joint, cache, expected_cache, prompt, draft in zip(
+        singles, batched, batch_caches, single_caches, prompts, drafts, strict=True
+    ):
+        assert joint.shape == single.shape == (len(draft), runtime.vocab_size)
+        np.testing.assert_allclose(joint, single, rtol=0, atol=LOGIT_TOLERANCE)
+        assert (joint.argmax(-1) == single.argmax(-1)).all()
+        assert cache.length == len(prompt) + len(draft)
+        for got, want in zip(
+            cache.keys + cache.values, expected_cache.keys + expected_cache.values, strict=True
+        ):
+            np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOLERANCE)
+
+    # The caches a batch leaves behind go on decoding like the single ones.
+    follow = runtime.forward_batch([([13], c) for c in batch_caches])
+    for logits, cache in zip(follow, single_caches, strict=True):
+        np.testing.assert_allclose(
+            logits, runtime.forward([13], cache), rtol=0, atol=LOGIT_TOLERANCE
+        )
+
+
+def test_forward_batch_of_prefills_from_empty_caches(target: Target) -> None:
+    runtime, tokenizer = target
+    prompts = [tokenizer.encode("Hello there"), tokenizer.encode("A much longer opening line here")]
+    batched = runtime.forward_batch([(p, runtime.new_cache()) for p in prompts])
+    for prompt, joint in zip(prompts, batched, strict=True):
+        single = runtime.forward(prompt, runtime.new_cache())
+        np.testing.assert_allclose(joint, single, rtol=0, atol=LOGIT_TOLERANCE)
+
+
+def test_forward_rejects_empty_input(target: Target) -> None:
+    runtime, _ = target
+    with pytest.raises(ValueError, match="at least one"):
+        runtime.forward([], runtime.new_cache())
