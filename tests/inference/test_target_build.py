@@ -31,10 +31,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"specfleet models {argv[1]}")
     module.add_arguments(parser)
     try:
-        return module.run(parser.parse_args(argv[2:]))
+        status: int = module.run(parser.parse_args(argv[2:]))
     except CommandError as exc:
         print(exc, file=sys.stderr)
         return 2
+    return status
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
