@@ -32,7 +32,7 @@ PRECISIONS: tuple[TargetPrecision, ...] = ("q4", "fp32")
 # what a verifier runs. q4 is the smaller file (195 MB against 538 MB).
 DEFAULT_PRECISION: TargetPrecision = "fp32"
 # Bump whenever the graph or the files change, so that cached builds are redone.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 MODEL_FILE = "model.onnx"
 TARGET_NAME = "smollm2-135m-instruct"
 
@@ -114,7 +114,7 @@ def _build(
     from tqdm import tqdm
 
     from inference.gguf_source import GgufModel, QuantizedMatrix
-    from inference.onnx_graph import build_decoder
+    from inference.onnx_graph import DecoderSpec, build_decoder
     from inference.tokenizer import TOKENIZER_FILE, ChatTokenizer
 
     partial = directory.with_name(f".{name}.partial")
@@ -139,7 +139,9 @@ def _build(
     stages.update()
 
     stages.set_postfix_str("graph")
-    model = build_decoder(source.config, weights, quantized=quantized, name=name)
+    # The final hidden state rides along (one small extra output) for feature-conditioned drafts.
+    spec = DecoderSpec(output_hidden=True)
+    model = build_decoder(source.config, weights, spec, quantized=quantized, name=name)
     del weights
     stages.update()
 

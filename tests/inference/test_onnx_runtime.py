@@ -52,6 +52,16 @@ def test_runtime_describes_its_model(target: Target) -> None:
     assert runtime.config.n_layers == 30
     assert runtime.head_ids is None
     assert runtime.new_cache().length == 0
+    assert runtime.has_hidden
+
+
+def test_hidden_state_rides_with_logits(target: Target) -> None:
+    runtime, tokenizer = target
+    prompt = tokenizer.apply_chat_template(FRANCE)
+    (step,) = runtime.run_batch([(prompt, runtime.new_cache())])
+    assert step.hidden is not None
+    assert step.hidden.shape == (len(prompt), runtime.config.d_model)
+    assert np.isfinite(step.hidden).all()
 
 
 def window_and_steps(
