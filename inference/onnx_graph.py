@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -14,7 +14,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from inference.gguf_source import F32, LlamaConfig, QuantizedMatrix
 
-Precision = Literal["fp32", "q4"]
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
 # Masked scores: finite so that a fully masked row never turns into NaN, and far below any logit.
@@ -280,8 +279,12 @@ def build_decoder(
     head is tied to `model.embed_tokens.weight` unless `lm_head.weight` is present; with `head_ids`
     only those rows are kept (unless the given head already has exactly that many rows). Linear
     weights named in `quantized` (q4_1 blocks) become 4-bit MatMulNBits, computed in fp32 unless
-    `accuracy_level` asks ORT for int8 activations; everything else is fp32. A batch may mix past
-    lengths: each row's past is left-padded to the common length and marked 0 in `attention_mask`.
+    `accuracy_level` asks ORT for int8 activations (4), which changes the greedy text of the target
+    and breaks exact verification; everything else is fp32. A batch may mix past lengths: each
+    row's past is left-padded to the common length and marked 0 in `attention_mask`.
+
+    A draft cut from the target: `build_decoder(config, weights, DecoderSpec(n_layers=4,
+    head_ids=ids))`, with `weights` from `GgufModel.weights(4)` or from training.
     """
     n_layers = config.n_layers if spec.n_layers is None else spec.n_layers
     graph_config = config.with_layers(n_layers)
