@@ -608,7 +608,7 @@ def export_draft(models_dir: Path, weights_path: Path, target_dir: Path) -> list
     return built
 
 
-DRAFT_BUILDER_VERSION = "1"
+DRAFT_BUILDER_VERSION = "2"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DRAFTS = REPO_ROOT / "models" / "drafts"  # committed trained weights, one folder per draft
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
@@ -687,13 +687,29 @@ def evaluate(models_dir: Path, target_dir: Path, threads: int) -> dict[str, Any]
         sets["shared"] = _greedy_answers(
             target, tokenizer.eos_id, shared, work / "eval-shared.jsonl"
         )
-    report: dict[str, Any] = {}
+    probe = sets["held_out"][0].prompt_ids
+    report: dict[str, Any] = {"target": {"decode_ms": decode_ms(target, probe)}}
     for draft in list_drafts(models_dir):
-        if draft.format != "onnx":
-            continue
-        runtime = load_draft(models_dir, draft.name, "onnx", threads=threads)
-        report[draft.name] = {name: agreement(runtime, records) for name, records in sets.items()}
+        runtime = load_draft(models_dir, draft.name, draft.format, threads=1)
+        entry = report.setdefault(draft.name, {})
+        entry[f"{draft.format}_decode_ms"] = decode_ms(runtime, probe)
+        entry[f"{draft.format}_mb"] = round(draft.size_mb, 1)
+        if draft.format == "onnx":
+            for name, records in sets.items():
+                entry[f"top1_{name}"] = agreement(runtime, records)
     return report
+
+
+def decode_ms(runtime: Runtime, prompt_ids: list[int], steps: int = 64) -> float:
+    """Median milliseconds of one-token forward passes after a prompt (the drafting step)."""
+    cache = runtime.new_cache()
+    logits = runtime.forward(prompt_ids, cache)[-1]
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        logits = runtime.forward([int(logits.argmax())], cache)[-1]
+        times.append(time.perf_counter() - started)
+    return round(float(np.median(times)) * 1000, 3)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -777,6 +793,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"built {directory.name} in {directory}")
     if args.evaluate:
         report = evaluate(models_dir, target_dir, args.threads)
+        (models_dir / "distill" / "evaluation.json").write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report, indent=2))
     return 0
 

@@ -14,8 +14,7 @@ from inference.runtime import KVCache, Logits
 from inference.tflite_export import (
     INPUT_IDS,
     LOGITS,
-    NEW_KEYS,
-    NEW_VALUES,
+    NEW_KV,
     PAST_KEYS,
     PAST_VALUES,
     ROPE_COS,
@@ -104,24 +103,19 @@ class LiteRtRuntime:
         )
         self._shapes: dict[str, tuple[int, ...]] = {}
 
+    @property
+    def output_ids(self) -> npt.NDArray[np.int64] | None:
+        """Vocabulary id of each logit column (the trimmed head); None for a full head."""
+        return self.head_ids
+
     def _match_outputs(self) -> dict[str, int]:
-        """Output tensors by role; the converter names them after the signature's dict keys."""
-        details = self.interpreter.get_output_details()
-        found: dict[str, int] = {}
-        for detail in details:
-            short = _short(detail["name"])
-            for role in (LOGITS, NEW_KEYS, NEW_VALUES):
-                if short == role or short.endswith(role):
-                    found[role] = detail["index"]
-        if len(found) != 3:
-            # Without names, tell them apart by rank: logits are 2-D, keys before values.
-            by_rank = sorted(details, key=lambda d: (len(d["shape_signature"]), d["index"]))
-            found = {
-                LOGITS: by_rank[0]["index"],
-                NEW_KEYS: by_rank[1]["index"],
-                NEW_VALUES: by_rank[2]["index"],
-            }
-        return found
+        """Output tensors by rank: logits are [new, head], the new cache entries 5-D."""
+        by_rank = {
+            len(d["shape_signature"]): d["index"] for d in self.interpreter.get_output_details()
+        }
+        if sorted(by_rank) != [2, 5]:
+            raise ValueError(f"not a draft exported by inference.tflite_export: {sorted(by_rank)}")
+        return {LOGITS: by_rank[2], NEW_KV: by_rank[5]}
 
     def new_cache(self) -> LiteRtKVCache:
         c = self.config
@@ -154,10 +148,8 @@ class LiteRtRuntime:
             interpreter.set_tensor(self._inputs[role], array)
         interpreter.invoke()
         logits: Logits = interpreter.get_tensor(self._outputs[LOGITS]).copy()
-        own.append(
-            interpreter.get_tensor(self._outputs[NEW_KEYS]),
-            interpreter.get_tensor(self._outputs[NEW_VALUES]),
-        )
+        new_kv = interpreter.get_tensor(self._outputs[NEW_KV])
+        own.append(new_kv[0], new_kv[1])
         return logits
 
     def forward_batch(self, requests: Sequence[tuple[Sequence[int], KVCache]]) -> list[Logits]:

@@ -23,8 +23,7 @@ ROPE_SIN = "rope_sin"  # [new, head_dim]
 PAST_KEYS = "past_keys"  # [n_layers, n_kv, past, head_dim]
 PAST_VALUES = "past_values"  # [n_layers, n_kv, past, head_dim]
 LOGITS = "logits"  # [new, head]
-NEW_KEYS = "new_keys"  # [n_layers, n_kv, new, head_dim]
-NEW_VALUES = "new_values"  # [n_layers, n_kv, new, head_dim]
+NEW_KV = "new_kv"  # [2, n_layers, n_kv, new, head_dim]: keys then values of the new positions
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 
@@ -139,11 +138,8 @@ def export_tflite(
             h = rms_norm(x, w["post_norm"])
             x = x + (tf.nn.silu(h @ w["gate"]) * (h @ w["up"])) @ w["down"]
         logits = rms_norm(x, final_norm) @ head_t
-        return {
-            LOGITS: tf.identity(logits, name=LOGITS),
-            NEW_KEYS: tf.stack(new_keys),
-            NEW_VALUES: tf.stack(new_values),
-        }
+        # Two outputs of different rank, so the runtime tells them apart without names.
+        return {LOGITS: logits, NEW_KV: tf.stack([tf.stack(new_keys), tf.stack(new_values)])}
 
     concrete = step.get_concrete_function()
     converter = tf.lite.TFLiteConverter.from_concrete_functions([concrete], step)
