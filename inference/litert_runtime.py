@@ -84,12 +84,16 @@ class LiteRtRuntime:
     def __init__(
         self,
         model_path: Path,
-        config: LlamaConfig,
+        config: LlamaConfig | None = None,
         *,
         head_ids: Sequence[int] | npt.NDArray[np.int64] | None = None,
         threads: int | None = None,
         name: str | None = None,
     ) -> None:
+        """Without `config`, the config and head ids come from the files beside the model (the
+        manifest and `output_ids.json` that `specfleet models distill` writes)."""
+        if config is None:
+            config, head_ids = _described_beside(model_path)
         self.interpreter = _make_interpreter(model_path, threads)
         self.config = config
         self.name = name or model_path.stem
@@ -163,3 +167,11 @@ def _short(tensor_name: str) -> str:
     for prefix in ("serving_default_", "StatefulPartitionedCall_"):
         name = name.removeprefix(prefix)
     return name
+
+
+def _described_beside(model_path: Path) -> tuple[LlamaConfig, npt.NDArray[np.int64] | None]:
+    from inference.artifacts import load_manifest
+    from inference.drafts import read_output_ids
+
+    manifest = load_manifest(model_path.parent)
+    return LlamaConfig.from_json(manifest.config), read_output_ids(model_path.parent)
