@@ -16,12 +16,10 @@ from broker.topics import (
     DOWNLINK_CHANNELS,
     ROOT,
     UPLINK_CHANNELS,
+    VERIFIER_ROOT,
     device_topic,
     validate_device_id,
 )
-
-# Verifier traffic has no topics in broker.topics yet; verifiers get their own subtree.
-VERIFIER_ROOT = f"{ROOT}/verifier"
 
 CONFIG_FILE = "mosquitto.conf"
 ACL_FILE = "acl"

@@ -119,6 +119,25 @@ class Telemetry(_Message):
     probe_nonce: str | None = Field(default=None, max_length=64)
 
 
+def check_sparse_q(
+    tokens: tuple[int, ...],
+    q_ids: tuple[tuple[int, ...], ...] | None,
+    q_probs: tuple[tuple[float, ...], ...] | None,
+) -> None:
+    """q' comes as one row of 1..MAX_SPARSE_K ids and probabilities per drafted token."""
+    if (q_ids is None) != (q_probs is None):
+        raise ValueError("q_ids and q_probs come together")
+    if q_ids is None or q_probs is None:
+        return
+    if len(q_ids) != len(tokens) or len(q_probs) != len(tokens):
+        raise ValueError("q_ids and q_probs need one row per drafted token")
+    for ids, probs in zip(q_ids, q_probs, strict=True):
+        if not 1 <= len(ids) <= MAX_SPARSE_K or len(ids) != len(probs):
+            raise ValueError(f"each q' row holds 1..{MAX_SPARSE_K} ids and as many probs")
+        if not math.isclose(sum(probs), 1.0, abs_tol=1e-3):
+            raise ValueError("each q' row must sum to 1")
+
+
 class DraftTimings(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -146,16 +165,7 @@ class Draft(_Message):
 
     @model_validator(mode="after")
     def _sparse_q_matches_tokens(self) -> Draft:
-        if (self.q_ids is None) != (self.q_probs is None):
-            raise ValueError("q_ids and q_probs come together")
-        if self.q_ids is not None and self.q_probs is not None:
-            if len(self.q_ids) != len(self.tokens) or len(self.q_probs) != len(self.tokens):
-                raise ValueError("q_ids and q_probs need one row per drafted token")
-            for ids, probs in zip(self.q_ids, self.q_probs, strict=True):
-                if not 1 <= len(ids) <= MAX_SPARSE_K or len(ids) != len(probs):
-                    raise ValueError(f"each q' row holds 1..{MAX_SPARSE_K} ids and as many probs")
-                if not math.isclose(sum(probs), 1.0, abs_tol=1e-3):
-                    raise ValueError("each q' row must sum to 1")
+        check_sparse_q(self.tokens, self.q_ids, self.q_probs)
         return self
 
 
@@ -200,9 +210,112 @@ class Verdict(_Message):
         return self
 
 
+class SamplingSpec(BaseModel):
+    """Sampling of a session; temperature 0 is greedy. Randomness derives from (seed, round)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SessionOpen(_Message):
+    """Open a session, or resume it: re-sent for a known id, it is answered with its state."""
+
+    type: Literal["session_open"] = "session_open"
+    session_id: SessionId
+    prompt: str = Field(max_length=64 * 1024)
+    prompt_ids: tuple[TokenId, ...] = Field(min_length=1, max_length=8192)  # chat-templated
+    task_type: str = Field(default="chat", max_length=32)
+    sampling: SamplingSpec = SamplingSpec()
+    max_tokens: int = Field(default=128, ge=1, le=8192)
+    draft_model: Name
+    k: int = Field(default=4, ge=0, le=64)
+
+
+class SessionClose(_Message):
+    type: Literal["session_close"] = "session_close"
+    session_id: SessionId
+    reason: str = Field(default="cancelled", max_length=256)
+
+
+class SessionState(_Message):
+    """The coordinator's truth about a session: what is committed and which round comes next."""
+
+    type: Literal["session_state"] = "session_state"
+    session_id: SessionId
+    prompt_len: int = Field(ge=1)
+    generated_ids: tuple[TokenId, ...] = Field(max_length=8192)  # committed after the prompt
+    next_round: int = Field(ge=0)
+    status: str = Field(max_length=32)  # active, finished, cancelled, failed
+    policy: Policy | None = None
+
+    @property
+    def committed_len(self) -> int:
+        return self.prompt_len + len(self.generated_ids)
+
+
+class VerifierStatus(_Message):
+    """A verifier's heartbeat, retained; its Last Will says offline."""
+
+    type: Literal["verifier_status"] = "verifier_status"
+    verifier_id: Name
+    state: DeviceState
+    at: float = Field(ge=0, allow_inf_nan=False)
+    queue_depth: int = Field(default=0, ge=0)
+    in_flight: int = Field(default=0, ge=0)
+    sessions_cached: int = Field(default=0, ge=0)
+    max_batch: int = Field(default=1, ge=1)
+    heartbeat_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    target: str = Field(default="", max_length=128)  # target model name@sha256 prefix
+
+
+class VerifyRequest(_Message):
+    """Score a draft against the target. `context_ids` is the whole committed sequence (prompt
+    included), so a verifier that lost its cache rebuilds it without asking anyone."""
+
+    type: Literal["verify_request"] = "verify_request"
+    request_id: str = Field(min_length=1, max_length=64)
+    session_id: SessionId
+    round: int = Field(ge=0)
+    context_ids: tuple[TokenId, ...] = Field(min_length=1, max_length=16384)
+    tokens: tuple[TokenId, ...] = Field(max_length=MAX_DRAFT_TOKENS)  # [k]
+    q_ids: tuple[tuple[TokenId, ...], ...] | None = None  # [k, K]
+    q_probs: tuple[tuple[Probability, ...], ...] | None = None  # [k, K]
+    sampling: SamplingSpec = SamplingSpec()
+    sent_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _sparse_q_matches_tokens(self) -> VerifyRequest:
+        check_sparse_q(self.tokens, self.q_ids, self.q_probs)
+        return self
+
+
+class VerifyResult(_Message):
+    type: Literal["verify_result"] = "verify_result"
+    request_id: str = Field(min_length=1, max_length=64)
+    session_id: SessionId
+    round: int = Field(ge=0)
+    base_len: int = Field(ge=0)
+    n_accepted: int = Field(default=0, ge=0)
+    next_token: TokenId | None = None
+    verifier_id: Name
+    queue_ms: Milliseconds = 0.0
+    verify_ms: Milliseconds = 0.0
+    batch_size: int = Field(default=1, ge=1)
+    error: str = Field(default="", max_length=1024)  # set when the round could not be verified
+
+
 class CommandName(str, Enum):
     PING = "ping"
     ECHO = "echo"  # the answer to a telemetry probe
+    START_SESSION = "start_session"  # args: session_id, prompt, task_type, max_tokens, sampling
+    CANCEL_SESSION = "cancel_session"  # args: session_id
 
 
 class Command(_Message):
@@ -242,11 +355,39 @@ class ErrorReply(_Message):
 
 M = TypeVar("M", bound="_Message")
 
-Message: TypeAlias = Status | Telemetry | Draft | Verdict | Command | CommandAck | ErrorReply
+Message: TypeAlias = (
+    Status
+    | Telemetry
+    | Draft
+    | Verdict
+    | Command
+    | CommandAck
+    | ErrorReply
+    | SessionOpen
+    | SessionClose
+    | SessionState
+    | VerifierStatus
+    | VerifyRequest
+    | VerifyResult
+)
 
 MESSAGE_TYPES: dict[str, type[_Message]] = {
     cls.model_fields["type"].default: cls
-    for cls in (Status, Telemetry, Draft, Verdict, Command, CommandAck, ErrorReply)
+    for cls in (
+        Status,
+        Telemetry,
+        Draft,
+        Verdict,
+        Command,
+        CommandAck,
+        ErrorReply,
+        SessionOpen,
+        SessionClose,
+        SessionState,
+        VerifierStatus,
+        VerifyRequest,
+        VerifyResult,
+    )
 }
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {
     name: TypeAdapter(cls) for name, cls in MESSAGE_TYPES.items()

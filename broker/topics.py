@@ -17,9 +17,10 @@ class DeviceChannel(str, Enum):
 
     STATUS = "status"  # retained presence; the Last Will publishes "offline" here
     TELEMETRY = "telemetry"
+    SESSION = "session"  # open (or resume) and close a decoding session
     DRAFT = "draft"
     ACK = "ack"  # command acknowledgements
-    VERDICT = "verdict"
+    VERDICT = "verdict"  # verdicts, session states and error replies
     COMMAND = "cmd"
 
     @property
@@ -69,5 +70,44 @@ def parse_device_topic(topic: str) -> ParsedDeviceTopic | None:
         return None
     try:
         return ParsedDeviceTopic(device_id, DeviceChannel(channel))
+    except ValueError:
+        return None
+
+
+class VerifierChannel(str, Enum):
+    """Topics below `verifier/{verifier_id}/`: cloud-internal, between coordinator and verifiers."""
+
+    STATUS = "status"  # retained heartbeat with load; the Last Will publishes "offline" here
+    WORK = "work"  # verify requests, coordinator -> verifier
+    RESULT = "result"  # verify results, verifier -> coordinator
+
+
+VERIFIER_ROOT = f"{ROOT}/verifier"
+
+
+def verifier_topic(verifier_id: str, channel: VerifierChannel) -> str:
+    return f"{VERIFIER_ROOT}/{validate_device_id(verifier_id)}/{channel.value}"
+
+
+def verifier_subscription(channel: VerifierChannel) -> str:
+    return f"{VERIFIER_ROOT}/+/{channel.value}"
+
+
+_VERIFIER_TOPIC = re.compile(rf"^{re.escape(VERIFIER_ROOT)}/([^/]+)/([^/]+)$")
+
+
+@dataclass(frozen=True)
+class ParsedVerifierTopic:
+    verifier_id: str
+    channel: VerifierChannel
+
+
+def parse_verifier_topic(topic: str) -> ParsedVerifierTopic | None:
+    match = _VERIFIER_TOPIC.fullmatch(topic)
+    if match is None:
+        return None
+    verifier_id, channel = match.groups()
+    try:
+        return ParsedVerifierTopic(verifier_id, VerifierChannel(channel))
     except ValueError:
         return None

@@ -24,7 +24,9 @@ def drafts(draw: st.DrawFn) -> m.Draft:
     q_ids = q_probs = None
     if sparse:
         top_k = draw(st.integers(min_value=1, max_value=4))
-        q_ids = tuple(tuple(draw(st.lists(token_ids, min_size=top_k, max_size=top_k))) for _ in tokens)
+        q_ids = tuple(
+            tuple(draw(st.lists(token_ids, min_size=top_k, max_size=top_k))) for _ in tokens
+        )
         q_probs = tuple((1.0 / top_k,) * top_k for _ in tokens)
     return m.Draft(
         session_id=draw(session_ids),
@@ -105,7 +107,87 @@ errors = st.builds(
     round=st.none() | st.integers(0, 100),
     reason=names,
 )
-any_message = st.one_of(drafts(), verdicts(), statuses, telemetry, commands, acks, errors)
+samplings = st.builds(
+    m.SamplingSpec,
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0.05, 1.0),
+    seed=st.integers(0, 2**63 - 1),
+)
+session_opens = st.builds(
+    m.SessionOpen,
+    session_id=session_ids,
+    prompt=st.text(max_size=200),
+    prompt_ids=st.lists(token_ids, min_size=1, max_size=32).map(tuple),
+    task_type=st.sampled_from(["chat", "code", "math"]),
+    sampling=samplings,
+    max_tokens=st.integers(1, 512),
+    draft_model=names,
+    k=st.integers(0, 16),
+)
+session_closes = st.builds(m.SessionClose, session_id=session_ids, reason=names)
+session_states = st.builds(
+    m.SessionState,
+    session_id=session_ids,
+    prompt_len=st.integers(1, 100),
+    generated_ids=st.lists(token_ids, max_size=32).map(tuple),
+    next_round=st.integers(0, 100),
+    status=st.sampled_from(["active", "finished"]),
+)
+verifier_statuses = st.builds(
+    m.VerifierStatus,
+    verifier_id=names,
+    state=st.sampled_from(m.DeviceState),
+    at=unix_times,
+    queue_depth=st.integers(0, 100),
+    sessions_cached=st.integers(0, 100),
+)
+
+
+@st.composite
+def verify_requests(draw: st.DrawFn) -> m.VerifyRequest:
+    draft = draw(drafts())
+    return m.VerifyRequest(
+        request_id=draw(names),
+        session_id=draft.session_id,
+        round=draft.round,
+        context_ids=tuple(draw(st.lists(token_ids, min_size=1, max_size=32))),
+        tokens=draft.tokens,
+        q_ids=draft.q_ids,
+        q_probs=draft.q_probs,
+        sampling=draw(samplings),
+        sent_at=draw(unix_times),
+    )
+
+
+verify_results = st.builds(
+    m.VerifyResult,
+    request_id=names,
+    session_id=session_ids,
+    round=st.integers(0, 100),
+    base_len=st.integers(0, 1000),
+    n_accepted=st.integers(0, 16),
+    next_token=st.none() | token_ids,
+    verifier_id=names,
+    queue_ms=ms,
+    verify_ms=ms,
+    batch_size=st.integers(1, 16),
+    error=st.just("") | names,
+)
+any_message = st.one_of(
+    drafts(),
+    verdicts(),
+    statuses,
+    telemetry,
+    commands,
+    acks,
+    errors,
+    session_opens,
+    session_closes,
+    session_states,
+    verifier_statuses,
+    verify_requests(),
+    verify_results,
+)
 
 
 @given(any_message)
@@ -133,10 +215,29 @@ json_values = st.recursive(
 
 @given(
     st.sampled_from(sorted(m.MESSAGE_TYPES)),
-    st.dictionaries(st.sampled_from(["session_id", "round", "tokens", "base_len", "device_id",
-                                     "state", "at", "next_token", "n_accepted", "committed_len",
-                                     "draft_model", "q_ids", "q_probs", "name", "ok"]),
-                    json_values, max_size=8),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "session_id",
+                "round",
+                "tokens",
+                "base_len",
+                "device_id",
+                "state",
+                "at",
+                "next_token",
+                "n_accepted",
+                "committed_len",
+                "draft_model",
+                "q_ids",
+                "q_probs",
+                "name",
+                "ok",
+            ]
+        ),
+        json_values,
+        max_size=8,
+    ),
 )
 @settings(max_examples=500)
 def test_json_objects_of_known_types_validate_or_are_refused(
@@ -181,16 +282,32 @@ def test_refusals_say_why(payload: bytes, error: type[m.BusError], reason_part: 
     ],
 )
 def test_draft_shapes_are_checked(fields: dict[str, object], reason_part: str) -> None:
-    document = {"v": 1, "type": "draft", "session_id": "s", "round": 0, "base_len": 3,
-                "tokens": [5], "draft_model": "lookup", **fields}
+    document = {
+        "v": 1,
+        "type": "draft",
+        "session_id": "s",
+        "round": 0,
+        "base_len": 3,
+        "tokens": [5],
+        "draft_model": "lookup",
+        **fields,
+    }
     with pytest.raises(m.SchemaViolation) as caught:
         m.decode(json.dumps(document).encode())
     assert reason_part in caught.value.reason
 
 
 def test_verdict_lengths_must_add_up() -> None:
-    document = {"v": 1, "type": "verdict", "session_id": "s", "round": 0, "base_len": 3,
-                "n_accepted": 2, "next_token": 9, "committed_len": 5}
+    document = {
+        "v": 1,
+        "type": "verdict",
+        "session_id": "s",
+        "round": 0,
+        "base_len": 3,
+        "n_accepted": 2,
+        "next_token": 9,
+        "committed_len": 5,
+    }
     with pytest.raises(m.SchemaViolation, match="committed_len 5"):
         m.decode(json.dumps(document).encode())
 
