@@ -11,7 +11,7 @@ round_rng(seed, r), so target-only and speculative runs are each reproducible fr
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,9 +100,10 @@ def decode_target(
     max_new_tokens: int,
     params: SamplingParams,
     eos: int | Collection[int] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> DecodeResult:
     """Generate with the target alone, one pass per token."""
-    return decode_speculative(target, None, prompt_ids, 0, max_new_tokens, params, eos)
+    return decode_speculative(target, None, prompt_ids, 0, max_new_tokens, params, eos, on_tokens)
 
 
 def decode_speculative(
@@ -113,12 +114,14 @@ def decode_speculative(
     max_new_tokens: int,
     params: SamplingParams,
     eos: int | Collection[int] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> DecodeResult:
     """Generate with a drafter proposing up to k tokens a round and the target verifying them.
 
     Greedy output is token-identical to `decode_target`; sampled output follows the same
     distribution. A round never drafts more than fits in `max_new_tokens`, and nothing after an
-    eos token is kept, exactly as the target alone would stop.
+    eos token is kept, exactly as the target alone would stop. `on_tokens` hears each round's
+    committed tokens as soon as they are final.
     """
     _check(prompt_ids, max_new_tokens)
     if k < 0 or (proposer is not None and k < 1):
@@ -176,12 +179,15 @@ def decode_speculative(
             # only the accepted prefix of the draft's own state is still valid.
             proposer.rollback(base_len + verdict.n_accepted)
         new_tokens = [*candidates.tokens[: verdict.n_accepted].tolist(), verdict.next_token]
-        for token in new_tokens:
-            generated.append(token)
-            committed.append(token)
+        for index, token in enumerate(new_tokens):
             if token in eos_ids:
                 stopped_by = "eos"
+                del new_tokens[index + 1 :]
                 break
+        generated += new_tokens
+        committed += new_tokens
+        if on_tokens is not None:
+            on_tokens(new_tokens)
         if stopped_by == "eos":
             break
         round_index += 1

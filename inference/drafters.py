@@ -1,0 +1,114 @@
+"""Drafters by name: the built-in lookup, n-gram and hybrid ones, and the neural drafts on disk.
+
+Names: `lookup`, `ngram`, `hybrid` (lookup, then the n-gram table), every draft model in the
+models directory by its manifest name, and `hybrid+NAME` (lookup, the table, then that draft).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from inference.proposers import (
+    HybridProposer,
+    NeuralProposer,
+    NGramTable,
+    NGramTableProposer,
+    PromptLookupProposer,
+    Proposer,
+)
+
+if TYPE_CHECKING:
+    from inference.runtime import Runtime
+
+LOOKUP = "lookup"
+NGRAM = "ngram"
+HYBRID = "hybrid"
+BUILTIN_DRAFTERS = (LOOKUP, NGRAM, HYBRID)
+HYBRID_PREFIX = "hybrid+"
+
+# Committed beside the code, and rebuilt by `specfleet models build-ngram`.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_NGRAM_TABLE = REPO_ROOT / "models" / "ngram" / "target-4gram.ngram"
+
+# Lookup settings and windows chosen on the n-gram build prompts (never on the benchmark ones).
+LOOKUP_MAX_NGRAM = 3
+LOOKUP_MIN_NGRAM = 1
+NGRAM_MIN_CONTEXT = 2
+NEURAL_TOP_K = 8  # K of the sparse q' a sampling draft sends
+DEFAULT_K = {LOOKUP: 4, NGRAM: 4, HYBRID: 4}
+DEFAULT_NEURAL_K = 4
+
+
+class DrafterError(Exception):
+    """An unknown drafter name, or one whose files are missing."""
+
+
+def draft_model_names(models_dir: Path) -> list[str]:
+    """The manifest name of every built draft: `draft-l2` (ONNX), `draft-l2-tflite` (LiteRT)."""
+    from inference.drafts import list_drafts
+
+    return sorted(draft.manifest.name for draft in list_drafts(models_dir))
+
+
+def drafter_names(models_dir: Path) -> list[str]:
+    """The names `make_proposer` accepts for this models directory."""
+    drafts = draft_model_names(models_dir)
+    return [*BUILTIN_DRAFTERS, *drafts, *(HYBRID_PREFIX + name for name in drafts)]
+
+
+def default_k(name: str) -> int:
+    return DEFAULT_K.get(name, DEFAULT_NEURAL_K)
+
+
+def load_draft_runtime(models_dir: Path, name: str, threads: int | None = None) -> Runtime:
+    """A built draft by manifest name, in the runtime its format needs."""
+    from inference.drafts import DraftError, list_drafts, load_draft
+
+    for draft in list_drafts(models_dir):
+        if draft.manifest.name == name:
+            try:
+                return load_draft(models_dir, name, draft.format, threads=threads)
+            except DraftError as exc:
+                raise DrafterError(str(exc)) from exc
+    known = ", ".join(drafter_names(models_dir))
+    raise DrafterError(f"unknown drafter {name!r}; known: {known}")
+
+
+def load_ngram_table(path: Path = DEFAULT_NGRAM_TABLE) -> NGramTable:
+    if not path.exists():
+        raise DrafterError(
+            f"no n-gram table at {path}; build it with `specfleet models build-ngram`"
+        )
+    return NGramTable.load(path)
+
+
+def make_proposer(
+    name: str,
+    models_dir: Path,
+    *,
+    temperature: float = 0.0,
+    ngram_path: Path = DEFAULT_NGRAM_TABLE,
+    threads: int | None = None,
+) -> Proposer:
+    """A fresh drafter of the given name; a neural one samples at `temperature` from top-K q'."""
+
+    def lookup() -> Proposer:
+        return PromptLookupProposer(LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
+
+    def ngram() -> Proposer:
+        return NGramTableProposer(load_ngram_table(ngram_path), min_context=NGRAM_MIN_CONTEXT)
+
+    def neural(draft_name: str) -> Proposer:
+        runtime = load_draft_runtime(models_dir, draft_name, threads)
+        return NeuralProposer(runtime, temperature=temperature, top_k=NEURAL_TOP_K)
+
+    if name == LOOKUP:
+        return lookup()
+    if name == NGRAM:
+        return ngram()
+    if name == HYBRID:
+        return HybridProposer([lookup(), ngram()], name=HYBRID)
+    if name.startswith(HYBRID_PREFIX):
+        return HybridProposer([lookup(), ngram(), neural(name[len(HYBRID_PREFIX) :])], name=name)
+    return neural(name)
