@@ -246,6 +246,12 @@ class Round(Base):
     t_queue_ms: Mapped[float | None]
     t_verify_ms: Mapped[float | None]
     t_downlink_ms: Mapped[float | None]
+    # Drafted offline (local mode) and already shown to the device's user; set from Draft.
+    provisional: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
+    # q' of a sampled draft, as the Draft carried it, so that replay can re-verify the round:
+    # [k, K] ids and probabilities; NULL for greedy sessions and deterministic drafters.
+    q_ids: Mapped[list[list[int]] | None] = mapped_column(sa.JSON())
+    q_probs: Mapped[list[list[float]] | None] = mapped_column(sa.JSON())
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -262,3 +268,37 @@ class Event(Base):
     session_id: Mapped[uuid.UUID | None] = mapped_column(index=True)
     actor: Mapped[str] = mapped_column(sa.String(64))
     detail: Mapped[JsonDict] = mapped_column(default=dict)
+
+
+class AdminRole(str, enum.Enum):
+    ADMIN = "admin"  # reads and writes
+    VIEWER = "viewer"  # reads only
+
+
+class Admin(Base):
+    """A person (or a script) allowed into the admin API and the dashboard."""
+
+    __tablename__ = "admins"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(48), unique=True)
+    role: Mapped[AdminRole] = mapped_column(_enum(AdminRole, "admin_role"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    disabled_at: Mapped[datetime | None]
+
+
+class ApiToken(Base):
+    """A bearer token of an admin; only its SHA-256 is stored (it is 256 random bits)."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    admin_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("admins.id", ondelete="CASCADE"), index=True
+    )
+    token_sha256: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(sa.String(16))  # tells tokens apart in listings
+    label: Mapped[str] = mapped_column(sa.String(64), default="")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]

@@ -137,6 +137,7 @@ def test_the_wheel_ships_migrations_and_broker_configs(tmp_path: Path) -> None:
         "migrations/env.py",
         "migrations/script.py.mako",
         "migrations/versions/0001_initial.py",
+        "migrations/versions/0002_admins_and_round_audit.py",
         "broker/config/mosquitto.conf",
         "broker/config/mosquitto-tls.conf",
     ):
