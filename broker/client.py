@@ -34,6 +34,8 @@ RECONNECT_MAX_S = 30.0
 # A connection that lasted this long resets the backoff: the broker was healthy.
 STABLE_CONNECTION_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
+# A 3.1.1-only broker may never answer an MQTT 5 CONNECT; don't wait long for it.
+V5_PROBE_TIMEOUT_S = 2.0
 # MQTT 5 session expiry for persistent sessions: QoS 1 messages queued while a client is away
 # survive a drop of this length.
 SESSION_EXPIRY_S = 3600
@@ -174,7 +176,7 @@ def _make_client(
             properties=properties,
             will=will,
             keepalive=options.keepalive_s,
-            timeout=CONNECT_TIMEOUT_S,
+            timeout=V5_PROBE_TIMEOUT_S if options.protocol == "auto" else CONNECT_TIMEOUT_S,
             tls_context=_tls_context(address),
             socket_options=socket_options,
         )
@@ -225,6 +227,7 @@ async def connect(address: BrokerAddress, options: ConnectOptions) -> AsyncItera
                 log.debug("MQTT 5 refused by %s (%s); trying 3.1.1", address.url, exc)
                 continue
             raise BusConnectionError(f"cannot connect to {address.url}: {exc}") from exc
+        client.timeout = CONNECT_TIMEOUT_S  # the short MQTT 5 probe timeout was for CONNECT only
         if protocol == "3.1.1" and options.protocol == "auto":
             _V311_ONLY.add((address.host, address.port))
         try:

@@ -34,6 +34,7 @@ def register(subparsers: Subparsers) -> None:
     _register_db(subparsers)
     _register_devices(subparsers)
     _register_broker(subparsers)
+    _register_up(subparsers)
 
 
 def _group(subparsers: Subparsers, name: str, help_text: str) -> Subparsers:
@@ -410,4 +411,58 @@ def _broker_write_config(args: argparse.Namespace) -> int:
     for name, role, credential in new_credentials:
         print(f"new {role.value} user {name}: credential {credential}  (shown only now)")
     print(f"start: mosquitto -c {files.config}; after changes, reload it with SIGHUP")
+    return 0
+
+
+# --- specfleet up ------------------------------------------------------------------------------
+
+
+def _register_up(subparsers: Subparsers) -> None:
+    help_text = "run the broker (embedded unless --broker), the coordinator and the HTTP API"
+    parser = subparsers.add_parser("up", help=help_text, description=help_text)
+    _add_database_url(parser)
+    parser.add_argument(
+        "--broker", metavar="URL",
+        help="use this MQTT broker instead of starting the embedded one (mqtt:// or mqtts://)",
+    )
+    parser.add_argument("--mqtt-port", type=int, default=None,
+                        help="port of the embedded broker (default 1884)")
+    parser.add_argument("--http-port", type=int, default=None, help="port of the HTTP API")
+    parser.set_defaults(func=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pydantic import ValidationError
+
+    from broker.client import BrokerAddress
+    from broker.embedded import DEFAULT_PORT
+    from coordinator.settings import Settings
+    from coordinator.stack import run_up
+
+    overrides: dict[str, Any] = {}
+    if args.database_url:
+        overrides["database_url"] = args.database_url
+    if args.http_port is not None:
+        overrides["http_port"] = args.http_port
+    if args.broker:
+        try:
+            BrokerAddress.from_url(args.broker)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+        overrides["broker_url"] = args.broker
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise CommandError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from exc
+    if args.broker is None and settings.environment != "quickstart":
+        raise CommandError("the embedded broker serves the quickstart only; pass --broker URL")
+    _quiet_alembic(keep_migration_steps=False)
+    embedded_port = None if args.broker else (args.mqtt_port or DEFAULT_PORT)
+    try:
+        asyncio.run(run_up(settings, embedded_port=embedded_port))
+    except OSError as exc:
+        raise CommandError(f"cannot start: {exc}") from exc
     return 0

@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     broker_url: str = "mqtt://127.0.0.1:1883"
     broker_username: str | None = None
     broker_password: str | None = None
+    # The coordinator's MQTT client id; its persistent session keeps drafts queued across restarts.
+    coordinator_id: str = "coordinator"
+    # "auto" tries MQTT 5 first; the embedded broker speaks 3.1.1 only.
+    mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8420, ge=0, le=65535)
     models_dir: Path | None = None

@@ -1,0 +1,195 @@
+"""Device presence, telemetry and commands: what the coordinator knows of each device."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from broker import messages as m
+from broker.topics import DeviceChannel, device_topic
+from coordinator.db.models import DeviceKind, DeviceStatus
+from coordinator.events import EventLog
+from coordinator.registry import DeviceNotFoundError, DeviceRegistry, DeviceRetiredError
+
+log = logging.getLogger(__name__)
+
+# A device silent for this many keepalives is offline even if its Last Will never came.
+SILENCE_KEEPALIVES = 1.5
+SWEEP_INTERVAL_S = 0.5
+COMMAND_TIMEOUT_S = 10.0
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class CommandFailed(Exception):
+    """A device answered a command with an error, or did not answer in time."""
+
+
+class Fleet:
+    """Presence from retained status messages and Last Wills, telemetry, and device commands.
+
+    Every `at` handed to the registry is the coordinator's clock, never a device's: device
+    clocks drift, and ordering a Last Will against a reconnect needs one clock.
+    """
+
+    def __init__(
+        self,
+        registry: DeviceRegistry,
+        events: EventLog,
+        publish: Publish,
+        *,
+        accept_unknown_devices: bool,
+        default_keepalive_s: int,
+    ) -> None:
+        self.registry = registry
+        self.events = events
+        self._publish = publish
+        self.accept_unknown_devices = accept_unknown_devices
+        self.default_keepalive_s = default_keepalive_s
+        self._keepalive_s: dict[str, int] = {}
+        self._pending_commands: dict[str, asyncio.Future[m.CommandAck]] = {}
+
+    async def on_status(self, device_id: str, status: m.Status) -> None:
+        now = utcnow()
+        if status.state is m.DeviceState.ONLINE:
+            if not await self._known(device_id, status.kind):
+                return
+            self._keepalive_s[device_id] = status.keepalive_s or self.default_keepalive_s
+            detail = {"agent_version": status.agent_version, "runtimes": list(status.runtimes)}
+            await self._registry_call(self.registry.mark_online, device_id, now, detail=detail)
+            if status.drafts:
+                await self._registry_call(
+                    self.registry.set_installed_models, device_id, status.drafts
+                )
+        else:
+            await self._registry_call(
+                self.registry.mark_offline, device_id, now, status.reason or "offline"
+            )
+
+    async def on_telemetry(self, device_id: str, telemetry: m.Telemetry) -> None:
+        if telemetry.probe_nonce is not None:
+            # Echo first: the device measures the RTT to us, not to our database.
+            echo = m.Command(
+                command_id=secrets.token_hex(8),
+                name=m.CommandName.ECHO,
+                args={"nonce": telemetry.probe_nonce},
+                issued_at=time.time(),
+            )
+            await self._publish(device_topic(device_id, DeviceChannel.COMMAND), m.encode(echo))
+        if not await self._known(device_id, "other"):
+            return
+        now = utcnow()
+        await self._registry_call(
+            self.registry.record_telemetry,
+            device_id,
+            now,
+            rtt_ms=telemetry.rtt_ms,
+            cpu_percent=telemetry.cpu_percent,
+            memory_percent=telemetry.memory_percent,
+            battery_percent=telemetry.battery_percent,
+            thermal_c=telemetry.thermal_c,
+        )
+        # Telemetry proves the device is alive; if presence had timed out, it is back.
+        await self._registry_call(self.registry.mark_online, device_id, now)
+
+    async def on_ack(self, device_id: str, ack: m.CommandAck) -> None:
+        future = self._pending_commands.pop(ack.command_id, None)
+        if future is None:
+            log.info("late or unknown ack %s from %s", ack.command_id, device_id)
+            return
+        if not future.done():
+            future.set_result(ack)
+
+    async def send_command(
+        self,
+        device_id: str,
+        name: m.CommandName,
+        args: dict[str, Any] | None = None,
+        timeout_s: float = COMMAND_TIMEOUT_S,
+    ) -> m.CommandAck:
+        """Send a command and wait for the device's acknowledgement."""
+        command = m.Command(
+            command_id=secrets.token_hex(8),
+            name=name,
+            args=args or {},
+            issued_at=time.time(),
+        )
+        future: asyncio.Future[m.CommandAck] = asyncio.get_running_loop().create_future()
+        self._pending_commands[command.command_id] = future
+        try:
+            await self._publish(device_topic(device_id, DeviceChannel.COMMAND), m.encode(command))
+            ack = await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise CommandFailed(
+                f"{device_id} did not answer {name.value} in {timeout_s}s"
+            ) from None
+        finally:
+            self._pending_commands.pop(command.command_id, None)
+        if not ack.ok:
+            raise CommandFailed(f"{device_id} refused {name.value}: {ack.error}")
+        return ack
+
+    async def sweep(self) -> None:
+        """Mark offline every online device silent for SILENCE_KEEPALIVES keepalives."""
+        now = utcnow()
+        online = await asyncio.to_thread(
+            self.registry.list, status=DeviceStatus.ONLINE, limit=10_000
+        )
+        for device in online:
+            keepalive = self._keepalive_s.get(device.id, self.default_keepalive_s)
+            if device.last_seen is None:
+                continue
+            if now - device.last_seen > timedelta(seconds=SILENCE_KEEPALIVES * keepalive):
+                await self._registry_call(
+                    self.registry.mark_offline, device.id, now, "silent past its keepalive"
+                )
+
+    async def run_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                await self.sweep()
+            except Exception:
+                # The database may be briefly away; presence resumes with it.
+                log.exception("presence sweep failed")
+
+    async def _known(self, device_id: str, kind: str) -> bool:
+        """Whether the device is registered; in the quickstart, unknown devices are enrolled."""
+        try:
+            device = await asyncio.to_thread(self.registry.get, device_id)
+        except DeviceNotFoundError:
+            if not self.accept_unknown_devices:
+                log.warning("refused unregistered device %s", device_id)
+                await asyncio.to_thread(
+                    self.events.append,
+                    "device.refused",
+                    device_id=device_id,
+                    detail={"reason": "not registered"},
+                )
+                return False
+            device_kind = kind if kind in {k.value for k in DeviceKind} else DeviceKind.OTHER
+            await asyncio.to_thread(
+                self.registry.provision,
+                device_id,
+                device_kind,
+                ("quickstart",),
+                actor="coordinator",
+            )
+            log.info("enrolled quickstart device %s", device_id)
+            return True
+        return device.status is not DeviceStatus.RETIRED
+
+    async def _registry_call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            await asyncio.to_thread(method, *args, **kwargs)
+        except (DeviceNotFoundError, DeviceRetiredError) as exc:
+            log.warning("ignored a message for %s", exc)

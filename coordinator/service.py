@@ -1,0 +1,196 @@
+"""The coordinator process: one bus connection, its subscriptions, and the handlers behind them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from broker import messages as m
+from broker.client import (
+    BrokerAddress,
+    BusClient,
+    BusConnectionError,
+    ConnectOptions,
+    run_with_reconnect,
+)
+from broker.compat import task_group
+from broker.topics import (
+    DeviceChannel,
+    VerifierChannel,
+    device_subscription,
+    device_topic,
+    parse_device_topic,
+    parse_verifier_topic,
+    verifier_subscription,
+)
+from coordinator.db.engine import make_sessionmaker
+from coordinator.events import EventLog
+from coordinator.fleet import Fleet
+from coordinator.registry import DeviceRegistry
+from coordinator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEVICE_CHANNELS = (
+    DeviceChannel.STATUS,
+    DeviceChannel.TELEMETRY,
+    DeviceChannel.ACK,
+    DeviceChannel.SESSION,
+    DeviceChannel.DRAFT,
+)
+VERIFIER_CHANNELS = (VerifierChannel.STATUS, VerifierChannel.RESULT)
+
+# Which message each device channel carries; anything else on it is refused.
+EXPECTED_ON_DEVICE_CHANNEL: dict[DeviceChannel, tuple[type[Any], ...]] = {
+    DeviceChannel.STATUS: (m.Status,),
+    DeviceChannel.TELEMETRY: (m.Telemetry,),
+    DeviceChannel.ACK: (m.CommandAck,),
+    DeviceChannel.SESSION: (m.SessionOpen, m.SessionClose),
+    DeviceChannel.DRAFT: (m.Draft,),
+}
+
+DeviceHandler = Callable[[str, Any], Awaitable[None]]
+
+
+class Coordinator:
+    """Presence, telemetry and commands now; sessions and verifiers plug in through handlers."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        *,
+        client_id: str | None = None,
+        accept_unknown_devices: bool | None = None,
+    ) -> None:
+        self.settings = settings
+        self.sessions = make_sessionmaker(engine)
+        self.registry = DeviceRegistry(self.sessions)
+        self.events = EventLog(self.sessions)
+        self.client_id = client_id or settings.coordinator_id
+        self._client: BusClient | None = None
+        self.connected = asyncio.Event()
+        if accept_unknown_devices is None:
+            accept_unknown_devices = settings.environment == "quickstart"
+        self.fleet = Fleet(
+            self.registry,
+            self.events,
+            self.publish,
+            accept_unknown_devices=accept_unknown_devices,
+            default_keepalive_s=settings.device_keepalive_s,
+        )
+        self.device_handlers: dict[type[Any], DeviceHandler] = {
+            m.Status: self.fleet.on_status,
+            m.Telemetry: self.fleet.on_telemetry,
+            m.CommandAck: self.fleet.on_ack,
+        }
+        self.verifier_handlers: dict[type[Any], Callable[[str, Any], Awaitable[None]]] = {}
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = [self.fleet.run_sweeper]
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        client = self._client
+        if client is None:
+            raise ConnectionError("the coordinator is not connected to the broker")
+        await client.publish(topic, payload, retain=retain)
+
+    def connect_options(self) -> ConnectOptions:
+        return ConnectOptions(
+            client_id=self.client_id,
+            username=self.settings.broker_username,
+            password=self.settings.broker_password,
+            keepalive_s=10,
+            # Persistent: drafts published while the coordinator restarts wait at the broker.
+            persistent=True,
+            protocol=self.settings.mqtt_protocol,
+        )
+
+    async def run(self) -> None:
+        address = BrokerAddress.from_url(self.settings.broker_url)
+        async with task_group() as tasks:
+            for job in self.background:
+                tasks.create_task(job(), name=f"coordinator-{getattr(job, '__name__', 'job')}")
+            await run_with_reconnect(
+                address,
+                self.connect_options(),
+                self._bus_session,
+                on_disconnect=self._on_disconnect,
+            )
+
+    async def _on_disconnect(self, exc: Exception) -> None:
+        self._client = None
+        self.connected.clear()
+
+    async def _bus_session(self, client: BusClient) -> None:
+        for channel in DEVICE_CHANNELS:
+            await client.subscribe(device_subscription(channel))
+        for vchannel in VERIFIER_CHANNELS:
+            await client.subscribe(verifier_subscription(vchannel))
+        self._client = client
+        self.connected.set()
+        async for incoming in client.messages():
+            await self.dispatch(incoming.topic, incoming.payload)
+
+    async def dispatch(self, topic: str, payload: bytes) -> None:
+        """Validate one message at the boundary and hand it to its handler; never raise."""
+        try:
+            await self._dispatch(topic, payload)
+        except Exception:
+            log.exception("handler failed for a message on %s", topic)
+
+    async def _dispatch(self, topic: str, payload: bytes) -> None:
+        device = parse_device_topic(topic)
+        if device is not None:
+            await self._dispatch_device(device.device_id, device.channel, payload)
+            return
+        verifier = parse_verifier_topic(topic)
+        if verifier is not None:
+            try:
+                message = m.decode(payload)
+            except m.BusError as exc:
+                log.warning(
+                    "refused a payload from verifier %s: %s", verifier.verifier_id, exc.reason
+                )
+                return
+            handler = self.verifier_handlers.get(type(message))
+            if handler is None:
+                log.warning("unexpected %s from verifier %s", message.type, verifier.verifier_id)
+                return
+            await handler(verifier.verifier_id, message)
+            return
+        log.warning("message on an unknown topic %s", topic)
+
+    async def _dispatch_device(
+        self, device_id: str, channel: DeviceChannel, payload: bytes
+    ) -> None:
+        try:
+            message = m.decode(payload)
+            if not isinstance(message, EXPECTED_ON_DEVICE_CHANNEL[channel]):
+                raise m.BusError(f"{message.type} is not allowed on {channel.value}")
+            claimed = getattr(message, "device_id", device_id)
+            if claimed != device_id:
+                raise m.BusError(f"device {device_id} spoke as {claimed}")
+        except m.BusError as exc:
+            log.warning("refused a payload from %s on %s: %s", device_id, channel.value, exc.reason)
+            await self._refuse(device_id, channel, payload, exc.reason)
+            return
+        handler = self.device_handlers.get(type(message))
+        if handler is None:
+            await self._refuse(device_id, channel, payload, f"{message.type} is not served here")
+            return
+        await handler(device_id, message)
+
+    async def _refuse(
+        self, device_id: str, channel: DeviceChannel, payload: bytes, reason: str
+    ) -> None:
+        """Tell the device why, where it has somewhere to hear it; status and acks have none."""
+        if channel in (DeviceChannel.STATUS, DeviceChannel.ACK, DeviceChannel.TELEMETRY):
+            return
+        reply = m.ErrorReply(refused_type=channel.value, reason=reason[:1024])
+        try:
+            await self.publish(device_topic(device_id, DeviceChannel.VERDICT), m.encode(reply))
+        except (ConnectionError, BusConnectionError, m.BusError) as exc:
+            log.warning("could not send an error reply to %s: %s", device_id, exc)

@@ -1,0 +1,152 @@
+"""`specfleet up`: embedded broker, database, coordinator and HTTP API in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy.engine import Engine
+
+from broker.acl import ServiceRole, ServiceUser, generate_passwords
+from broker.embedded import EmbeddedBroker
+from broker.passwords import hash_credential, new_credential
+from coordinator.api.main import create_app
+from coordinator.db.engine import make_engine, make_sessionmaker
+from coordinator.db.migrate import upgrade
+from coordinator.registry import DeviceRegistry
+from coordinator.service import Coordinator
+from coordinator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_USER = "coordinator"
+VERIFIER_USER = "verifier"
+
+
+# Libraries that narrate their internals at INFO; an operator wants our lines only.
+NOISY_LOGGERS = ("alembic", "amqtt", "transitions")
+
+# Devices provisioned while the stack runs can connect within this many seconds.
+PASSWORD_REFRESH_S = 2.0
+
+
+@dataclass
+class QuickstartBroker:
+    """The embedded broker and the service credentials minted for this run."""
+
+    broker: EmbeddedBroker
+    password_file: Path
+    credentials: dict[str, str]  # service username -> plaintext, for this process's clients
+    services: list[ServiceUser]
+
+    def refresh_passwords(self, registry: DeviceRegistry) -> None:
+        """Rewrite the password file from the registry; the broker reads it on every connect."""
+        text = generate_passwords(registry.broker_accounts(), self.services)
+        self.password_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.password_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o600)
+        tmp.replace(self.password_file)
+
+
+def prepare_database(settings: Settings) -> Engine:
+    """Migrate to head (SQLite files are created on the way) and return an engine."""
+    settings.home.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    return engine
+
+
+def quickstart_broker(settings: Settings, port: int, registry: DeviceRegistry) -> QuickstartBroker:
+    credentials = {COORDINATOR_USER: new_credential(), VERIFIER_USER: new_credential()}
+    password_file = settings.home / "broker" / "passwords"
+    broker = EmbeddedBroker(
+        port=port,
+        password_file=password_file,
+        # Anonymous devices are accepted in the quickstart only; they get no offline queue.
+        allow_anonymous=True,
+        service_users=tuple(credentials),
+    )
+    services = [
+        ServiceUser(name, hash_credential(secret), ServiceRole(name))
+        for name, secret in credentials.items()
+    ]
+    quick = QuickstartBroker(broker, password_file, credentials, services)
+    quick.refresh_passwords(registry)
+    return quick
+
+
+@contextlib.asynccontextmanager
+async def http_api(app: FastAPI, host: str, port: int) -> AsyncIterator[uvicorn.Server]:
+    """Serve `app` in this event loop; uvicorn turns Ctrl-C into a clean stop of everything."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(), name="http-api")
+    while not server.started:
+        if task.done():
+            task.result()  # re-raise the bind error
+            raise RuntimeError("the HTTP API stopped while starting")
+        await asyncio.sleep(0.02)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def run_up(
+    settings: Settings, *, embedded_port: int | None, ready: asyncio.Event | None = None
+) -> None:
+    """Serve until cancelled. `embedded_port` None means: use settings.broker_url as it is."""
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    engine = prepare_database(settings)
+    registry = DeviceRegistry(make_sessionmaker(engine))
+    quick: QuickstartBroker | None = None
+    try:
+        if embedded_port is not None:
+            quick = quickstart_broker(settings, embedded_port, registry)
+            await quick.broker.start()
+            settings = settings.model_copy(
+                update={
+                    "broker_url": quick.broker.url,
+                    "broker_username": COORDINATOR_USER,
+                    "broker_password": quick.credentials[COORDINATOR_USER],
+                    "mqtt_protocol": "3.1.1",
+                }
+            )
+            print(f"broker       {quick.broker.url}  (embedded amqtt; MQTT 3.1.1)", flush=True)
+        else:
+            print(f"broker       {settings.broker_url}  (external)", flush=True)
+        print(f"database     {engine.url.render_as_string(hide_password=True)}", flush=True)
+        coordinator = Coordinator(settings, engine)
+        app = create_app(settings, engine)
+        app.state.coordinator = coordinator
+        async with http_api(app, settings.http_host, settings.http_port):
+            print(
+                f"http api     http://{settings.http_host}:{settings.http_port}/api/v1", flush=True
+            )
+            if quick is not None:
+                coordinator.background.append(lambda: _refresh_forever(quick, registry))
+            task = asyncio.create_task(coordinator.run(), name="coordinator")
+            await coordinator.connected.wait()
+            print(f"coordinator  connected as {coordinator.client_id}", flush=True)
+            if ready is not None:
+                ready.set()
+            await task
+    finally:
+        if quick is not None:
+            await quick.broker.stop()
+        engine.dispose()
+
+
+async def _refresh_forever(quick: QuickstartBroker, registry: DeviceRegistry) -> None:
+    while True:
+        await asyncio.sleep(PASSWORD_REFRESH_S)
+        await asyncio.to_thread(quick.refresh_passwords, registry)
