@@ -1,1 +1,1 @@
-"""The coordinator: device registry, presence, sessions, scheduling, persistence and the admin API."""
+"""The coordinator: device registry, presence, sessions, scheduling, persistence, admin API."""

@@ -1,4 +1,4 @@
-"""Settings of the cloud processes (coordinator, verifier, CLI); the only module that reads the environment."""
+"""Settings of the cloud processes; the only cloud module that reads the environment."""
 
 from __future__ import annotations
 

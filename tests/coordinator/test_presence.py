@@ -1,4 +1,4 @@
-"""Presence end to end on the real Mosquitto and PostgreSQL: online within 2 s, offline after SIGKILL."""
+"""Presence on the real Mosquitto and PostgreSQL: online within 2 s, offline after SIGKILL."""
 
 from __future__ import annotations
 
