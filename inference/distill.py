@@ -200,6 +200,7 @@ MAX_SEQ_LEN = 512
 BATCH_TOKENS = 4096  # padded tokens per training batch
 VALID_SHARE = 0.02  # last records by prompt index: a validation split for the training log
 CHECKPOINT_EVERY_S = 90.0
+HEAD_LR_SCALE = 2.0
 
 
 def choose_head_ids(records: Sequence[TeacherRecord], size: int, eos_id: int) -> list[int]:
@@ -335,7 +336,18 @@ def train_draft(
     embed = target.pop(EMBED)
     target[HEAD] = embed[np.asarray(head_ids)]
     model = DraftModel(config, target, embed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.peak_lr, weight_decay=0.0)
+    # The head and final norm start from the target's, tuned for layer 30's features; they have the
+    # most to relearn, so they move faster than the blocks.
+    head_params = [model.head, model.norm.weight]
+    block_params = [p for p in model.parameters() if all(p is not h for h in head_params)]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": block_params, "lr_scale": 1.0},
+            {"params": head_params, "lr_scale": HEAD_LR_SCALE},
+        ],
+        lr=recipe.peak_lr,
+        weight_decay=0.0,
+    )
     elapsed, step, epoch, position = 0.0, 0, 0, 0
     if state:
         model.load_state_dict(state["model"])
@@ -374,7 +386,7 @@ def train_draft(
             started = time.monotonic()
             lr = cosine_lr(recipe.peak_lr, elapsed / total_s)
             for group in optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group["lr_scale"]
             input_ids, rows, cols, hard, soft_ids, soft_probs = _collate(train, batches[position])
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(input_ids)
