@@ -81,16 +81,26 @@ class PromptLookupProposer:
     with probability p(x), and otherwise resampled from p with x removed.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, name: str = "lookup") -> None:
+    def __init__(
+        self,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        max_tokens: int | None = None,
+        name: str = "lookup",
+    ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.name = name
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        # A short match predicts less far ahead than a long one; this caps what it proposes.
+        self.max_tokens = max_tokens
 
     def get_candidates(
         self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
     ) -> Candidates:
+        if self.max_tokens is not None:
+            k = min(k, self.max_tokens)
         tokens = lookup_continuation(
             np.asarray(context_ids, dtype=np.int64), k, self.max_ngram, self.min_ngram
         )
@@ -215,6 +225,7 @@ class NGramTableProposer:
         min_context: int = 2,
         min_count: int = 1,
         min_share: float = 0.0,
+        max_tokens: int | None = None,
         name: str = "ngram",
     ) -> None:
         if not 1 <= min_context <= table.order - 1:
@@ -224,10 +235,13 @@ class NGramTableProposer:
         self.min_context = min_context
         self.min_count = min_count
         self.min_share = min_share
+        self.max_tokens = max_tokens  # a cap below k, as chained guesses degrade quickly
 
     def get_candidates(
         self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
     ) -> Candidates:
+        if self.max_tokens is not None:
+            k = min(k, self.max_tokens)
         tail = [int(t) for t in context_ids[len(context_ids) - (self.table.order - 1) :]]
         proposed: list[int] = []
         for _ in range(k):
@@ -304,16 +318,17 @@ class NeuralProposer:
                 top_prob = float(softmax(logits).max())
                 if top_prob < self.min_confidence:
                     break
-            ids, probs = draft_sparse_probs(logits, self.temperature, self.top_k)
-            if self.output_ids is not None:
-                ids = self.output_ids[ids]
             if self.temperature == 0.0:
-                token = int(ids[0])
+                column = int(logits.argmax())
+                token = column if self.output_ids is None else int(self.output_ids[column])
             else:
                 assert rng is not None
+                ids, probs = draft_sparse_probs(logits, self.temperature, self.top_k)
+                if self.output_ids is not None:
+                    ids = self.output_ids[ids]
                 token = sample_sparse(ids, probs, rng)
+                rows.append((ids, probs))
             tokens.append(token)
-            rows.append((ids, probs))
             if len(tokens) < k:
                 logits = self._feed([token])
         self._last_proposed = len(tokens)

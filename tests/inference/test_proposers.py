@@ -66,6 +66,17 @@ CORPUS = [
 ]
 
 
+@pytest.mark.parametrize(
+    ("max_tokens", "k", "expected"), [(None, 3, 3), (2, 3, 2), (5, 3, 3), (1, 8, 1)]
+)
+def test_max_tokens_caps_the_proposal(max_tokens: int | None, k: int, expected: int) -> None:
+    context = [1, 2, 3, 4, 5, 6, 1, 2]
+    lookup = PromptLookupProposer(max_tokens=max_tokens)
+    ngram = NGramTableProposer(NGramTable.build([context]), min_context=1, max_tokens=max_tokens)
+    assert lookup.get_candidates(context, k).n == expected
+    assert ngram.get_candidates(context, k).n == expected
+
+
 def test_ngram_table_counts() -> None:
     table = NGramTable.build(CORPUS, order=4)
     # (2, 3, 4) was followed by 5 three times and by 6 once.
