@@ -625,6 +625,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_DRAFTS = REPO_ROOT / "models" / "drafts"  # committed trained weights, one folder per draft
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
 HELD_OUT_PROMPTS = 60
+EVAL_MAX_NEW_TOKENS = 128
 
 
 def _greedy_answers(
@@ -635,8 +636,8 @@ def _greedy_answers(
     if len(records) < len(prompts):
         path.unlink(missing_ok=True)
         generate_teacher(
-            target, eos_id, iter(prompts), path, token_budget=1 << 30, batch_size=16,
-            max_new_tokens=128,
+            target, eos_id, iter(prompts), path, token_budget=len(prompts) * EVAL_MAX_NEW_TOKENS,
+            batch_size=16, max_new_tokens=EVAL_MAX_NEW_TOKENS,
         )  # fmt: skip
         records = read_teacher(path)
     return records
