@@ -31,7 +31,9 @@ from coordinator.db.engine import make_sessionmaker
 from coordinator.events import EventLog
 from coordinator.fleet import Fleet
 from coordinator.registry import DeviceRegistry
+from coordinator.sessions import SessionBook
 from coordinator.settings import Settings
+from coordinator.verifiers import VerifierPool
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class Coordinator:
         *,
         client_id: str | None = None,
         accept_unknown_devices: bool | None = None,
+        eos_id: int = 2,
     ) -> None:
         self.settings = settings
         self.sessions = make_sessionmaker(engine)
@@ -83,13 +86,28 @@ class Coordinator:
             accept_unknown_devices=accept_unknown_devices,
             default_keepalive_s=settings.device_keepalive_s,
         )
+        self.verifiers = VerifierPool(self.publish)
+        self.book = SessionBook(self.sessions, self.verifiers, self.publish, eos_id=eos_id)
         self.device_handlers: dict[type[Any], DeviceHandler] = {
             m.Status: self.fleet.on_status,
             m.Telemetry: self.fleet.on_telemetry,
             m.CommandAck: self.fleet.on_ack,
+            m.SessionOpen: self.book.on_session_open,
+            m.SessionClose: self.book.on_session_close,
+            m.Draft: self.book.on_draft,
         }
-        self.verifier_handlers: dict[type[Any], Callable[[str, Any], Awaitable[None]]] = {}
-        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = [self.fleet.run_sweeper]
+        # Drafts wait for a verifier; they run as tasks so the bus keeps flowing meanwhile.
+        self.concurrent_handlers: set[type[Any]] = {m.Draft, m.SessionOpen}
+        self.verifier_handlers: dict[type[Any], Callable[[str, Any], Awaitable[None]]] = {
+            m.VerifierStatus: self.verifiers.on_status,
+            m.VerifyResult: self.verifiers.on_result,
+        }
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = [
+            self.fleet.run_sweeper,
+            self.verifiers.watch,
+            self.book.run_writer,
+        ]
+        self._handler_tasks: set[asyncio.Task[None]] = set()
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         client = self._client
@@ -181,7 +199,20 @@ class Coordinator:
         if handler is None:
             await self._refuse(device_id, channel, payload, f"{message.type} is not served here")
             return
-        await handler(device_id, message)
+        if type(message) in self.concurrent_handlers:
+            task = asyncio.create_task(
+                self._guarded(handler, device_id, message), name=f"{message.type}-{device_id}"
+            )
+            self._handler_tasks.add(task)
+            task.add_done_callback(self._handler_tasks.discard)
+        else:
+            await handler(device_id, message)
+
+    async def _guarded(self, handler: DeviceHandler, device_id: str, message: Any) -> None:
+        try:
+            await handler(device_id, message)
+        except Exception:
+            log.exception("%s from %s failed", message.type, device_id)
 
     async def _refuse(
         self, device_id: str, channel: DeviceChannel, payload: bytes, reason: str

@@ -1,0 +1,499 @@
+"""Decoding sessions: open and resume, validate drafts, verify, apply stop rules, persist, reply.
+
+Persist before publish: a round and the session's committed tokens are written in one
+transaction before its verdict leaves, so a device never holds a token the database cannot
+reproduce. A crash between the two loses only the publication; the re-sent draft then finds the
+stored round and gets the same verdict back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from broker import messages as m
+from broker.topics import DeviceChannel, device_topic
+from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
+from coordinator.events import append_event
+from coordinator.verifiers import NoVerifierError, VerificationFailed, VerifierPool
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+RoundObserver = Callable[["LiveSession", Round], None]
+
+DEFAULT_K = 4
+
+
+@dataclass
+class LiveSession:
+    """A session as the coordinator holds it in memory; the database row is the truth."""
+
+    id: str
+    device_id: str
+    prompt_ids: list[int]
+    generated: list[int]
+    next_round: int
+    sampling: m.SamplingSpec
+    max_tokens: int
+    task_type: str
+    policy: m.Policy
+    status: SessionStatus
+    in_flight_round: int | None = None
+    last_verdict: m.Verdict | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    def state(self) -> m.SessionState:
+        return m.SessionState(
+            session_id=self.id,
+            prompt_len=len(self.prompt_ids),
+            generated_ids=tuple(self.generated),
+            next_round=self.next_round,
+            status=self.status.value,
+            policy=self.policy,
+        )
+
+    @classmethod
+    def from_row(cls, row: DecodingSession, next_round: int) -> LiveSession:
+        return cls(
+            id=str(row.id),
+            device_id=row.device_id,
+            prompt_ids=list(row.prompt_ids),
+            generated=list(row.committed_ids),
+            next_round=next_round,
+            sampling=m.SamplingSpec(temperature=row.temperature, top_p=row.top_p, seed=row.seed),
+            max_tokens=row.max_tokens,
+            task_type=row.task_type,
+            policy=m.Policy(
+                mode=m.Mode(row.mode.value),
+                draft_model=row.draft_model or "lookup",
+                k=row.k,
+            ),
+            status=row.status,
+        )
+
+
+def apply_stop_rules(
+    generated_len: int, accepted: list[int], next_token: int, max_tokens: int, eos_id: int
+) -> tuple[list[int], bool]:
+    """The tokens a target-only decoder would also have emitted, and whether the output ended.
+
+    It stops after the first eos (kept) or at max_tokens generated tokens. The caller reports
+    the last kept token as the round's `next_token`, so a verdict always commits >= 1 token.
+    """
+    kept: list[int] = []
+    for token in [*accepted, next_token]:
+        kept.append(token)
+        if token == eos_id or generated_len + len(kept) >= max_tokens:
+            return kept, True
+    return kept, False
+
+
+class SessionBook:
+    """Every session's lifecycle on the coordinator side."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        pool: VerifierPool,
+        publish: Publish,
+        *,
+        eos_id: int,
+        default_draft: str = "lookup",
+    ) -> None:
+        self._db = sessions
+        self.pool = pool
+        self._publish = publish
+        self.eos_id = eos_id
+        self.default_draft = default_draft
+        self.live: dict[str, LiveSession] = {}
+        self.round_observers: list[RoundObserver] = []
+        self._writer = RoundWriter(sessions)
+
+    async def run_writer(self) -> None:
+        await self._writer.run()
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    async def on_session_open(self, device_id: str, request: m.SessionOpen) -> None:
+        try:
+            session_uuid = uuid.UUID(request.session_id)
+        except ValueError:
+            await self._error(
+                device_id, "session_open", request.session_id, None, "session_id must be a UUID"
+            )
+            return
+        live = await self.get(request.session_id)
+        if live is None:
+            live = await asyncio.to_thread(self._create, device_id, session_uuid, request)
+            self.live[live.id] = live
+            log.info(
+                "session %s opened on %s (k=%d, draft %s)",
+                live.id,
+                device_id,
+                live.policy.k,
+                live.policy.draft_model,
+            )
+        elif live.device_id != device_id:
+            await self._error(
+                device_id,
+                "session_open",
+                request.session_id,
+                None,
+                "the session belongs to another device",
+            )
+            return
+        else:
+            log.info("session %s resumed by %s at round %d", live.id, device_id, live.next_round)
+            await asyncio.to_thread(
+                self._event, "session.resumed", live, {"next_round": live.next_round}
+            )
+        await self._send_state(live)
+
+    async def on_session_close(self, device_id: str, request: m.SessionClose) -> None:
+        live = await self.get(request.session_id)
+        if live is None or live.device_id != device_id:
+            await self._error(
+                device_id, "session_close", request.session_id, None, "unknown session"
+            )
+            return
+        async with live.lock:
+            if live.status is SessionStatus.ACTIVE:
+                live.status = SessionStatus.CANCELLED
+                await asyncio.to_thread(self._finish, live, SessionStatus.CANCELLED, request.reason)
+        await self._send_state(live)
+
+    async def get(self, session_id: str) -> LiveSession | None:
+        """From memory, else from the database (after a coordinator restart)."""
+        live = self.live.get(session_id)
+        if live is not None:
+            return live
+        live = await asyncio.to_thread(self._load, session_id)
+        if live is not None:
+            self.live[session_id] = live
+        return live
+
+    def set_k(self, session_id: str, k: int) -> None:
+        """The settable, fixed window of a session; the next verdict carries it."""
+        live = self.live[session_id]
+        live.policy = live.policy.model_copy(update={"k": k})
+
+    # --- rounds -------------------------------------------------------------------------------
+
+    async def on_draft(self, device_id: str, draft: m.Draft) -> None:
+        received_at = time.time()
+        live = await self.get(draft.session_id)
+        if live is None or live.device_id != device_id:
+            await self._error(device_id, "draft", draft.session_id, draft.round, "unknown session")
+            return
+        async with live.lock:
+            if draft.round < live.next_round:
+                await self._resend_verdict(live, draft)
+                return
+            if live.status is not SessionStatus.ACTIVE:
+                await self._error(
+                    device_id, "draft", live.id, draft.round, f"session is {live.status.value}"
+                )
+                await self._send_state(live)
+                return
+            if draft.round != live.next_round or draft.base_len != live.committed_len:
+                await self._error(
+                    device_id,
+                    "draft",
+                    live.id,
+                    draft.round,
+                    f"expected round {live.next_round} at base_len {live.committed_len}, got "
+                    f"round {draft.round} at base_len {draft.base_len}",
+                )
+                await self._send_state(live)
+                return
+            if draft.q_ids is None and not live.sampling.greedy and draft.tokens:
+                await self._error(
+                    device_id,
+                    "draft",
+                    live.id,
+                    draft.round,
+                    "a sampled session needs q' (q_ids, q_probs) with its draft",
+                )
+                return
+            live.in_flight_round = draft.round
+            try:
+                await self._verify_and_commit(live, draft, received_at)
+            finally:
+                live.in_flight_round = None
+
+    async def _verify_and_commit(
+        self, live: LiveSession, draft: m.Draft, received_at: float
+    ) -> None:
+        request = m.VerifyRequest(
+            request_id="pending",
+            session_id=live.id,
+            round=draft.round,
+            context_ids=tuple(live.prompt_ids + live.generated),
+            tokens=draft.tokens,
+            q_ids=draft.q_ids,
+            q_probs=draft.q_probs,
+            sampling=live.sampling,
+        )
+        queued_at = time.perf_counter()
+        try:
+            result = await self.pool.verify(request)
+        except (NoVerifierError, VerificationFailed) as exc:
+            # Nothing was committed; the agent re-sends this round when it hears the state.
+            log.error("round %d of %s not verified: %s", draft.round, live.id, exc)
+            await self._error(live.device_id, "draft", live.id, draft.round, f"not verified: {exc}")
+            return
+        round_trip_ms = (time.perf_counter() - queued_at) * 1000.0
+        accepted = list(draft.tokens[: result.n_accepted])
+        next_token = result.next_token if result.next_token is not None else accepted.pop()
+        kept, finished = apply_stop_rules(
+            len(live.generated), accepted, next_token, live.max_tokens, self.eos_id
+        )
+        n_accepted = len(kept) - 1
+        uplink_ms = max(0.0, (received_at - draft.timings.sent_at) * 1000.0)
+        row = Round(
+            session_id=uuid.UUID(live.id),
+            round_index=draft.round,
+            base_len=draft.base_len,
+            draft_tokens=list(draft.tokens),
+            draft_model=draft.draft_model,
+            k=len(draft.tokens),
+            n_accepted=n_accepted,
+            next_token=kept[-1],
+            committed_len=draft.base_len + len(kept),
+            verifier_id=result.verifier_id,
+            policy=live.policy.model_dump(mode="json"),
+            t_draft_ms=draft.timings.draft_ms,
+            t_uplink_ms=uplink_ms if draft.timings.sent_at else None,
+            t_queue_ms=max(0.0, round_trip_ms - result.verify_ms) + result.queue_ms,
+            t_verify_ms=result.verify_ms,
+            t_downlink_ms=None,
+        )
+        generated = live.generated + kept
+        status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
+        await self._writer.write(row, generated, status)
+        live.generated = generated
+        live.next_round = draft.round + 1
+        live.status = status
+        verdict = m.Verdict(
+            session_id=live.id,
+            round=draft.round,
+            base_len=draft.base_len,
+            n_accepted=n_accepted,
+            next_token=kept[-1],
+            committed_len=live.committed_len,
+            finished=finished,
+            policy=live.policy,
+            verifier_id=result.verifier_id,
+        )
+        live.last_verdict = verdict
+        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(verdict))
+        for observe in self.round_observers:
+            observe(live, row)
+        if finished:
+            log.info(
+                "session %s finished: %d tokens in %d rounds",
+                live.id,
+                len(live.generated),
+                live.next_round,
+            )
+
+    async def _resend_verdict(self, live: LiveSession, draft: m.Draft) -> None:
+        """A draft for a round already verified: the stored verdict, never a second commit."""
+        verdict = live.last_verdict
+        if verdict is None or verdict.round != draft.round:
+            verdict = await asyncio.to_thread(self._stored_verdict, live, draft.round)
+        if verdict is None:
+            await self._error(live.device_id, "draft", live.id, draft.round, "unknown round")
+            return
+        log.info("re-sent the verdict of round %d of %s", draft.round, live.id)
+        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(verdict))
+
+    # --- replies ------------------------------------------------------------------------------
+
+    async def _send_state(self, live: LiveSession) -> None:
+        await self._publish(
+            device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(live.state())
+        )
+
+    async def _error(
+        self,
+        device_id: str,
+        refused: str,
+        session_id: str | None,
+        round_index: int | None,
+        reason: str,
+    ) -> None:
+        log.warning(
+            "refused %s from %s (session %s round %s): %s",
+            refused,
+            device_id,
+            session_id,
+            round_index,
+            reason,
+        )
+        reply = m.ErrorReply(
+            refused_type=refused, session_id=session_id, round=round_index, reason=reason
+        )
+        await self._publish(device_topic(device_id, DeviceChannel.VERDICT), m.encode(reply))
+
+    # --- database (run in a worker thread) ----------------------------------------------------
+
+    def _create(
+        self, device_id: str, session_uuid: uuid.UUID, request: m.SessionOpen
+    ) -> LiveSession:
+        row = DecodingSession(
+            id=session_uuid,
+            device_id=device_id,
+            task_type=request.task_type,
+            prompt=request.prompt,
+            prompt_ids=list(request.prompt_ids),
+            temperature=request.sampling.temperature,
+            top_p=request.sampling.top_p,
+            seed=request.sampling.seed,
+            max_tokens=request.max_tokens,
+            mode=SessionMode.DISTRIBUTED,
+            draft_model=request.draft_model or self.default_draft,
+            k=request.k or DEFAULT_K,
+            status=SessionStatus.ACTIVE,
+            committed_ids=[],
+            committed_len=len(request.prompt_ids),
+        )
+        with self._db.begin() as db:
+            db.add(row)
+            append_event(
+                db,
+                "session.opened",
+                device_id=device_id,
+                session_id=session_uuid,
+                detail={"task_type": request.task_type, "k": row.k, "draft_model": row.draft_model},
+            )
+        return LiveSession.from_row(row, next_round=0)
+
+    def _load(self, session_id: str) -> LiveSession | None:
+        try:
+            session_uuid = uuid.UUID(session_id)
+        except ValueError:
+            return None
+        with self._db() as db:
+            row = db.get(DecodingSession, session_uuid)
+            if row is None:
+                return None
+            last = db.scalar(
+                sa.select(sa.func.max(Round.round_index)).where(Round.session_id == session_uuid)
+            )
+            return LiveSession.from_row(row, next_round=0 if last is None else last + 1)
+
+    def _stored_verdict(self, live: LiveSession, round_index: int) -> m.Verdict | None:
+        with self._db() as db:
+            row = db.scalar(
+                sa.select(Round).where(
+                    Round.session_id == uuid.UUID(live.id), Round.round_index == round_index
+                )
+            )
+        if row is None:
+            return None
+        finished = live.status is SessionStatus.FINISHED and round_index == live.next_round - 1
+        return m.Verdict(
+            session_id=live.id,
+            round=round_index,
+            base_len=row.base_len,
+            n_accepted=row.n_accepted,
+            next_token=row.next_token,
+            committed_len=row.committed_len,
+            finished=finished,
+            policy=m.Policy.model_validate(row.policy) if row.policy else None,
+            verifier_id=row.verifier_id or "",
+        )
+
+    def _finish(self, live: LiveSession, status: SessionStatus, reason: str) -> None:
+        with self._db.begin() as db:
+            row = db.get(DecodingSession, uuid.UUID(live.id))
+            if row is not None:
+                row.status = status
+                row.finished_at = utcnow()
+            append_event(
+                db,
+                f"session.{status.value}",
+                device_id=live.device_id,
+                session_id=uuid.UUID(live.id),
+                detail={"reason": reason},
+            )
+
+    def _event(self, kind: str, live: LiveSession, detail: dict[str, Any]) -> None:
+        with self._db.begin() as db:
+            append_event(
+                db, kind, device_id=live.device_id, session_id=uuid.UUID(live.id), detail=detail
+            )
+
+
+@dataclass
+class _Write:
+    row: Round
+    generated: list[int]
+    status: SessionStatus
+    done: asyncio.Future[None]
+
+
+class RoundWriter:
+    """Group commit: every round waiting when a write starts goes into one transaction."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self._db = sessions
+        self._queue: asyncio.Queue[_Write] = asyncio.Queue()
+        self.batches = 0
+
+    async def write(self, row: Round, generated: list[int], status: SessionStatus) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Write(row, generated, status, done))
+        await done
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                await asyncio.to_thread(self._commit, batch)
+            except Exception as exc:
+                log.exception("could not persist %d rounds", len(batch))
+                for item in batch:
+                    if not item.done.done():
+                        item.done.set_exception(exc)
+                continue
+            self.batches += 1
+            for item in batch:
+                if not item.done.done():
+                    item.done.set_result(None)
+
+    def _commit(self, batch: list[_Write]) -> None:
+        with self._db.begin() as db:
+            for item in batch:
+                db.add(item.row)
+                row = db.get(DecodingSession, item.row.session_id)
+                if row is None:
+                    raise LookupError(f"session {item.row.session_id} vanished")
+                row.committed_ids = item.generated
+                row.committed_len = len(row.prompt_ids) + len(item.generated)
+                row.status = item.status
+                if item.status is SessionStatus.FINISHED:
+                    row.finished_at = utcnow()
+                    append_event(
+                        db,
+                        "session.finished",
+                        device_id=row.device_id,
+                        session_id=row.id,
+                        detail={"tokens": len(item.generated), "rounds": item.row.round_index + 1},
+                    )

@@ -1,0 +1,199 @@
+"""The verifier pool: who is alive, how loaded, which sessions each holds; routing and fail-over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from broker import messages as m
+from broker.topics import VerifierChannel, verifier_topic
+
+log = logging.getLogger(__name__)
+
+# A verifier silent for this many heartbeats is dead; its work goes elsewhere.
+MISSED_HEARTBEATS = 3.0
+WATCH_INTERVAL_S = 0.25
+# How long one verification may take before it is sent again elsewhere.
+VERIFY_TIMEOUT_S = 30.0
+MAX_ATTEMPTS = 4
+NO_VERIFIER_WAIT_S = 30.0
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+
+class NoVerifierError(Exception):
+    """No live verifier could take the work in time."""
+
+
+class VerificationFailed(Exception):
+    """Every attempt at a verification failed."""
+
+
+@dataclass
+class Pending:
+    request: m.VerifyRequest
+    verifier_id: str
+    future: asyncio.Future[m.VerifyResult]
+    sent_at: float
+
+
+@dataclass
+class VerifierInfo:
+    verifier_id: str
+    status: m.VerifierStatus
+    last_heartbeat: float  # monotonic, coordinator clock
+    sessions: set[str] = field(default_factory=set)
+    in_flight: dict[str, Pending] = field(default_factory=dict)  # request_id -> pending
+
+    @property
+    def alive(self) -> bool:
+        return self.status.state is m.DeviceState.ONLINE
+
+    @property
+    def load(self) -> int:
+        """What this verifier has to do: our requests in flight plus its own reported queue."""
+        return len(self.in_flight) + self.status.queue_depth
+
+
+class VerifierPool:
+    def __init__(self, publish: Publish) -> None:
+        self._publish = publish
+        self.verifiers: dict[str, VerifierInfo] = {}
+        self._changed = asyncio.Event()
+        self.failovers = 0
+
+    # --- what verifiers tell us ---------------------------------------------------------------
+
+    async def on_status(self, verifier_id: str, status: m.VerifierStatus) -> None:
+        if status.verifier_id != verifier_id:
+            log.warning("verifier %s spoke as %s; ignored", verifier_id, status.verifier_id)
+            return
+        info = self.verifiers.get(verifier_id)
+        if info is None:
+            info = self.verifiers[verifier_id] = VerifierInfo(verifier_id, status, time.monotonic())
+            log.info("verifier %s joined (%s)", verifier_id, status.state.value)
+        was_alive = info.alive
+        info.status = status
+        info.last_heartbeat = time.monotonic()
+        if was_alive and not info.alive:
+            await self._fail_over(info, "went offline")
+        self._changed.set()
+
+    async def on_result(self, verifier_id: str, result: m.VerifyResult) -> None:
+        info = self.verifiers.get(verifier_id)
+        pending = info.in_flight.pop(result.request_id, None) if info else None
+        if pending is None:
+            log.info("late result %s from %s (already resent)", result.request_id, verifier_id)
+            return
+        if info is not None:
+            info.last_heartbeat = time.monotonic()  # a result proves it is alive
+            info.sessions.add(result.session_id)
+        if not pending.future.done():
+            pending.future.set_result(result)
+
+    # --- routing ------------------------------------------------------------------------------
+
+    def live(self) -> list[VerifierInfo]:
+        return [v for v in self.verifiers.values() if v.alive]
+
+    def pick(self, session_id: str, exclude: set[str] | None = None) -> VerifierInfo | None:
+        """The verifier holding the session's cache, unless far busier than the least loaded."""
+        candidates = [v for v in self.live() if v.verifier_id not in (exclude or set())]
+        if not candidates:
+            return None
+        least = min(candidates, key=lambda v: (v.load, v.verifier_id))
+        for info in candidates:
+            if session_id in info.sessions and info.load <= least.load + info.status.max_batch:
+                return info
+        return least
+
+    async def verify(self, request: m.VerifyRequest) -> m.VerifyResult:
+        """Send to the best verifier; resend elsewhere on death, error or timeout."""
+        tried: set[str] = set()
+        last_error = "no attempt"
+        for _ in range(MAX_ATTEMPTS):
+            info = await self._wait_for_verifier(request.session_id, tried)
+            attempt = request.model_copy(
+                update={"request_id": secrets.token_hex(8), "sent_at": time.time()}
+            )
+            future: asyncio.Future[m.VerifyResult] = asyncio.get_running_loop().create_future()
+            info.in_flight[attempt.request_id] = Pending(
+                attempt, info.verifier_id, future, time.monotonic()
+            )
+            try:
+                await self._publish(
+                    verifier_topic(info.verifier_id, VerifierChannel.WORK), m.encode(attempt)
+                )
+                result = await asyncio.wait_for(future, VERIFY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                last_error = f"{info.verifier_id} timed out"
+                tried.add(info.verifier_id)
+                continue
+            except _Reroute as reroute:
+                last_error = str(reroute)
+                continue
+            finally:
+                info.in_flight.pop(attempt.request_id, None)
+            if result.error:
+                last_error = f"{info.verifier_id}: {result.error}"
+                log.warning(
+                    "verification of %s round %d failed on %s: %s; resending",
+                    request.session_id,
+                    request.round,
+                    info.verifier_id,
+                    result.error,
+                )
+                continue
+            return result
+        raise VerificationFailed(last_error)
+
+    async def _wait_for_verifier(self, session_id: str, tried: set[str]) -> VerifierInfo:
+        deadline = time.monotonic() + NO_VERIFIER_WAIT_S
+        while True:
+            info = self.pick(session_id, exclude=tried) or self.pick(session_id)
+            if info is not None:
+                return info
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise NoVerifierError("no live verifier")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                continue
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    async def watch(self) -> None:
+        """Declare dead the verifiers that missed their heartbeats, and move their work."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            now = time.monotonic()
+            for info in list(self.verifiers.values()):
+                silent = now - info.last_heartbeat
+                if info.alive and silent > MISSED_HEARTBEATS * info.status.heartbeat_s:
+                    info.status = info.status.model_copy(update={"state": m.DeviceState.OFFLINE})
+                    await self._fail_over(info, f"missed heartbeats for {silent:.1f}s")
+
+    async def _fail_over(self, info: VerifierInfo, why: str) -> None:
+        log.warning(
+            "verifier %s %s; moving %d requests and %d sessions",
+            info.verifier_id,
+            why,
+            len(info.in_flight),
+            len(info.sessions),
+        )
+        self.failovers += 1
+        info.sessions.clear()
+        for pending in list(info.in_flight.values()):
+            if not pending.future.done():
+                pending.future.set_exception(_Reroute(f"{info.verifier_id} {why}"))
+        info.in_flight.clear()
+
+
+class _Reroute(Exception):
+    """The verifier holding a request died; send the request elsewhere."""
