@@ -1,4 +1,4 @@
-"""Real databases for coordinator tests: a PostgreSQL database per run, SQLite per test."""
+"""Real databases for the tests: a PostgreSQL database per run (or per caller), SQLite per test."""
 
 from __future__ import annotations
 
