@@ -35,6 +35,7 @@ def register(subparsers: Subparsers) -> None:
     _register_devices(subparsers)
     _register_broker(subparsers)
     _register_up(subparsers)
+    _register_demo(subparsers)
 
 
 def _group(subparsers: Subparsers, name: str, help_text: str) -> Subparsers:
@@ -422,11 +423,13 @@ def _register_up(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser("up", help=help_text, description=help_text)
     _add_database_url(parser)
     parser.add_argument(
-        "--broker", metavar="URL",
+        "--broker",
+        metavar="URL",
         help="use this MQTT broker instead of starting the embedded one (mqtt:// or mqtts://)",
     )
-    parser.add_argument("--mqtt-port", type=int, default=None,
-                        help="port of the embedded broker (default 1884)")
+    parser.add_argument(
+        "--mqtt-port", type=int, default=None, help="port of the embedded broker (default 1884)"
+    )
     parser.add_argument("--http-port", type=int, default=None, help="port of the HTTP API")
     parser.set_defaults(func=_up)
 
@@ -466,3 +469,12 @@ def _up(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CommandError(f"cannot start: {exc}") from exc
     return 0
+
+
+def _register_demo(subparsers: Subparsers) -> None:
+    from coordinator import demo
+
+    help_text = "run a whole fleet on this machine and answer the benchmark prompts"
+    parser = subparsers.add_parser("demo", help=help_text, description=help_text)
+    demo.add_arguments(parser)
+    parser.set_defaults(func=demo.run)

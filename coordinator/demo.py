@@ -1,0 +1,264 @@
+"""`specfleet demo`: a fleet on one machine answers the shared prompts, streams, tabulates."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.report import format_table, write_json
+from coordinator.localfleet import AgentSpec, LocalFleet, local_fleet
+
+DEFAULT_PROMPTS = Path("../shared/bench/prompts.jsonl")
+DEMO_AGENTS = (
+    AgentSpec("demo-pi", "pi", "hybrid", "tflite"),
+    AgentSpec("demo-jetson", "jetson", "hybrid", "onnx"),
+    AgentSpec("demo-phone", "phone", "lookup", "none"),
+)
+DEMO_VERIFIERS = ("demo-verifier-1", "demo-verifier-2")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    task: str
+    prompt: str
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            document = json.loads(line)
+            prompts.append(
+                Prompt(str(document["id"]), str(document["task"]), str(document["prompt"]))
+            )
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{number}: not a prompt line ({exc})") from None
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+async def ask(
+    client: httpx.AsyncClient,
+    port: int,
+    prompt: Prompt,
+    args: argparse.Namespace,
+    label: str,
+    stream: bool,
+) -> dict[str, Any]:
+    """One session through an agent's local API; text deltas go to the terminal as they come."""
+    request = {
+        "prompt": prompt.prompt,
+        "task_type": prompt.task,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "k": args.k,
+    }
+    summary: dict[str, Any] = {}
+    line = ""
+    event = ""
+    async with client.stream(
+        "POST", f"http://127.0.0.1:{port}/v1/sessions", json=request, timeout=None
+    ) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            raise RuntimeError(f"{label}: agent refused the session: {body}")
+        async for raw in response.aiter_lines():
+            if raw.startswith("event:"):
+                event = raw[6:].strip()
+            elif raw.startswith("data:"):
+                data = json.loads(raw[5:].strip())
+                if event == "text" and stream:
+                    line += data["delta"]
+                    *done, line = line.split("\n")
+                    for text in done:
+                        print(f"[{label}] {text}", flush=True)
+                elif event == "done":
+                    summary = data
+                elif event == "error":
+                    raise RuntimeError(f"{label}: {data}")
+    if stream and line:
+        print(f"[{label}] {line}", flush=True)
+    return summary
+
+
+async def run_demo(args: argparse.Namespace, prompts: list[Prompt]) -> list[dict[str, Any]]:
+    from coordinator.settings import Settings
+    from inference.target_build import ensure_target
+    from inference.tokenizer import ChatTokenizer
+
+    settings = Settings()
+    overrides: dict[str, Any] = {}
+    if args.database_url:
+        overrides["database_url"] = args.database_url
+    workdir = Path(tempfile.mkdtemp(prefix="specfleet-demo-"))
+    if not args.database_url:
+        overrides["home"] = settings.home
+    settings = settings.model_copy(update=overrides)
+    target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
+    tokenizer = ChatTokenizer.load(target_dir)
+    agents = list(DEMO_AGENTS[: args.agents])
+    verifiers = list(DEMO_VERIFIERS[: args.verifiers])
+    print(
+        f"starting {len(verifiers)} verifiers and {len(agents)} agents (logs in {workdir})",
+        flush=True,
+    )
+    async with local_fleet(
+        settings,
+        agents,
+        verifiers,
+        workdir=workdir,
+        external_broker=args.broker,
+        eos_id=tokenizer.eos_id,
+    ) as fleet:
+        print(f"broker {fleet.broker_url}; database {settings.database_url}", flush=True)
+        return await _answer_all(fleet, agents, prompts, args)
+
+
+async def _answer_all(
+    fleet: LocalFleet, agents: list[AgentSpec], prompts: list[Prompt], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    queues: dict[str, list[Prompt]] = {spec.device_id: [] for spec in agents}
+    for index, prompt in enumerate(prompts):
+        queues[agents[index % len(agents)].device_id].append(prompt)
+    results: list[dict[str, Any]] = []
+    async with httpx.AsyncClient() as client:
+
+        async def serve(spec: AgentSpec) -> None:
+            for prompt in queues[spec.device_id]:
+                started = time.perf_counter()
+                summary = await ask(
+                    client,
+                    fleet.agent_ports[spec.device_id],
+                    prompt,
+                    args,
+                    f"{spec.device_id} {prompt.id}",
+                    stream=not args.quiet,
+                )
+                summary.setdefault("wall_s", time.perf_counter() - started)
+                results.append(
+                    {
+                        "prompt_id": prompt.id,
+                        "task": prompt.task,
+                        "prompt": prompt.prompt,
+                        "device_id": spec.device_id,
+                        "draft": spec.draft,
+                        "runtime": spec.runtime,
+                        **summary,
+                    }
+                )
+
+        await asyncio.gather(*(serve(spec) for spec in agents))
+    await asyncio.to_thread(_add_verifiers, fleet, results)
+    return results
+
+
+def _add_verifiers(fleet: LocalFleet, results: list[dict[str, Any]]) -> None:
+    """Which verifiers served each session, from the rounds in the database."""
+    import sqlalchemy as sa
+
+    from coordinator.db.models import Round
+
+    with fleet.coordinator.sessions() as db:
+        for result in results:
+            session_id = result.get("session_id")
+            if not session_id:
+                continue
+            served = db.scalars(
+                sa.select(Round.verifier_id).where(Round.session_id == uuid.UUID(session_id))
+            ).all()
+            counts = Counter(v for v in served if v)
+            result["verifiers"] = dict(counts)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help="JSONL prompts (id, task, prompt); default ../shared/bench/prompts.jsonl",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="answer the first N prompts only")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=4, help="speculation window")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--agents", type=int, default=3, choices=[1, 2, 3])
+    parser.add_argument("--verifiers", type=int, default=2, choices=[1, 2])
+    parser.add_argument(
+        "--broker", metavar="URL", help="an external broker instead of the embedded"
+    )
+    parser.add_argument("--database-url", metavar="URL", help="instead of the SQLite default")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the per-session results as JSON",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no streaming, the table only")
+
+
+def _prompts_path(args: argparse.Namespace) -> Path:
+    if args.prompts is not None:
+        return Path(args.prompts)
+    # Installed or not, the shared prompts sit beside the repository.
+    for base in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        candidate = base.parent / "shared" / "bench" / "prompts.jsonl"
+        if candidate.exists():
+            return candidate
+    return DEFAULT_PROMPTS
+
+
+def run(args: argparse.Namespace) -> int:
+    from specfleet.cli import CommandError
+
+    if args.max_tokens < 1 or args.k < 1 or args.temperature < 0:
+        raise CommandError("--max-tokens and --k must be >= 1, --temperature >= 0")
+    path = _prompts_path(args)
+    try:
+        prompts = read_prompts(path)
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"cannot read prompts: {exc}") from exc
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    results = asyncio.run(run_demo(args, prompts))
+    results.sort(key=lambda r: r["prompt_id"])
+    rows = [
+        [
+            r["prompt_id"],
+            r["device_id"],
+            r["draft"],
+            r.get("tokens", 0),
+            r.get("alpha", 0.0),
+            r.get("tokens_per_s", 0.0),
+            r.get("rounds", 0),
+            ",".join(sorted(r.get("verifiers", {}))),
+        ]
+        for r in results
+    ]
+    print()
+    print(
+        format_table(
+            ["prompt", "device", "draft", "tokens", "α", "tokens/s", "rounds", "verifier"], rows
+        )
+    )
+    if args.json is not None:
+        write_json(args.json, {"sessions": results})
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,260 @@
+"""A whole fleet on one machine: broker, database, coordinator, verifier and agent processes.
+
+The demo, the end-to-end tests and the benchmarks run the same pieces the same way, as separate
+processes talking over a real broker, so a SIGKILL of any one of them is a real fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.mosquitto import free_port, wait_for_port
+from coordinator.registry import DeviceExistsError, DeviceRegistry
+from coordinator.service import Coordinator
+from coordinator.settings import Settings
+from coordinator.stack import (
+    COORDINATOR_USER,
+    NOISY_LOGGERS,
+    VERIFIER_USER,
+    QuickstartBroker,
+    prepare_database,
+    quickstart_broker,
+)
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    device_id: str
+    kind: str
+    draft: str
+    runtime: str  # onnx | tflite | none (lookup drafters need no runtime)
+
+
+@dataclass
+class ChildProcess:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log_file:
+            self.process = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class LocalFleet:
+    settings: Settings
+    coordinator: Coordinator
+    broker_url: str
+    credentials: dict[str, str]  # username -> plaintext, devices and services
+    workdir: Path
+    eos_id: int
+    verifiers: dict[str, ChildProcess] = field(default_factory=dict)
+    agents: dict[str, ChildProcess] = field(default_factory=dict)
+    agent_ports: dict[str, int] = field(default_factory=dict)
+    quick: QuickstartBroker | None = None
+    _coordinator_task: asyncio.Task[None] | None = None
+
+    def _child_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECFLEET_")}
+        env["SPECFLEET_HOME"] = str(self.settings.home)
+        env["SPECFLEET_MODELS_DIR"] = str(self.settings.resolved_models_dir)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start_verifier(self, verifier_id: str, *, threads: int = 1) -> ChildProcess:
+        argv = [
+            sys.executable,
+            "-m",
+            "specfleet",
+            "verifier",
+            "--id",
+            verifier_id,
+            "--broker-url",
+            self.broker_url,
+            "--username",
+            VERIFIER_USER,
+            "--password",
+            self.credentials[VERIFIER_USER],
+            "--threads",
+            str(threads),
+        ]
+        child = ChildProcess(
+            verifier_id, argv, self._child_env(), self.workdir / f"{verifier_id}.log"
+        )
+        child.start()
+        self.verifiers[verifier_id] = child
+        return child
+
+    def start_agent(self, spec: AgentSpec) -> ChildProcess:
+        port = self.agent_ports.setdefault(spec.device_id, free_port())
+        argv = [
+            sys.executable,
+            "-m",
+            "device_agent.cli",
+            "run",
+            "--device-id",
+            spec.device_id,
+            "--credential",
+            self.credentials[spec.device_id],
+            "--broker-url",
+            self.broker_url,
+            "--kind",
+            spec.kind,
+            "--draft",
+            spec.draft,
+            "--local-api-port",
+            str(port),
+        ]
+        if spec.runtime != "none":
+            argv += ["--runtime", spec.runtime]
+        env = self._child_env()
+        env["SPECFLEET_MQTT_PROTOCOL"] = self.settings.mqtt_protocol
+        env["SPECFLEET_HOME"] = str(self.workdir / spec.device_id)
+        child = ChildProcess(spec.device_id, argv, env, self.workdir / f"{spec.device_id}.log")
+        child.start()
+        self.agents[spec.device_id] = child
+        return child
+
+    async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until every verifier has announced itself and every agent's local API answers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = {v.verifier_id for v in self.coordinator.verifiers.live()}
+            if set(self.verifiers) <= live:
+                break
+            for child in self.verifiers.values():
+                if not child.alive():
+                    raise RuntimeError(f"verifier {child.name} exited: see {child.log_path}")
+            await asyncio.sleep(0.1)
+        else:
+            raise TimeoutError("verifiers did not come up; see their logs in " + str(self.workdir))
+        for device_id, port in self.agent_ports.items():
+            child = self.agents[device_id]
+            while True:
+                if not child.alive():
+                    raise RuntimeError(f"agent {device_id} exited: see {child.log_path}")
+                try:
+                    await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 0.5)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"agent {device_id} did not come up") from None
+
+    def stop_children(self) -> None:
+        for child in [*self.agents.values(), *self.verifiers.values()]:
+            child.stop()
+
+
+def _provision(registry: DeviceRegistry, spec: AgentSpec) -> str:
+    """A fresh credential for a demo device (rotated if it exists from an earlier run)."""
+    try:
+        _, credential = registry.provision(spec.device_id, spec.kind, ("demo",), actor="demo")
+    except DeviceExistsError:
+        credential = registry.rotate_credential(spec.device_id, actor="demo")
+    return credential
+
+
+@contextlib.asynccontextmanager
+async def local_fleet(
+    settings: Settings,
+    agents: list[AgentSpec],
+    verifier_ids: list[str],
+    *,
+    workdir: Path,
+    external_broker: str | None = None,
+    eos_id: int = 2,
+) -> AsyncIterator[LocalFleet]:
+    """Start everything, yield once all are up, stop everything on exit."""
+    for noisy in NOISY_LOGGERS:
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    workdir.mkdir(parents=True, exist_ok=True)
+    engine = await asyncio.to_thread(prepare_database, settings)
+    from coordinator.db.engine import make_sessionmaker
+
+    registry = DeviceRegistry(make_sessionmaker(engine))
+    credentials = {spec.device_id: _provision(registry, spec) for spec in agents}
+    quick: QuickstartBroker | None = None
+    if external_broker is None:
+        quick = quickstart_broker(settings, free_port(), registry)
+        await quick.broker.start()
+        credentials.update(quick.credentials)
+        broker_url = quick.broker.url
+        settings = settings.model_copy(
+            update={
+                "broker_url": broker_url,
+                "broker_username": COORDINATOR_USER,
+                "broker_password": quick.credentials[COORDINATOR_USER],
+                "mqtt_protocol": "3.1.1",
+            }
+        )
+    else:
+        # An external broker is set up by its operator; these clients authenticate if it asks.
+        credentials.update({COORDINATOR_USER: "", VERIFIER_USER: ""})
+        broker_url = external_broker
+        settings = settings.model_copy(update={"broker_url": broker_url})
+    coordinator = Coordinator(settings, engine, eos_id=eos_id)
+    fleet = LocalFleet(settings, coordinator, broker_url, credentials, workdir, eos_id, quick=quick)
+    fleet._coordinator_task = asyncio.create_task(coordinator.run(), name="coordinator")
+    try:
+        await asyncio.wait_for(coordinator.connected.wait(), 30)
+        for verifier_id in verifier_ids:
+            fleet.start_verifier(verifier_id)
+        for spec in agents:
+            fleet.start_agent(spec)
+        await fleet.wait_ready()
+        yield fleet
+    finally:
+        fleet.stop_children()
+        fleet._coordinator_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await fleet._coordinator_task
+        if quick is not None:
+            await quick.broker.stop()
+        engine.dispose()
