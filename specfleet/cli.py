@@ -13,6 +13,7 @@ COMMAND_MODULES = (
     "coordinator.commands",
     "inference.commands",
     "bench.commands",
+    "verifier.commands",
 )
 
 

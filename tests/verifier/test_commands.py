@@ -1,0 +1,42 @@
+"""`specfleet verifier`: bad arguments exit with status 2 and a one-line reason."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from specfleet.cli import main
+
+
+@pytest.mark.parametrize(
+    ("arguments", "reason"),
+    [
+        (["--id", "no/slashes"], "invalid device id"),
+        (["--broker-url", "http://example"], "scheme must be mqtt"),
+        (["--heartbeat-s", "0"], "--heartbeat-s must be > 0"),
+        (["--models-dir", "/nonexistent/specfleet-models"], "does not exist"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(
+    arguments: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verifier", *arguments]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specfleet verifier: ") and reason in err
+    assert "\n" not in err
+
+
+@pytest.mark.parametrize("flag", ["--max-batch", "--max-sessions", "--threads", "--max-cache-mb"])
+def test_non_positive_sizes_are_refused_by_the_parser(flag: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["verifier", flag, "0"])
+    assert exited.value.code == 2
+
+
+def test_help_lists_the_batching_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["verifier", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--max-batch", "--batch-window-ms", "--max-sessions", "--threads", "--id"):
+        assert flag in out

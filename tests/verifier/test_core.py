@@ -1,0 +1,213 @@
+"""VerifierCore on the real target: batched equals single, greedy equals target-only, caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from verifier_helpers import (
+    draft_from,
+    greedy_reference,
+    make_request,
+    prompt_ids,
+)
+
+from broker.messages import SamplingSpec, VerifyRequest
+from inference.onnx_runtime import OnnxRuntime
+from inference.sampling import SamplingParams, SparseDraftProbs, rejection_sample, round_rng
+from inference.tokenizer import ChatTokenizer
+from verifier.core import INLINE_PREFILL_MAX, Verification, VerifierCore
+
+Target = tuple[OnnxRuntime, ChatTokenizer]
+K = 4
+# (shared prompt, drafted from this offset of the target's answer, the drafted token made wrong)
+GREEDY_CASES = [(0, 0, None), (1, 3, 0), (2, 5, 2), (3, 1, 3), (5, 2, None), (6, 0, 1)]
+
+
+def verdict(v: Verification) -> tuple[int, int | None, str]:
+    return v.n_accepted, v.next_token, v.error
+
+
+def greedy_case(session: str, prompt: int, start: int, wrong_at: int | None) -> VerifyRequest:
+    reference = greedy_reference(prompt, 12)
+    context = prompt_ids(prompt) + reference[:start]
+    return make_request(session, start, context, draft_from(reference, start, K, wrong_at))
+
+
+def test_batched_verify_equals_per_session_and_the_target(target: Target) -> None:
+    runtime, _ = target
+    requests = [greedy_case(f"s{i}", *case) for i, case in enumerate(GREEDY_CASES)]
+    batched = VerifierCore(runtime).verify_batch(requests)
+    singles = [VerifierCore(runtime).verify_batch([r])[0] for r in requests]
+
+    for request, joint, single, (prompt, start, wrong_at) in zip(
+        requests, batched, singles, GREEDY_CASES, strict=True
+    ):
+        reference = greedy_reference(prompt, 12)
+        n = K if wrong_at is None else wrong_at
+        assert verdict(joint) == verdict(single) == (n, reference[start + n], "")
+        assert joint.request_id == request.request_id
+        assert joint.base_len == len(request.context_ids)
+        assert joint.batch_size == len(requests)
+        assert joint.prefilled == single.prefilled == len(request.context_ids) - 1
+
+
+@pytest.mark.parametrize("prompts", [(0, 4, 8), (12, 20, 30)])
+def test_greedy_speculative_through_the_core_equals_target_only(
+    target: Target, prompts: tuple[int, ...]
+) -> None:
+    """Several sessions decode in shared batches, with drafts right, wrong and empty."""
+    runtime, tokenizer = target
+    max_new = 20
+    draft_lengths = [4, 0, 3, 4, 1, 2]
+    wrong_positions = [None, None, 1, 0, None, 1]
+    core = VerifierCore(runtime)
+    generated: dict[int, list[int]] = {p: [] for p in prompts}
+    round_index = n_requests = 0
+    while True:
+        active = [
+            p
+            for p in prompts
+            if len(generated[p]) < max_new
+            and not (generated[p] and generated[p][-1] == tokenizer.eos_id)
+        ]
+        if not active:
+            break
+        requests = []
+        for offset, p in enumerate(active):
+            reference = greedy_reference(p, max_new)
+            slot = (round_index + offset) % len(draft_lengths)
+            k = min(draft_lengths[slot], max_new - len(generated[p]) - 1)
+            tokens = draft_from(reference, len(generated[p]), k, wrong_positions[slot])
+            context = prompt_ids(p) + tuple(generated[p])
+            requests.append(make_request(f"sess-{p}", round_index, context, tokens))
+        for p, request, v in zip(active, requests, core.verify_batch(requests), strict=True):
+            assert v.ok, v.error
+            assert v.next_token is not None
+            new = [*request.tokens[: v.n_accepted], v.next_token]
+            if tokenizer.eos_id in new:
+                new = new[: new.index(tokenizer.eos_id) + 1]
+            generated[p] += new
+        round_index += 1
+        n_requests += len(requests)
+
+    for p in prompts:
+        assert generated[p][:max_new] == list(greedy_reference(p, max_new))
+    stats = core.stats()
+    assert stats.misses == len(prompts)  # each session prefilled once, then always a hit
+    assert stats.hits == n_requests - len(prompts)
+
+
+def sampled_request(session: str, prompt: int, seed: int, round_index: int) -> VerifyRequest:
+    reference = greedy_reference(prompt, 12)
+    tokens = list(reference[2 : 2 + K])
+    # q' puts most mass on the drafted token and some on two others: a real top-3 cut.
+    q_ids = [[t, (t + 7) % 49152, (t + 11) % 49152] for t in tokens]
+    q_probs = [[0.6, 0.25, 0.15]] * K
+    spec = SamplingSpec(temperature=0.8, top_p=0.95, seed=seed)
+    context = prompt_ids(prompt) + reference[:2]
+    return make_request(session, round_index, context, tokens, spec, q_ids, q_probs)
+
+
+def test_sampled_verify_matches_the_rejection_sampler_on_the_targets_logits(
+    target: Target,
+) -> None:
+    runtime, _ = target
+    requests = [
+        sampled_request(f"t{i}", prompt, seed, round_index)
+        for i, (prompt, seed, round_index) in enumerate(
+            [(0, 1, 0), (1, 2, 5), (2, 3, 9), (0, 4, 2)]
+        )
+    ]
+    batched = VerifierCore(runtime).verify_batch(requests)
+    for request, joint in zip(requests, batched, strict=True):
+        cache = runtime.new_cache()
+        context = list(request.context_ids)
+        runtime.forward(context[:-1], cache)
+        logits = runtime.forward([context[-1], *request.tokens], cache)
+        assert request.q_ids is not None and request.q_probs is not None
+        q = SparseDraftProbs(np.asarray(request.q_ids), np.asarray(request.q_probs))
+        s = request.sampling
+        expected = rejection_sample(
+            request.tokens,
+            q,
+            logits,
+            SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed),
+            round_rng(s.seed, request.round),
+        )
+        single = VerifierCore(runtime).verify_batch([request])[0]
+        assert verdict(joint) == verdict(single) == (expected.n_accepted, expected.next_token, "")
+
+
+def test_miss_divergence_and_resend_reprefill_to_the_same_verdict(target: Target) -> None:
+    runtime, _ = target
+    reference = greedy_reference(3, 16)
+    prompt = prompt_ids(3)
+    core = VerifierCore(runtime)
+
+    def check(request: VerifyRequest, prefilled: int) -> Verification:
+        (warm,) = core.verify_batch([request])
+        (cold,) = VerifierCore(runtime).verify_batch([request])
+        assert verdict(warm) == verdict(cold)
+        assert warm.ok and warm.prefilled == prefilled
+        held = core.cached_tokens(request.session_id)
+        assert held == [*request.context_ids, *request.tokens][: warm.base_len + warm.n_accepted]
+        return warm
+
+    first = make_request("s", 0, prompt, reference[:K])
+    assert check(first, len(prompt) - 1).n_accepted == K
+    # The next round: the cache holds context[:-1] exactly.
+    second = make_request("s", 1, prompt + reference[: K + 1], reference[K + 1 : 2 * K + 1])
+    check(second, 0)
+    # A resend of round 0 after round 1: the cache is longer than the context and is cut back.
+    check(first, 0)
+    # The coordinator's context diverges a couple of tokens before the cache's end: a short tail,
+    # prefilled inside the batched pass.
+    base = len(prompt) + 2
+    diverged = [*prompt, *reference[:2], reference[2] + 1, reference[3]]
+    assert len(diverged) - 1 - base <= INLINE_PREFILL_MAX
+    check(make_request("s", 2, diverged, reference[4:8]), len(diverged) - 1 - base)
+    # A context that differs inside the prompt (another user turn): a long re-prefill.
+    edited = list(prompt)
+    edited[len(prompt) // 2] += 1
+    check(make_request("s", 3, edited, reference[:K]), len(prompt) - 1 - len(prompt) // 2)
+    stats = core.stats()
+    assert (stats.hits, stats.misses) == (2, 3)
+
+
+def test_lru_eviction_by_sessions_and_by_positions(target: Target) -> None:
+    runtime, _ = target
+    requests = {
+        name: make_request(name, 0, prompt_ids(p), greedy_reference(p, 8)[:2])
+        for name, p in (("a", 0), ("b", 1), ("c", 2), ("d", 3))
+    }
+    core = VerifierCore(runtime, max_sessions=2)
+    for name in "abc":
+        core.verify_batch([requests[name]])
+    assert [core.cached_tokens(n) is not None for n in "abc"] == [False, True, True]
+    core.verify_batch([requests["b"]])  # b becomes the most recent
+    core.verify_batch([requests["d"]])
+    assert [core.cached_tokens(n) is not None for n in "abcd"] == [False, True, False, True]
+    assert core.stats().evictions == 2
+    # An evicted session comes back through a full re-prefill, with the same verdict.
+    (again,) = core.verify_batch([requests["a"]])
+    (fresh,) = VerifierCore(runtime).verify_batch([requests["a"]])
+    assert verdict(again) == verdict(fresh)
+    assert again.prefilled == len(requests["a"].context_ids) - 1
+
+    one_session = max(len(r.context_ids) + 2 for r in requests.values())
+    small = VerifierCore(runtime, max_cached_positions=one_session + 1)
+    small.verify_batch([requests["a"], requests["b"]])
+    assert small.sessions_cached == 1
+    assert small.cached_tokens("b") is not None  # the most recent one stays
+    assert small.cached_positions <= one_session + 1
+
+
+def test_refused_request_and_duplicate_session_in_one_batch(target: Target) -> None:
+    runtime, _ = target
+    good = greedy_case("g", 1, 3, 0)
+    bad = make_request("b", 0, prompt_ids(2), [runtime.vocab_size + 5])
+    results = VerifierCore(runtime).verify_batch([good, bad, good])
+    assert [r.request_id for r in results] == [good.request_id, bad.request_id, good.request_id]
+    assert results[0].ok and verdict(results[0]) == verdict(results[2])
+    assert results[2].prefilled == 0  # the resend ran after the first, on its cache
+    assert "vocabulary" in results[1].error

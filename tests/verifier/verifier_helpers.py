@@ -1,0 +1,117 @@
+"""Prompts, greedy references and requests shared by the verifier tests."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from broker.client import BusClient
+from broker.compat import timeout
+from broker.messages import (
+    SamplingSpec,
+    VerifierStatus,
+    VerifyRequest,
+    VerifyResult,
+    decode,
+)
+from inference.onnx_runtime import OnnxRuntime
+from inference.sampling import SamplingParams
+from inference.speculative import decode_target
+from inference.target_build import load_target
+from inference.tokenizer import ChatTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@functools.cache
+def target_pair() -> tuple[OnnxRuntime, ChatTokenizer]:
+    """The real target of the default models directory, loaded once per test process."""
+    return load_target()
+
+
+@functools.cache
+def shared_prompt(index: int) -> str:
+    lines = [line for line in SHARED_PROMPTS.read_text().splitlines() if line.strip()]
+    prompt: str = json.loads(lines[index])["prompt"]
+    return prompt
+
+
+@functools.cache
+def prompt_ids(index: int) -> tuple[int, ...]:
+    _, tokenizer = target_pair()
+    return tuple(tokenizer.apply_chat_template(shared_prompt(index)))
+
+
+@functools.cache
+def greedy_reference(index: int, max_new_tokens: int) -> tuple[int, ...]:
+    """The target's own greedy continuation of a shared prompt, one pass per token."""
+    runtime, tokenizer = target_pair()
+    result = decode_target(runtime, prompt_ids(index), max_new_tokens, GREEDY, eos=tokenizer.eos_id)
+    return tuple(result.tokens)
+
+
+def draft_from(reference: Sequence[int], start: int, k: int, wrong_at: int | None) -> list[int]:
+    """k tokens of the reference from `start`, with the one at `wrong_at` replaced by another."""
+    tokens = list(reference[start : start + k])
+    if wrong_at is not None and wrong_at < len(tokens):
+        tokens[wrong_at] = (tokens[wrong_at] + 1) % 49152
+    return tokens
+
+
+def make_request(
+    session_id: str,
+    round_index: int,
+    context: Sequence[int],
+    tokens: Sequence[int],
+    sampling: SamplingSpec | None = None,
+    q_ids: Sequence[Sequence[int]] | None = None,
+    q_probs: Sequence[Sequence[float]] | None = None,
+) -> VerifyRequest:
+    return VerifyRequest(
+        request_id=uuid.uuid4().hex,
+        session_id=session_id,
+        round=round_index,
+        context_ids=tuple(context),
+        tokens=tuple(tokens),
+        sampling=sampling or SamplingSpec(),
+        q_ids=None if q_ids is None else tuple(tuple(r) for r in q_ids),
+        q_probs=None if q_probs is None else tuple(tuple(r) for r in q_probs),
+    )
+
+
+class BusListener:
+    """The coordinator's side of a test: collects results and statuses of one verifier."""
+
+    def __init__(self, client: BusClient) -> None:
+        self.client = client
+        self.results: dict[str, VerifyResult] = {}
+        self.statuses: list[tuple[VerifierStatus, bool]] = []  # with the retain flag
+        self._changed = asyncio.Condition()
+
+    async def listen(self) -> None:
+        async for incoming in self.client.messages():
+            message = decode(incoming.payload)
+            async with self._changed:
+                if isinstance(message, VerifyResult):
+                    self.results[message.request_id] = message
+                elif isinstance(message, VerifierStatus):
+                    self.statuses.append((message, incoming.retain))
+                self._changed.notify_all()
+
+    async def result(self, request_id: str, timeout_s: float = 60.0) -> VerifyResult:
+        async with timeout(timeout_s), self._changed:
+            await self._changed.wait_for(lambda: request_id in self.results)
+        return self.results[request_id]
+
+    async def status(
+        self, predicate: Callable[[VerifierStatus], bool], timeout_s: float = 90.0
+    ) -> VerifierStatus:
+        async with timeout(timeout_s), self._changed:
+            await self._changed.wait_for(lambda: any(predicate(s) for s, _ in self.statuses))
+        return next(s for s, _ in self.statuses if predicate(s))

@@ -1,0 +1,1 @@
+"""Verifier workers: the target model, per-session KV caches and batched verification."""

@@ -1,0 +1,267 @@
+"""The inference child process: it loads the target once and verifies the batches sent down a pipe.
+
+The bus-facing worker supervises it through `InferenceChild`. Running the runtime in another
+process means a crash in native code (or an OOM kill) costs the batch in flight, not the worker
+and its bus session; the worker answers that batch with errors and starts a new child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from broker.compat import timeout
+from broker.messages import VerifyRequest
+from verifier.core import MAX_SESSIONS, CoreStats, Verification
+
+log = logging.getLogger(__name__)
+
+# A first start may build the target from its GGUF, which takes minutes on a small CPU.
+START_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 2.0
+MAX_CACHE_MB = 2048
+PRECISION = "fp32"
+
+
+class ChildDied(Exception):
+    """The inference process exited, broke its pipe, or did not answer in time."""
+
+
+class ChildStartError(ChildDied):
+    """The inference process could not load the target."""
+
+
+@dataclass(frozen=True)
+class ChildConfig:
+    """What the child needs to build its runtime and core; picklable, sent at spawn."""
+
+    models_dir: Path | None = None  # None: the settings' models directory
+    precision: str = PRECISION
+    threads: int | None = None  # ORT intra-op threads; None: ORT's default (every core)
+    max_sessions: int = MAX_SESSIONS
+    max_cache_mb: int = MAX_CACHE_MB
+
+
+@dataclass(frozen=True)
+class ChildReady:
+    pid: int
+    target: str  # model name@sha256 prefix
+    load_s: float
+
+
+@dataclass(frozen=True)
+class ChildFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ChildReply:
+    verifications: list[Verification]  # in the order of the batch
+    compute_ms: float  # verify_batch inside the child, the pipe excluded
+    stats: CoreStats
+
+
+def child_main(conn: Connection, config: ChildConfig) -> None:
+    """Entry point of the spawned process: load once, then answer batches until EOF or None."""
+    # Ctrl-C goes to the whole process group; the worker decides when its child stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    started = time.perf_counter()
+    try:
+        from inference.artifacts import load_manifest
+        from inference.target_build import PRECISIONS, load_target, target_name
+        from verifier.core import VerifierCore, kv_bytes_per_position
+
+        precision = next(p for p in PRECISIONS if p == config.precision)
+        runtime, _ = load_target(
+            config.models_dir, precision=precision, threads=config.threads, allow_spinning=False
+        )
+        c = runtime.config
+        per_position = kv_bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim)
+        core = VerifierCore(
+            runtime,
+            max_sessions=config.max_sessions,
+            max_cached_positions=max(1, config.max_cache_mb * 2**20 // per_position),
+            max_positions=c.context_length,
+        )
+        models_dir = config.models_dir
+        if models_dir is None:
+            from inference.artifacts import default_models_dir
+
+            models_dir = default_models_dir()
+        manifest = load_manifest(models_dir / target_name(precision))
+        ready = ChildReady(
+            os.getpid(), f"{manifest.name}@{manifest.sha256[:12]}", time.perf_counter() - started
+        )
+    # Whatever stops the load is reported to the worker, which decides to retry or give up.
+    except Exception as exc:
+        log.exception("inference process could not load the target")
+        _send_or_exit(conn, ChildFailed(f"{type(exc).__name__}: {exc}"))
+        return
+    _send_or_exit(conn, ready)
+    while True:
+        try:
+            batch: list[VerifyRequest] | None = conn.recv()
+        except EOFError:  # the worker is gone; nobody will read what we compute
+            return
+        if batch is None:
+            return
+        t0 = time.perf_counter()
+        verifications = core.verify_batch(batch)
+        reply = ChildReply(verifications, (time.perf_counter() - t0) * 1e3, core.stats())
+        if not _send_or_exit(conn, reply):
+            return
+
+
+def _send_or_exit(conn: Connection, message: object) -> bool:
+    try:
+        conn.send(message)
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
+
+
+class InferenceChild:
+    """The worker's handle on its inference process: start, verify a batch, kill, stop."""
+
+    def __init__(self, config: ChildConfig, name: str = "verifier-inference") -> None:
+        self.config = config
+        self.name = name
+        self._context = multiprocessing.get_context("spawn")
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self.ready: ChildReady | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> ChildReady:
+        """Spawn the process and wait until it has loaded the target."""
+        self.kill()
+        parent_conn, child_conn = self._context.Pipe(duplex=True)
+        process = self._context.Process(
+            target=child_main, args=(child_conn, self.config), name=self.name, daemon=True
+        )
+        process.start()
+        # Our copy of the child's end must go, or the child's death would never read as EOF.
+        child_conn.close()
+        self._process, self._conn = process, parent_conn
+        self.starts += 1
+        try:
+            message = await self._receive(timeout_s)
+        except ChildDied as exc:
+            self.kill()
+            raise ChildStartError(str(exc)) from exc
+        if isinstance(message, ChildFailed):
+            self.kill()
+            raise ChildStartError(message.reason)
+        if not isinstance(message, ChildReady):
+            self.kill()
+            raise ChildStartError(f"unexpected first message {type(message).__name__}")
+        self.ready = message
+        log.info(
+            "inference process %d loaded %s in %.1fs", message.pid, message.target, message.load_s
+        )
+        return message
+
+    async def verify(self, requests: Sequence[VerifyRequest], timeout_s: float) -> ChildReply:
+        """Send one batch and wait for its reply; raise ChildDied if the process is lost."""
+        if self._conn is None or not self.alive:
+            raise ChildDied("the inference process is not running")
+        try:
+            self._conn.send(list(requests))
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            raise ChildDied(f"pipe to the inference process broke: {exc}") from exc
+        message = await self._receive(timeout_s)
+        if not isinstance(message, ChildReply):
+            raise ChildDied(f"unexpected reply {type(message).__name__}")
+        return message
+
+    async def _receive(self, timeout_s: float) -> object:
+        """The next message from the child, waiting on the pipe and the process sentinel."""
+        assert self._conn is not None and self._process is not None
+        conn, process = self._conn, self._process
+        loop = asyncio.get_running_loop()
+        try:
+            async with timeout(timeout_s):
+                while True:
+                    if conn.poll():
+                        try:
+                            message: object = conn.recv()
+                        except (EOFError, OSError) as exc:
+                            raise ChildDied(self._death_reason()) from exc
+                        return message
+                    if not process.is_alive():
+                        raise ChildDied(self._death_reason())
+                    readable: asyncio.Future[None] = loop.create_future()
+
+                    def wake(future: asyncio.Future[None] = readable) -> None:
+                        if not future.done():
+                            future.set_result(None)
+
+                    loop.add_reader(conn.fileno(), wake)
+                    loop.add_reader(process.sentinel, wake)
+                    try:
+                        await readable
+                    finally:
+                        loop.remove_reader(conn.fileno())
+                        loop.remove_reader(process.sentinel)
+        except TimeoutError:
+            self.kill()
+            raise ChildDied(
+                f"no answer from the inference process within {timeout_s:.0f}s"
+            ) from None
+
+    def _death_reason(self) -> str:
+        process = self._process
+        if process is None:
+            return "the inference process is gone"
+        if process.is_alive():  # its pipe broke but it lingers: it is of no use any more
+            process.kill()
+        process.join(STOP_TIMEOUT_S)
+        code = process.exitcode
+        if code is not None and code < 0:
+            return f"the inference process {process.pid} was killed by signal {-code}"
+        return f"the inference process {process.pid} exited with status {code}"
+
+    def kill(self) -> None:
+        """SIGKILL the process (if any) and reap it."""
+        process, conn = self._process, self._conn
+        self._process, self._conn, self.ready = None, None, None
+        if conn is not None:
+            conn.close()
+        if process is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(STOP_TIMEOUT_S)
+            if process.exitcode is not None:
+                process.close()
+
+    def stop(self) -> None:
+        """Ask the process to exit after its current batch; kill it if it does not."""
+        if self._conn is not None and self.alive:
+            try:
+                self._conn.send(None)
+            except OSError:
+                log.debug("the inference process closed its pipe first; killing it")
+            else:
+                assert self._process is not None
+                self._process.join(STOP_TIMEOUT_S)
+        self.kill()

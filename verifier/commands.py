@@ -1,0 +1,169 @@
+"""`specfleet verifier`: run one verifier worker (the target plus its session caches) on the bus."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verifier.worker import VerifierWorker
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "q4")  # inference.target_build.PRECISIONS, without importing the builder
+
+
+def default_verifier_id() -> str:
+    """`<host>-<pid>`, cut to what a topic level allows."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()).strip("-.") or "verifier"
+    return f"{host[:50]}-{os.getpid()}"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from verifier import child, core, worker
+
+    parser.add_argument(
+        "--id",
+        dest="verifier_id",
+        default=None,
+        help="verifier id, a topic level (default: <host>-<pid>)",
+    )
+    parser.add_argument("--broker-url", default=None, help="mqtt://host:port (default: settings)")
+    parser.add_argument("--username", default=None, help="broker username (default: settings)")
+    parser.add_argument("--password", default=None, help="broker password (default: settings)")
+    parser.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        default=worker.MAX_BATCH,
+        help=f"requests per target pass at most (default: {worker.MAX_BATCH})",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=_non_negative_float,
+        default=worker.BATCH_WINDOW_MS,
+        help="after a batch's first request, wait this long for more "
+        f"(default: {worker.BATCH_WINDOW_MS})",
+    )
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=worker.HEARTBEAT_S,
+        help=f"status heartbeat period (default: {worker.HEARTBEAT_S})",
+    )
+    parser.add_argument(
+        "--max-sessions",
+        type=_positive_int,
+        default=core.MAX_SESSIONS,
+        help=f"KV caches kept, least recent evicted (default: {core.MAX_SESSIONS})",
+    )
+    parser.add_argument(
+        "--max-cache-mb",
+        type=_positive_int,
+        default=child.MAX_CACHE_MB,
+        help=f"memory for KV caches (default: {child.MAX_CACHE_MB})",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="ONNX Runtime intra-op threads (default: the cores this process may use)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default=child.PRECISION,
+        help=f"target build to load (default: {child.PRECISION})",
+    )
+    parser.add_argument(
+        "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from broker.client import BrokerAddress
+    from coordinator.settings import Settings
+    from specfleet.cli import CommandError
+    from verifier.child import ChildConfig
+    from verifier.worker import VerifierError, VerifierWorker, WorkerConfig
+
+    settings = Settings()
+    if not args.heartbeat_s > 0:
+        raise CommandError(f"--heartbeat-s must be > 0, got {args.heartbeat_s}")
+    try:
+        address = BrokerAddress.from_url(args.broker_url or settings.broker_url)
+        config = WorkerConfig(
+            verifier_id=args.verifier_id or default_verifier_id(),
+            max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms,
+            heartbeat_s=args.heartbeat_s,
+            child=ChildConfig(
+                models_dir=args.models_dir or settings.resolved_models_dir,
+                precision=args.precision,
+                threads=args.threads or len(os.sched_getaffinity(0)),
+                max_sessions=args.max_sessions,
+                max_cache_mb=args.max_cache_mb,
+            ),
+        )
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    if args.models_dir is not None and not args.models_dir.is_dir():
+        raise CommandError(f"models directory {args.models_dir} does not exist")
+
+    worker = VerifierWorker(
+        config,
+        address,
+        username=args.username or settings.broker_username,
+        password=args.password or settings.broker_password,
+    )
+    log.info(
+        "verifier %s: broker %s, max batch %d, window %.1f ms",
+        config.verifier_id,
+        address.url,
+        config.max_batch,
+        config.batch_window_ms,
+    )
+    try:
+        asyncio.run(_serve(worker))
+    except VerifierError as exc:
+        raise CommandError(str(exc)) from exc
+    return 0
+
+
+async def _serve(worker: VerifierWorker) -> None:
+    main = asyncio.current_task()
+    assert main is not None
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, main.cancel)
+    try:
+        await worker.run()
+    except asyncio.CancelledError:
+        log.info("verifier %s stopped", worker.config.verifier_id)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    help_text = "run a verifier worker: the target model, batching drafts from the bus"
+    parser = subparsers.add_parser("verifier", help=help_text, description=help_text)
+    add_arguments(parser)
+    parser.set_defaults(func=run)

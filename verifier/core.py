@@ -1,0 +1,333 @@
+"""Batched verification of drafts against the target, with an LRU of per-session KV caches.
+
+Each cached session holds `context[:-1]` of its last request, so a round is one pass over
+`[context[-1]] + tokens`, which scores every drafted position plus the bonus position (the
+invariant of `inference.speculative`). A request whose context the cache does not hold as a
+prefix (a miss, another verifier served the last round, a resend) is trimmed to the common
+prefix and the rest is prefilled; only short tails ride inside the batched pass, since a long
+one would pad every other sequence of the batch to its length.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from broker.messages import VerifyRequest
+from inference.runtime import KVCache, Logits, Runtime
+from inference.sampling import (
+    SamplingParams,
+    SparseDraftProbs,
+    rejection_sample,
+    round_rng,
+)
+
+log = logging.getLogger(__name__)
+
+# A missing tail of at most this many positions joins the batched pass; a longer one is
+# prefilled on its own first. Every row of a batch is padded to the longest row, so a tail of
+# t tokens costs the whole batch about t extra rows.
+INLINE_PREFILL_MAX = 4
+# Prefill in chunks: the graph returns logits for every position (196 KiB each), so one pass over
+# thousands of tokens would allocate gigabytes of logits nobody reads.
+PREFILL_CHUNK = 512
+MAX_SESSIONS = 256
+# 2**20 positions of SmolLM2-135M in fp32 (46 KiB each) is about 45 GiB, so the practical bound
+# is set by the caller from its memory budget (see `kv_bytes_per_position`).
+MAX_CACHED_POSITIONS = 1 << 20
+
+
+def kv_bytes_per_position(n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
+    """Bytes one cached position takes: keys and values of every layer."""
+    return 2 * n_layers * n_kv_heads * head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The target's answer to one VerifyRequest, or the reason there is none (`error`)."""
+
+    request_id: str
+    session_id: str
+    round: int
+    base_len: int  # len(context_ids)
+    n_accepted: int = 0
+    next_token: int | None = None
+    error: str = ""
+    prefilled: int = 0  # positions computed before this request's window (0 on a cache hit)
+    batch_size: int = 1  # windows scored by the forward pass that scored this one
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    sessions_cached: int
+    cached_positions: int
+    hits: int  # requests whose context the cache already held
+    misses: int  # requests that needed a prefill (new session, eviction, divergence)
+    prefilled_positions: int
+    evictions: int
+
+
+@dataclass
+class _Session:
+    cache: KVCache
+    tokens: list[int] = field(default_factory=list)  # [cache.length]: the ids the cache holds
+
+
+@dataclass
+class _Row:
+    """One request's share of the batched pass."""
+
+    index: int  # position of the request in the caller's list
+    request: VerifyRequest
+    session: _Session
+    ids: list[int]  # [tail + 1 + k]: inline prefill tail, context[-1], then the draft
+    prefilled: int
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    mismatch = np.flatnonzero(
+        np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    )
+    return int(mismatch[0]) if mismatch.size else n
+
+
+def sparse_q(request: VerifyRequest) -> SparseDraftProbs | None:
+    """q' of a request as [k, K] arrays; rows shorter than the longest are padded with p = 0."""
+    if request.q_ids is None or request.q_probs is None:
+        return None
+    width = max((len(row) for row in request.q_ids), default=1)
+    k = len(request.q_ids)
+    ids = np.zeros((k, width), dtype=np.int64)
+    probs = np.zeros((k, width), dtype=np.float64)
+    for i, (row_ids, row_probs) in enumerate(zip(request.q_ids, request.q_probs, strict=True)):
+        ids[i, : len(row_ids)] = row_ids
+        ids[i, len(row_ids) :] = row_ids[0]
+        probs[i, : len(row_probs)] = row_probs
+    return SparseDraftProbs(ids=ids, probs=probs)
+
+
+class VerifierCore:
+    """Verifies batches of VerifyRequests on one runtime; owns the sessions' KV caches."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        max_sessions: int = MAX_SESSIONS,
+        max_cached_positions: int = MAX_CACHED_POSITIONS,
+        max_positions: int | None = None,
+    ) -> None:
+        if max_sessions < 1 or max_cached_positions < 1:
+            raise ValueError("max_sessions and max_cached_positions must be >= 1")
+        self.runtime = runtime
+        self.max_sessions = max_sessions
+        self.max_cached_positions = max_cached_positions
+        self.max_positions = max_positions  # the model's context length, when it has one
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent first
+        self._hits = 0
+        self._misses = 0
+        self._prefilled = 0
+        self._evictions = 0
+
+    # -- public ---------------------------------------------------------------------------
+
+    def verify_batch(self, requests: Sequence[VerifyRequest]) -> list[Verification]:
+        """Verify every request; results come in the order of `requests`.
+
+        Requests for distinct sessions share one forward pass. A session that appears twice (a
+        resend) is verified again in a second pass, after the first, since both need its cache.
+        """
+        results: list[Verification | None] = [None] * len(requests)
+        waves: list[list[int]] = []
+        seen: dict[str, int] = {}
+        for index, request in enumerate(requests):
+            error = self._refusal(request)
+            if error:
+                results[index] = _failed(request, error)
+                continue
+            wave = seen.get(request.session_id, 0)
+            seen[request.session_id] = wave + 1
+            if wave == len(waves):
+                waves.append([])
+            waves[wave].append(index)
+        for wave_indices in waves:
+            for index, verification in self._verify_wave(requests, wave_indices):
+                results[index] = verification
+            self._evict()
+        return [r for r in results if r is not None]
+
+    def stats(self) -> CoreStats:
+        return CoreStats(
+            sessions_cached=len(self._sessions),
+            cached_positions=self.cached_positions,
+            hits=self._hits,
+            misses=self._misses,
+            prefilled_positions=self._prefilled,
+            evictions=self._evictions,
+        )
+
+    @property
+    def sessions_cached(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def cached_positions(self) -> int:
+        return sum(s.cache.length for s in self._sessions.values())
+
+    def cached_tokens(self, session_id: str) -> list[int] | None:
+        """The ids a session's cache holds, or None when it is not cached."""
+        session = self._sessions.get(session_id)
+        return None if session is None else list(session.tokens)
+
+    def drop(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _refusal(self, request: VerifyRequest) -> str:
+        vocab = self.runtime.vocab_size
+        top = max(max(request.context_ids), max(request.tokens, default=0))
+        if top >= vocab:
+            return f"token id {top} is outside the target's vocabulary of {vocab}"
+        total = len(request.context_ids) + len(request.tokens)
+        if self.max_positions is not None and total > self.max_positions:
+            return f"context plus draft is {total} positions; the target holds {self.max_positions}"
+        return ""
+
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = _Session(self.runtime.new_cache())
+            self._sessions[session_id] = session
+        else:
+            self._sessions.move_to_end(session_id)
+        return session
+
+    def _missing_tail(self, session: _Session, prefix: list[int]) -> list[int]:
+        """Trim the cache to what it shares with `prefix`; return the part of `prefix` it lacks."""
+        if session.tokens == prefix:
+            return []
+        keep = common_prefix_len(session.tokens, prefix)
+        if keep < session.cache.length:
+            session.cache.trim(keep)
+            del session.tokens[keep:]
+        return prefix[keep:]
+
+    def _prefill(self, session: _Session, tail: list[int]) -> None:
+        for start in range(0, len(tail), PREFILL_CHUNK):
+            chunk = tail[start : start + PREFILL_CHUNK]
+            self.runtime.forward(chunk, session.cache)
+            session.tokens += chunk
+
+    def _verify_wave(
+        self, requests: Sequence[VerifyRequest], indices: list[int]
+    ) -> list[tuple[int, Verification]]:
+        done: list[tuple[int, Verification]] = []
+        rows: list[_Row] = []
+        for index in indices:
+            request = requests[index]
+            context = list(request.context_ids)
+            session = self._session(request.session_id)
+            try:
+                tail = self._missing_tail(session, context[:-1])
+                prefilled = len(tail)
+                if len(tail) > INLINE_PREFILL_MAX:
+                    self._prefill(session, tail)
+                    tail = []
+            # The runtime is an engine boundary: whatever it raises fails this request only.
+            except Exception as exc:
+                log.exception("prefill of session %s failed", request.session_id)
+                self._sessions.pop(request.session_id, None)
+                done.append((index, _failed(request, f"prefill failed: {exc}")))
+                continue
+            if prefilled:
+                self._misses += 1
+                self._prefilled += prefilled
+            else:
+                self._hits += 1
+            ids = [*tail, context[-1], *request.tokens]
+            rows.append(_Row(index, request, session, ids, prefilled))
+        if not rows:
+            return done
+
+        try:
+            logits = self.runtime.forward_batch([(row.ids, row.session.cache) for row in rows])
+        except Exception as exc:
+            log.exception("batched pass over %d sessions failed", len(rows))
+            for row in rows:
+                self._sessions.pop(row.request.session_id, None)
+                done.append((row.index, _failed(row.request, f"target pass failed: {exc}")))
+            return done
+
+        for row, row_logits in zip(rows, logits, strict=True):
+            window = len(row.request.tokens) + 1
+            done.append((row.index, self._decide(row, row_logits[-window:], len(rows))))
+        return done
+
+    def _decide(self, row: _Row, logits: Logits, batch_size: int) -> Verification:
+        """Rejection-sample one window (logits # [k+1, V]); roll the cache back to the verdict."""
+        request = row.request
+        spec = request.sampling
+        params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed)
+        base_len = len(request.context_ids)
+        draft: npt.NDArray[np.int64] = np.asarray(request.tokens, dtype=np.int64)
+        try:
+            verdict = rejection_sample(
+                draft,
+                None if params.greedy else sparse_q(request),
+                logits,
+                params,
+                round_rng(spec.seed, request.round),
+            )
+        except ValueError as exc:  # e.g. a drafted token with q'(x) = 0: the draft lied
+            self._rollback(row.session, request, base_len - 1)
+            return _failed(request, f"rejection sampling refused the draft: {exc}", row.prefilled)
+        self._rollback(row.session, request, base_len + verdict.n_accepted)
+        return Verification(
+            request_id=request.request_id,
+            session_id=request.session_id,
+            round=request.round,
+            base_len=base_len,
+            n_accepted=verdict.n_accepted,
+            next_token=verdict.next_token,
+            prefilled=row.prefilled,
+            batch_size=batch_size,
+        )
+
+    def _rollback(self, session: _Session, request: VerifyRequest, length: int) -> None:
+        """Keep the first `length` positions of context + draft, which the cache now holds."""
+        session.cache.trim(length)
+        session.tokens = [*request.context_ids, *request.tokens][:length]
+
+    def _evict(self) -> None:
+        positions = self.cached_positions
+        while self._sessions and (
+            len(self._sessions) > self.max_sessions or positions > self.max_cached_positions
+        ):
+            session_id, session = self._sessions.popitem(last=False)
+            positions -= session.cache.length
+            self._evictions += 1
+            log.debug("evicted session %s (%d positions)", session_id, session.cache.length)
+
+
+def _failed(request: VerifyRequest, error: str, prefilled: int = 0) -> Verification:
+    return Verification(
+        request_id=request.request_id,
+        session_id=request.session_id,
+        round=request.round,
+        base_len=len(request.context_ids),
+        error=error,
+        prefilled=prefilled,
+    )

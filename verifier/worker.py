@@ -1,0 +1,380 @@
+"""The bus-facing verifier: batches VerifyRequests for its inference child, publishes the results.
+
+Topics (docs/protocol.md): requests arrive on `verifier/{id}/work`, results leave on
+`verifier/{id}/result`, and a retained `VerifierStatus` heartbeat on `verifier/{id}/status`
+carries the load; the Last Will there says offline. The MQTT session is clean: work published
+while a verifier is away is not queued for it, since the coordinator resends the in-flight
+requests of a verifier whose Will fired or whose heartbeats stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from broker.client import (
+    BrokerAddress,
+    BusClient,
+    BusConnectionError,
+    ConnectOptions,
+    Will,
+    run_with_reconnect,
+)
+from broker.compat import task_group, timeout
+from broker.messages import (
+    BusError,
+    DeviceState,
+    VerifierStatus,
+    VerifyRequest,
+    VerifyResult,
+    decode_as,
+    encode,
+)
+from broker.topics import VerifierChannel, validate_device_id, verifier_topic
+from verifier.child import ChildConfig, ChildDied, ChildStartError, InferenceChild
+from verifier.core import Verification
+
+log = logging.getLogger(__name__)
+
+# Module-level so tests and the command line can change them.
+MAX_BATCH = 16
+BATCH_WINDOW_MS = 2.0  # after the first request of a batch, wait this long for more
+HEARTBEAT_S = 1.0
+BATCH_TIMEOUT_S = 120.0  # a child that takes longer on one batch is taken for hung and killed
+RESTART_ATTEMPTS = 5
+RESTART_BACKOFF_S = 0.5
+STATUS_ON_EXIT_TIMEOUT_S = 2.0
+TIMINGS_KEPT = 1024
+
+
+class VerifierError(Exception):
+    """The worker cannot go on (its inference process does not start)."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    verifier_id: str
+    child: ChildConfig = field(default_factory=ChildConfig)
+    max_batch: int = MAX_BATCH
+    batch_window_ms: float = BATCH_WINDOW_MS
+    heartbeat_s: float = HEARTBEAT_S
+    batch_timeout_s: float = BATCH_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        validate_device_id(self.verifier_id)
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.batch_window_ms < 0:
+            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
+        if self.heartbeat_s <= 0 or self.batch_timeout_s <= 0:
+            raise ValueError("heartbeat_s and batch_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    """One batch through the child: the pipe hop is `roundtrip_ms - compute_ms`."""
+
+    size: int
+    roundtrip_ms: float  # send to the child until its reply is read
+    compute_ms: float  # verify_batch inside the child
+
+
+@dataclass(frozen=True)
+class _Pending:
+    request: VerifyRequest
+    received_at: float  # time.perf_counter()
+
+
+class _Outbox:
+    """Results waiting for the bus; an item leaves only once published, so a drop loses none."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[str, bytes]] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, topic: str, payload: bytes) -> None:
+        self._items.append((topic, payload))
+        self._ready.set()
+
+    async def peek(self) -> tuple[str, bytes]:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items[0]
+
+    def pop(self) -> None:
+        self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass
+class WorkerCounters:
+    received: int = 0
+    refused: int = 0  # payloads on the work topic that the contract refused
+    served: int = 0  # results published without error
+    failed: int = 0  # results published with `error`
+    batches: int = 0
+    child_restarts: int = 0
+    timings: deque[BatchTiming] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
+
+
+class VerifierWorker:
+    """`await VerifierWorker(config, address).run()` serves until cancelled."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        address: BrokerAddress,
+        *,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        self.config = config
+        self.address = address
+        self.username = username
+        self.password = password
+        vid = config.verifier_id
+        self.work_topic = verifier_topic(vid, VerifierChannel.WORK)
+        self.result_topic = verifier_topic(vid, VerifierChannel.RESULT)
+        self.status_topic = verifier_topic(vid, VerifierChannel.STATUS)
+        self.child = InferenceChild(config.child, name=f"verifier-{vid}-inference")
+        self.counters = WorkerCounters()
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._in_flight: list[_Pending] = []
+        self._outbox = _Outbox()
+        self._sessions_cached = 0
+        self._target = ""
+
+    # -- state, for the heartbeat and for tests --------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def sessions_cached(self) -> int:
+        return self._sessions_cached
+
+    def status(self, state: DeviceState) -> VerifierStatus:
+        return VerifierStatus(
+            verifier_id=self.config.verifier_id,
+            state=state,
+            at=time.time(),
+            queue_depth=self.queue_depth,
+            in_flight=self.in_flight,
+            sessions_cached=self._sessions_cached,
+            max_batch=self.config.max_batch,
+            heartbeat_s=self.config.heartbeat_s,
+            target=self._target,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Load the target, then serve the bus until cancelled; VerifierError on a dead end."""
+        try:
+            ready = await self.child.start()
+        except ChildStartError as exc:
+            raise VerifierError(f"cannot start the inference process: {exc}") from exc
+        self._target = ready.target
+        options = ConnectOptions(
+            client_id=f"specfleet-verifier-{self.config.verifier_id}",
+            username=self.username,
+            password=self.password,
+            will=Will(self.status_topic, encode(self.status(DeviceState.OFFLINE)), retain=True),
+        )
+        try:
+            async with task_group() as tasks:
+                tasks.create_task(self._serve_batches(), name=f"{self.child.name}-batches")
+                tasks.create_task(
+                    run_with_reconnect(self.address, options, self._session),
+                    name=f"verifier-{self.config.verifier_id}-bus",
+                )
+        finally:
+            self.child.stop()
+
+    async def _session(self, client: BusClient) -> None:
+        await client.subscribe(self.work_topic)
+        await client.publish(
+            self.status_topic, encode(self.status(DeviceState.ONLINE)), retain=True
+        )
+        vid = self.config.verifier_id
+        try:
+            async with task_group() as tasks:
+                tasks.create_task(self._receive(client), name=f"verifier-{vid}-receive")
+                tasks.create_task(self._publish_results(client), name=f"verifier-{vid}-publish")
+                tasks.create_task(self._heartbeat(client), name=f"verifier-{vid}-heartbeat")
+        except asyncio.CancelledError:
+            # A clean exit says offline itself, at once, rather than leaving it to the Will.
+            with contextlib.suppress(BusConnectionError, TimeoutError):
+                async with timeout(STATUS_ON_EXIT_TIMEOUT_S):
+                    await client.publish(
+                        self.status_topic, encode(self.status(DeviceState.OFFLINE)), retain=True
+                    )
+            raise
+
+    # -- bus tasks ---------------------------------------------------------------------------
+
+    async def _receive(self, client: BusClient) -> None:
+        async for incoming in client.messages():
+            if incoming.topic != self.work_topic:
+                log.debug("ignoring a message on %s", incoming.topic)
+                continue
+            self.counters.received += 1
+            try:
+                request = decode_as(incoming.payload, VerifyRequest)
+            except BusError as exc:
+                self.counters.refused += 1
+                log.warning("refused a payload on %s: %s", incoming.topic, exc.reason)
+                reply = refusal_reply(incoming.payload, exc.reason, self.config.verifier_id)
+                if reply is not None:
+                    self._outbox.put(self.result_topic, encode(reply))
+                continue
+            self._queue.put_nowait(_Pending(request, time.perf_counter()))
+        raise BusConnectionError("the broker ended the message stream")
+
+    async def _publish_results(self, client: BusClient) -> None:
+        while True:
+            topic, payload = await self._outbox.peek()
+            await client.publish(topic, payload)
+            self._outbox.pop()
+
+    async def _heartbeat(self, client: BusClient) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            await client.publish(
+                self.status_topic, encode(self.status(DeviceState.ONLINE)), retain=True
+            )
+
+    # -- batching and the child --------------------------------------------------------------
+
+    async def _collect(self) -> list[_Pending]:
+        """Up to max_batch requests: the first, and whatever arrives within the batch window."""
+        first = await self._queue.get()
+        batch = [first]
+        deadline = first.received_at + self.config.batch_window_ms / 1e3
+        while len(batch) < self.config.max_batch:
+            if not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+                continue
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            try:
+                async with timeout(remaining):
+                    batch.append(await self._queue.get())
+            except TimeoutError:
+                break
+        return batch
+
+    async def _serve_batches(self) -> None:
+        while True:
+            batch = await self._collect()
+            self._in_flight = batch
+            try:
+                await self._verify(batch)
+            finally:
+                self._in_flight = []
+
+    async def _verify(self, batch: list[_Pending]) -> None:
+        dispatched = time.perf_counter()
+        try:
+            reply = await self.child.verify(
+                [p.request for p in batch], timeout_s=self.config.batch_timeout_s
+            )
+        except ChildDied as exc:
+            log.error("inference process lost with %d requests in flight: %s", len(batch), exc)
+            for pending in batch:
+                self._emit(
+                    pending,
+                    None,
+                    dispatched,
+                    0.0,
+                    error=f"verifier lost its inference process: {exc}",
+                )
+            await self._restart_child()
+            return
+        roundtrip_ms = (time.perf_counter() - dispatched) * 1e3
+        self.counters.batches += 1
+        self.counters.timings.append(BatchTiming(len(batch), roundtrip_ms, reply.compute_ms))
+        self._sessions_cached = reply.stats.sessions_cached
+        for pending, verification in zip(batch, reply.verifications, strict=True):
+            self._emit(pending, verification, dispatched, reply.compute_ms)
+
+    def _emit(
+        self,
+        pending: _Pending,
+        verification: Verification | None,
+        dispatched: float,
+        compute_ms: float,
+        error: str = "",
+    ) -> None:
+        request = pending.request
+        result = VerifyResult(
+            request_id=request.request_id,
+            session_id=request.session_id,
+            round=request.round,
+            base_len=len(request.context_ids),
+            n_accepted=verification.n_accepted if verification is not None else 0,
+            next_token=verification.next_token if verification is not None else None,
+            verifier_id=self.config.verifier_id,
+            queue_ms=max(0.0, (dispatched - pending.received_at) * 1e3),
+            verify_ms=compute_ms,
+            batch_size=verification.batch_size if verification is not None else 1,
+            error=(error or (verification.error if verification is not None else ""))[:1024],
+        )
+        if result.error:
+            self.counters.failed += 1
+        else:
+            self.counters.served += 1
+        self._outbox.put(self.result_topic, encode(result))
+
+    async def _restart_child(self) -> None:
+        self._sessions_cached = 0
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            try:
+                ready = await self.child.start()
+            except ChildStartError as exc:
+                log.error(
+                    "restart %d/%d of the inference process failed: %s",
+                    attempt,
+                    RESTART_ATTEMPTS,
+                    exc,
+                )
+                await asyncio.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
+                continue
+            self.counters.child_restarts += 1
+            self._target = ready.target
+            return
+        raise VerifierError(f"the inference process failed to restart {RESTART_ATTEMPTS} times")
+
+
+def refusal_reply(payload: bytes, reason: str, verifier_id: str) -> VerifyResult | None:
+    """An error result for a refused request, when its id, session and round can be read."""
+    try:
+        document = json.loads(payload)
+        if not isinstance(document, dict):
+            return None
+        context = document.get("context_ids")
+        return VerifyResult(
+            request_id=document["request_id"],
+            session_id=document["session_id"],
+            round=document["round"],
+            base_len=len(context) if isinstance(context, list) else 0,
+            verifier_id=verifier_id,
+            error=f"refused: {reason}"[:1024],
+        )
+    # Beyond reach of a reply: the refusal is already logged by the caller.
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return None
