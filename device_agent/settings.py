@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -16,28 +16,42 @@ from pydantic_settings import (
 from broker.topics import validate_device_id
 
 DEFAULT_HOME = Path.home() / ".local" / "share" / "specfleet-agent"
+# Beside the coordinator's HTTP port (8420), on loopback only.
+DEFAULT_LOCAL_API_PORT = 8421
+
+DraftRuntime = Literal["onnx", "tflite"]
 
 
-class AgentSettings(BaseSettings):
-    """Command-line flags beat `SPECFLEET_*` environment variables, which beat the config file."""
+class LocalSettings(BaseSettings):
+    """What the device needs without the bus: models, drafting defaults, the local API.
+
+    `specfleet-agent ask` reads these alone to find a running agent, so they need no device id.
+    Command-line flags beat `SPECFLEET_*` environment variables, which beat the config file.
+    """
 
     model_config = SettingsConfigDict(env_prefix="SPECFLEET_", extra="ignore")
 
-    device_id: str
-    credential: str | None = None  # absent only for anonymous quickstart brokers
-    broker_url: str = "mqtt://127.0.0.1:1883"
-    ca_file: Path | None = None  # CA bundle for mqtts:// brokers
-    kind: str = "other"
-    keepalive_s: int = Field(default=10, ge=1, le=3600)
-    telemetry_interval_s: float = Field(default=5.0, gt=0)
-    mqtt_protocol: str = Field(default="auto", pattern=r"^(auto|5|3\.1\.1)$")
     home: Path = DEFAULT_HOME
-    models_dir: Path | None = None
+    models_dir: Path | None = None  # default: <home>/models
+    # Where tokenizer.json and chat_format.json live; default: the first model under models_dir
+    # that carries them (every draft and target directory does).
+    tokenizer_dir: Path | None = None
+    default_draft: str = Field(default="lookup", min_length=1, max_length=128)
+    draft_runtime: DraftRuntime = "onnx"  # which build of a neural draft a bare name means
+    default_k: int | None = Field(default=None, ge=0, le=64)  # None: the drafter's own default
+    default_max_tokens: int = Field(default=128, ge=1, le=8192)
+    draft_threads: int | None = Field(default=None, ge=1, le=64)
+    # Draft the next window while a verdict is in flight (switchable for the benchmark).
+    proactive: bool = True
+    local_api: bool = True
+    local_api_port: int = Field(default=DEFAULT_LOCAL_API_PORT, ge=0, le=65535)  # 0: any free
+    # A round with no verdict after this long re-sends its draft (rounds are idempotent).
+    round_timeout_s: float = Field(default=10.0, gt=0)
+    round_retries: int = Field(default=6, ge=0, le=1000)
 
-    @field_validator("device_id")
-    @classmethod
-    def _device_id_is_a_topic_level(cls, value: str) -> str:
-        return validate_device_id(value)
+    @property
+    def resolved_models_dir(self) -> Path:
+        return self.models_dir if self.models_dir is not None else self.home / "models"
 
     @classmethod
     def settings_customise_sources(
@@ -51,14 +65,45 @@ class AgentSettings(BaseSettings):
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
 
 
-def load_agent_settings(config_file: Path | None = None, **overrides: Any) -> AgentSettings:
-    """Build the settings from flags (`overrides`, None meaning unset), environment and file."""
+class AgentSettings(LocalSettings):
+    """Everything `specfleet-agent run` needs: the local settings plus identity and the bus."""
+
+    device_id: str
+    credential: str | None = None  # absent only for anonymous quickstart brokers
+    broker_url: str = "mqtt://127.0.0.1:1883"
+    ca_file: Path | None = None  # CA bundle for mqtts:// brokers
+    kind: str = "other"
+    keepalive_s: int = Field(default=10, ge=1, le=3600)
+    telemetry_interval_s: float = Field(default=5.0, gt=0)
+    mqtt_protocol: str = Field(default="auto", pattern=r"^(auto|5|3\.1\.1)$")
+
+    @field_validator("device_id")
+    @classmethod
+    def _device_id_is_a_topic_level(cls, value: str) -> str:
+        return validate_device_id(value)
+
+
+S = TypeVar("S", bound=LocalSettings)
+
+
+def _load(cls: type[S], config_file: Path | None, overrides: dict[str, Any]) -> S:
     if config_file is not None and not config_file.is_file():
         raise FileNotFoundError(f"config file {config_file} does not exist")
 
-    class FromFile(AgentSettings):
+    class FromFile(cls):  # type: ignore[valid-type,misc]
         model_config = SettingsConfigDict(
             env_prefix="SPECFLEET_", extra="ignore", toml_file=config_file
         )
 
-    return FromFile(**{k: v for k, v in overrides.items() if v is not None})
+    loaded: S = FromFile(**{k: v for k, v in overrides.items() if v is not None})
+    return loaded
+
+
+def load_agent_settings(config_file: Path | None = None, **overrides: Any) -> AgentSettings:
+    """Build the settings from flags (`overrides`, None meaning unset), environment and file."""
+    return _load(AgentSettings, config_file, overrides)
+
+
+def load_local_settings(config_file: Path | None = None, **overrides: Any) -> LocalSettings:
+    """The device-local part of the settings, from the same sources; no device id needed."""
+    return _load(LocalSettings, config_file, overrides)

@@ -1,0 +1,145 @@
+"""The drafters this device can run, by name, with built drafters kept for the next session.
+
+Names follow `inference.drafters`: `lookup`, `ngram`, `hybrid`, a draft's manifest name
+(`draft-l1` for its ONNX build, `draft-l1-tflite` for its TFLite build) and `hybrid+NAME`. A bare
+family name means the build in the runtime the settings prefer, when the device holds both.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from inference.drafters import (
+    BUILTIN_DRAFTERS,
+    DEFAULT_NGRAM_TABLE,
+    HYBRID_PREFIX,
+    LOOKUP,
+    DrafterError,
+    default_k,
+    make_proposer,
+)
+from inference.tokenizer import CHAT_FORMAT_FILE, TOKENIZER_FILE, ChatTokenizer
+
+if TYPE_CHECKING:
+    from inference.drafts import DraftInfo, DraftRuntimeKind
+    from inference.proposers import Proposer
+
+
+class CatalogError(Exception):
+    """No tokenizer on the device, or a drafter it cannot run."""
+
+
+def find_tokenizer_dir(models_dir: Path) -> Path | None:
+    """The first model directory under `models_dir` that carries the tokenizer files."""
+    if not models_dir.is_dir():
+        return None
+    for directory in sorted(p for p in models_dir.iterdir() if p.is_dir()):
+        if (directory / TOKENIZER_FILE).is_file() and (directory / CHAT_FORMAT_FILE).is_file():
+            return directory
+    return None
+
+
+class DrafterCatalog:
+    """Hands each session a drafter of its own and takes it back when the session ends.
+
+    A drafter holds per-sequence state (a neural draft's KV cache), so two sessions never share
+    one; a returned drafter is rolled back to empty and reused, which spares the next session
+    the runtime's load (0.03-0.2 s for the small drafts, measured here). Every method may be
+    called from the event loop or from the agent's drafting thread, hence the lock.
+    """
+
+    def __init__(
+        self,
+        models_dir: Path,
+        *,
+        tokenizer_dir: Path | None = None,
+        runtime: DraftRuntimeKind = "onnx",
+        threads: int | None = None,
+        ngram_path: Path = DEFAULT_NGRAM_TABLE,
+    ) -> None:
+        self.models_dir = models_dir
+        self.tokenizer_dir = tokenizer_dir
+        self.runtime = runtime
+        self.threads = threads
+        self.ngram_path = ngram_path
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, float], list[Proposer]] = {}
+        self._tokenizer: ChatTokenizer | None = None
+        self._drafts: list[DraftInfo] | None = None
+
+    def _list_drafts(self) -> list[DraftInfo]:
+        with self._lock:
+            if self._drafts is None:
+                from inference.drafts import list_drafts
+
+                self._drafts = list_drafts(self.models_dir)
+            return self._drafts
+
+    def names(self) -> list[str]:
+        """Every drafter name `acquire` accepts here (neural ones only when their files exist)."""
+        table = self.ngram_path.is_file()
+        builtins = [name for name in BUILTIN_DRAFTERS if name == LOOKUP or table]
+        models = sorted({d.manifest.name for d in self._list_drafts()})
+        return [*builtins, *models, *(HYBRID_PREFIX + name for name in models)]
+
+    def has(self, name: str) -> bool:
+        return name in self.names()
+
+    def default_k(self, name: str) -> int:
+        return default_k(name)
+
+    def is_neural(self, name: str) -> bool:
+        """Whether drafting with `name` runs a model (and so belongs on the drafting thread)."""
+        return name not in BUILTIN_DRAFTERS
+
+    def resolve(self, name: str) -> str:
+        """The manifest name behind a drafter name: a family name picks the preferred runtime."""
+        if name.startswith(HYBRID_PREFIX):
+            return HYBRID_PREFIX + self.resolve(name[len(HYBRID_PREFIX) :])
+        family = [d for d in self._list_drafts() if d.name == name]
+        preferred = [d for d in family if d.format == self.runtime]
+        chosen = preferred or family
+        return chosen[0].manifest.name if chosen else name
+
+    def tokenizer(self) -> ChatTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                directory = self.tokenizer_dir or find_tokenizer_dir(self.models_dir)
+                if directory is None or not (directory / TOKENIZER_FILE).is_file():
+                    where = self.tokenizer_dir or self.models_dir
+                    raise CatalogError(
+                        f"no {TOKENIZER_FILE} and {CHAT_FORMAT_FILE} in {where}: set tokenizer_dir "
+                        "or models_dir to a directory with the target's tokenizer"
+                    )
+                self._tokenizer = ChatTokenizer.load(directory)
+            return self._tokenizer
+
+    def acquire(self, name: str, temperature: float = 0.0) -> Proposer:
+        """A drafter for one session; a neural one samples at `temperature` from its top-K q'."""
+        if not self.has(name):
+            raise CatalogError(
+                f"unknown drafter {name!r}; this device has: {', '.join(self.names())}"
+            )
+        key = (self.resolve(name), temperature)
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return idle.pop()
+        try:
+            return make_proposer(
+                key[0],
+                self.models_dir,
+                temperature=temperature,
+                ngram_path=self.ngram_path,
+                threads=self.threads,
+            )
+        except (DrafterError, ImportError, OSError, ValueError) as exc:
+            raise CatalogError(f"cannot load drafter {name!r}: {exc}") from exc
+
+    def release(self, name: str, temperature: float, proposer: Proposer) -> None:
+        """Take a drafter back once its session no longer drafts with it."""
+        proposer.rollback(0)
+        with self._lock:
+            self._idle.setdefault((self.resolve(name), temperature), []).append(proposer)

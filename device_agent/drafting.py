@@ -1,0 +1,430 @@
+"""One session's drafting, free of the bus: windows, verdicts, resynchronisation, proactive drafts.
+
+`SessionDrafter` is the agent's half of docs/protocol.md. It drafts the window of the current
+round after the committed sequence, applies the verdict of that round, and resynchronises from
+the coordinator's `SessionState`. With `proactive` on it also drafts the next round's window
+while a verdict is in flight (SpecEdge), on the assumption that the target accepts the whole
+window and its bonus token equals the draft's own next guess; the verdict then decides whether
+that window is sent at once (a hit) or thrown away (a miss).
+
+Nothing here blocks on I/O. Drafting a neural window is CPU work, which the agent runs on its
+drafting thread; the caller must not call two methods of one drafter at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from broker import messages as m
+from inference.proposers import Candidates, Proposer, no_candidates
+from inference.sampling import RngStream, SparseDraftProbs, one_hot_draft, round_rng
+
+log = logging.getLogger(__name__)
+
+# The guess for the bonus token never reaches the verifier, so its draws need only be
+# reproducible and apart from the DRAFT and VERIFY streams; they change the hit rate, nothing else.
+_GUESS_STREAM = 2
+
+ProactiveOutcome = Literal["hit", "miss", "none"]
+
+
+class OutOfSync(Exception):
+    """A verdict that does not fit the round in flight: the agent must ask for the state."""
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What a session is: fixed when it opens."""
+
+    session_id: str
+    prompt: str
+    prompt_ids: tuple[int, ...]  # [prompt_len], chat-templated
+    task_type: str
+    sampling: m.SamplingSpec
+    max_tokens: int
+    draft_model: str
+    k: int
+
+    def open_message(self) -> m.SessionOpen:
+        return m.SessionOpen(
+            session_id=self.session_id,
+            prompt=self.prompt,
+            prompt_ids=self.prompt_ids,
+            task_type=self.task_type,
+            sampling=self.sampling,
+            max_tokens=self.max_tokens,
+            draft_model=self.draft_model,
+            k=self.k,
+        )
+
+
+@dataclass(frozen=True)
+class DraftWindow:
+    """The draft of one round: k tokens after the first `base_len` committed tokens."""
+
+    round: int
+    base_len: int
+    tokens: tuple[int, ...]  # [k]
+    q: SparseDraftProbs | None  # [k, K]; None for a greedy session
+    draft_model: str
+    draft_ms: float  # spent drafting it (for a pre-drafted window: while the last verdict flew)
+    proactive: bool  # True when it was drafted before the previous verdict came
+
+    def message(self, session_id: str, sent_at: float) -> m.Draft:
+        q_ids = q_probs = None
+        if self.q is not None:
+            q_ids = tuple(tuple(int(t) for t in row) for row in self.q.ids.tolist())
+            q_probs = tuple(tuple(float(p) for p in row) for row in self.q.probs.tolist())
+        return m.Draft(
+            session_id=session_id,
+            round=self.round,
+            base_len=self.base_len,
+            tokens=self.tokens,
+            q_ids=q_ids,
+            q_probs=q_probs,
+            draft_model=self.draft_model,
+            timings=m.DraftTimings(draft_ms=self.draft_ms, sent_at=sent_at),
+        )
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One verified round as the agent saw it."""
+
+    round: int
+    base_len: int
+    drafted: int
+    accepted: int
+    committed: int  # tokens the round committed: the accepted ones plus the target's token
+    draft_ms: float
+    draft_model: str
+    proactive_window: bool  # this round sent a window drafted while the last verdict flew
+    predraft: ProactiveOutcome  # what became of the window drafted while this verdict flew
+    verifier_id: str
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A window drafted for the next round before the current verdict came."""
+
+    round: int  # the round it is for
+    base_len: int  # committed length it assumes
+    assumed: tuple[int, ...]  # the in-flight window plus the guessed bonus token
+    candidates: Candidates  # [n <= k]
+    k: int  # the window size it was drafted for
+    draft_model: str
+    draft_ms: float
+
+
+@dataclass(frozen=True)
+class Resync:
+    """What a SessionState changed."""
+
+    in_sync: bool  # the state matched what the agent held: nothing changed
+    new_tokens: list[int]  # committed beyond what the agent held, to stream
+    rewound: bool  # the state dropped tokens the agent held (the protocol rules it out)
+
+
+@dataclass
+class ProactiveStats:
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        total = self.hits + self.misses
+        return self.hits / total if total else None
+
+
+def _slice(candidates: Candidates, k: int) -> Candidates:
+    """The first k tokens of a proposal; every drafter here proposes prefix-consistently."""
+    if candidates.n <= k:
+        return candidates
+    q = candidates.q
+    cut = None if q is None else SparseDraftProbs(ids=q.ids[:k], probs=q.probs[:k])
+    return Candidates(tokens=candidates.tokens[:k], q=cut)
+
+
+@dataclass
+class SessionDrafter:
+    """The agent's state of one session: committed tokens, round, policy, the window in flight."""
+
+    spec: SessionSpec
+    proposer: Proposer
+    eos_id: int
+    proactive: bool = True
+    # Switches drafter when a policy names another; returns None when the device lacks it.
+    swap_proposer: Callable[[Proposer, str], Proposer | None] | None = None
+    committed: list[int] = field(default_factory=list)
+    round: int = 0
+    k: int = 0
+    draft_model: str = ""
+    finished: bool = False
+    status: str = "active"
+    in_flight: DraftWindow | None = None
+    records: list[RoundRecord] = field(default_factory=list)
+    stats: ProactiveStats = field(default_factory=ProactiveStats)
+    _speculation: Speculation | None = None
+    _wanted_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.committed:
+            self.committed = list(self.spec.prompt_ids)
+        self.k = self.spec.k
+        self.draft_model = self.draft_model or self.spec.draft_model
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.spec.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.committed[self.prompt_len :]
+
+    @property
+    def sampling(self) -> bool:
+        return not self.spec.sampling.greedy
+
+    def _window_size(self, n_generated: int) -> int:
+        """k, cut so that the accepted tokens plus the target's own fit in max_tokens."""
+        return max(0, min(self.k, self.spec.max_tokens - n_generated - 1))
+
+    def _draft_rng(self, round_index: int) -> np.random.Generator | None:
+        if not self.sampling:
+            return None
+        return round_rng(self.spec.sampling.seed, round_index, RngStream.DRAFT)
+
+    def _propose(self, context: Sequence[int], k: int, round_index: int) -> Candidates:
+        if k <= 0:
+            return no_candidates()
+        return self.proposer.get_candidates(context, k, self._draft_rng(round_index))
+
+    @property
+    def next_draft_model(self) -> str:
+        """The drafter the next window will come from (a policy may have asked for another)."""
+        return self._wanted_model or self.draft_model
+
+    def _apply_policy(self, policy: m.Policy | None) -> None:
+        if policy is None:
+            return
+        if policy.mode is not m.Mode.DISTRIBUTED:
+            log.warning(
+                "session %s: policy mode %s is not supported by this agent; drafting on",
+                self.spec.session_id,
+                policy.mode.value,
+            )
+        self.k = policy.k
+        # The swap itself waits for `draft`, which may load a model and so runs off the loop.
+        self._wanted_model = None if policy.draft_model == self.draft_model else policy.draft_model
+
+    def _swap_if_wanted(self) -> None:
+        wanted = self._wanted_model
+        self._wanted_model = None
+        if wanted is None:
+            return
+        swapped = None if self.swap_proposer is None else self.swap_proposer(self.proposer, wanted)
+        if swapped is None:
+            log.warning(
+                "session %s: policy asks for drafter %r, which this device lacks; keeping %r",
+                self.spec.session_id,
+                wanted,
+                self.draft_model,
+            )
+            return
+        self.proposer = swapped
+        self.draft_model = wanted
+
+    def draft(self) -> DraftWindow:
+        """The window of the current round: the pre-drafted one when it still fits, else fresh."""
+        if self.finished:
+            raise RuntimeError("the session has finished")
+        self._swap_if_wanted()
+        base_len = len(self.committed)
+        k = self._window_size(len(self.generated))
+        speculation = self._speculation
+        self._speculation = None
+        start = time.perf_counter()
+        if (
+            speculation is not None
+            and speculation.round == self.round
+            and speculation.base_len == base_len
+            and speculation.draft_model == self.draft_model
+            and k <= speculation.k
+        ):
+            candidates = _slice(speculation.candidates, k)
+            draft_ms = speculation.draft_ms
+            proactive = True
+            self.stats.hits += 1
+        else:
+            if speculation is not None:
+                self.stats.misses += 1
+                self.proposer.rollback(base_len)
+            candidates = self._propose(self.committed, k, self.round)
+            draft_ms = (time.perf_counter() - start) * 1e3
+            proactive = False
+        q = candidates.q
+        if not self.sampling:
+            q = None
+        elif q is None and candidates.n:
+            # A deterministic proposal: q' is one-hot, sent explicitly so the verifier need not
+            # know which drafter made it.
+            q = one_hot_draft(candidates.tokens.tolist())
+        window = DraftWindow(
+            round=self.round,
+            base_len=base_len,
+            tokens=tuple(int(t) for t in candidates.tokens.tolist()),
+            q=q,
+            draft_model=self.draft_model,
+            draft_ms=draft_ms,
+            proactive=proactive,
+        )
+        self.in_flight = window
+        return window
+
+    def speculate(self) -> bool:
+        """Draft the next round's window assuming the in-flight one is wholly accepted.
+
+        The assumed bonus token is the draft's own next guess. Returns whether it drafted.
+        """
+        window = self.in_flight
+        if not self.proactive or window is None or self.finished:
+            return False
+        start = time.perf_counter()
+        n_after = len(self.generated) + len(window.tokens) + 1
+        k_next = self._window_size(n_after)
+        if k_next <= 0 or self.eos_id in window.tokens:
+            return False
+        context = [*self.committed, *window.tokens]
+        guess_rng = None
+        if self.sampling:
+            seed = self.spec.sampling.seed
+            guess_rng = np.random.default_rng([seed, window.round, _GUESS_STREAM])
+        guess = self.proposer.get_candidates(context, 1, guess_rng)
+        if guess.n == 0 or int(guess.tokens[0]) == self.eos_id:
+            return False
+        context.append(int(guess.tokens[0]))
+        candidates = self._propose(context, k_next, window.round + 1)
+        self._speculation = Speculation(
+            round=window.round + 1,
+            base_len=len(context),
+            assumed=(*window.tokens, int(guess.tokens[0])),
+            candidates=candidates,
+            k=k_next,
+            draft_model=self.draft_model,
+            draft_ms=(time.perf_counter() - start) * 1e3,
+        )
+        return True
+
+    def _discard_speculation(self) -> ProactiveOutcome:
+        if self._speculation is None:
+            return "none"
+        self._speculation = None
+        self.stats.misses += 1
+        return "miss"
+
+    def apply_verdict(self, verdict: m.Verdict) -> list[int] | None:
+        """Commit a verdict of the round in flight; returns the new tokens, None when stale.
+
+        Raises OutOfSync when the verdict belongs to a round the agent has not sent, or does not
+        fit the window in flight; the agent then asks the coordinator for the session's state.
+        """
+        window = self.in_flight
+        if verdict.round < self.round:
+            return None  # a duplicate of a verdict already applied
+        if window is None or verdict.round != window.round:
+            raise OutOfSync(f"verdict for round {verdict.round}, but round {self.round} is next")
+        if verdict.base_len != window.base_len or verdict.n_accepted > len(window.tokens):
+            raise OutOfSync(
+                f"verdict of round {verdict.round} (base_len {verdict.base_len}, "
+                f"{verdict.n_accepted} accepted) does not fit the window sent (base_len "
+                f"{window.base_len}, {len(window.tokens)} tokens)"
+            )
+        n = verdict.n_accepted
+        new_tokens = list(window.tokens[:n])
+        if verdict.next_token is not None:
+            new_tokens.append(verdict.next_token)
+        self.committed += new_tokens
+        self.round += 1
+        self.in_flight = None
+        self.proposer.update_candidate_strategy(n)
+        self._apply_policy(verdict.policy)
+
+        outcome: ProactiveOutcome = "none"
+        speculation = self._speculation
+        if speculation is not None:
+            confirmed = (
+                tuple(new_tokens) == speculation.assumed
+                and speculation.base_len == len(self.committed)
+                and speculation.draft_model == self.next_draft_model
+                and self._window_size(len(self.generated)) <= speculation.k
+            )
+            # A confirmed window is counted as a hit when `draft` sends it.
+            outcome = "hit" if confirmed else self._discard_speculation()
+        if outcome != "hit":
+            # Only the accepted prefix of the window is still valid in the draft's own state.
+            self.proposer.rollback(window.base_len + n)
+
+        stopped = self.eos_id in new_tokens or len(self.generated) >= self.spec.max_tokens
+        if stopped != verdict.finished:
+            log.warning(
+                "session %s round %d: the verdict says finished=%s, the stop rules say %s",
+                self.spec.session_id,
+                verdict.round,
+                verdict.finished,
+                stopped,
+            )
+        if verdict.finished or stopped:
+            self.finished = True
+            self.status = "finished"
+            self._speculation = None
+        self.records.append(
+            RoundRecord(
+                round=verdict.round,
+                base_len=window.base_len,
+                drafted=len(window.tokens),
+                accepted=n,
+                committed=len(new_tokens),
+                draft_ms=window.draft_ms,
+                draft_model=window.draft_model,
+                proactive_window=window.proactive,
+                predraft=outcome,
+                verifier_id=verdict.verifier_id,
+            )
+        )
+        return new_tokens
+
+    def resync(self, state: m.SessionState) -> Resync:
+        """Take the coordinator's truth: committed = prompt + generated_ids, round = next_round."""
+        if state.prompt_len != self.prompt_len:
+            raise OutOfSync(
+                f"the coordinator holds a prompt of {state.prompt_len} tokens, the agent "
+                f"{self.prompt_len}"
+            )
+        target = [*self.spec.prompt_ids, *state.generated_ids]
+        if state.policy is not None:
+            self._apply_policy(state.policy)
+        if state.status != "active":
+            self.finished = True
+            self.status = state.status
+        if target == self.committed and state.next_round == self.round:
+            if self.finished:
+                self.in_flight = None
+            return Resync(in_sync=True, new_tokens=[], rewound=False)
+        common = 0
+        limit = min(len(target), len(self.committed))
+        while common < limit and target[common] == self.committed[common]:
+            common += 1
+        rewound = common < len(self.committed)
+        new_tokens = target[common:]
+        self.committed = target
+        self.round = state.next_round
+        self.in_flight = None
+        self._discard_speculation()
+        self.proposer.rollback(common)
+        return Resync(in_sync=False, new_tokens=new_tokens, rewound=rewound)

@@ -1,0 +1,274 @@
+"""Drafting rounds against the real target: windows, verdicts, resync, proactive drafts."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+from agent_peer import TargetJudge
+
+from broker import messages as m
+from device_agent.catalog import DrafterCatalog
+from device_agent.drafting import OutOfSync, SessionDrafter, SessionSpec
+from inference.onnx_runtime import OnnxRuntime
+from inference.sampling import SamplingParams
+from inference.speculative import decode_target
+from inference.tokenizer import ChatTokenizer
+
+SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "prompts.jsonl"
+GREEDY = m.SamplingSpec()
+SAMPLED = m.SamplingSpec(temperature=0.8, top_p=0.95, seed=11)
+MAX_TOKENS = 40
+
+
+@functools.cache
+def prompt_text(prompt_id: str) -> str:
+    for line in SHARED_PROMPTS.read_text().splitlines():
+        if line.strip() and json.loads(line)["id"] == prompt_id:
+            return str(json.loads(line)["prompt"])
+    raise KeyError(prompt_id)
+
+
+def make_drafter(
+    tokenizer: ChatTokenizer,
+    catalog: DrafterCatalog,
+    prompt_id: str,
+    *,
+    draft: str = "lookup",
+    k: int = 4,
+    sampling: m.SamplingSpec = GREEDY,
+    proactive: bool = True,
+    max_tokens: int = MAX_TOKENS,
+) -> SessionDrafter:
+    text = prompt_text(prompt_id)
+    spec = SessionSpec(
+        session_id=f"t-{prompt_id}",
+        prompt=text,
+        prompt_ids=tuple(tokenizer.apply_chat_template(text)),
+        task_type="test",
+        sampling=sampling,
+        max_tokens=max_tokens,
+        draft_model=draft,
+        k=k,
+    )
+
+    def swap(old: object, name: str) -> object | None:
+        return catalog.acquire(name, sampling.temperature) if catalog.has(name) else None
+
+    return SessionDrafter(
+        spec=spec,
+        proposer=catalog.acquire(draft, sampling.temperature),
+        eos_id=tokenizer.eos_id,
+        proactive=proactive,
+        swap_proposer=swap,  # type: ignore[arg-type]
+    )
+
+
+def run_rounds(drafter: SessionDrafter, judge: TargetJudge) -> list[m.Draft]:
+    """Open, then round after round as the agent does, proactive drafts included."""
+    drafter.resync(judge.open(drafter.spec.open_message()))
+    sent: list[m.Draft] = []
+    while not drafter.finished:
+        draft = drafter.draft().message(drafter.spec.session_id, 0.0)
+        sent.append(draft)
+        drafter.speculate()  # the agent does this while the verdict is in flight
+        answer = judge.judge(draft)
+        assert isinstance(answer, m.Verdict), answer
+        assert drafter.apply_verdict(answer) is not None
+    return sent
+
+
+_REFERENCES: dict[tuple[str, int], list[int]] = {}
+
+
+def reference(
+    prompt_id: str, target: tuple[OnnxRuntime, ChatTokenizer], max_tokens: int
+) -> list[int]:
+    """The target's own greedy answer (computed once per prompt and length)."""
+    key = (prompt_id, max_tokens)
+    if key not in _REFERENCES:
+        runtime, tokenizer = target
+        prompt_ids = tokenizer.apply_chat_template(prompt_text(prompt_id))
+        result = decode_target(
+            runtime, prompt_ids, max_tokens, SamplingParams(), eos=tokenizer.eos_id
+        )
+        _REFERENCES[key] = result.tokens
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize("proactive", [False, True])
+@pytest.mark.parametrize("prompt_id", ["code-01", "summarize-01"])
+def test_greedy_rounds_give_the_target_s_own_tokens(
+    target: tuple[OnnxRuntime, ChatTokenizer],
+    catalog: DrafterCatalog,
+    prompt_id: str,
+    proactive: bool,
+) -> None:
+    runtime, tokenizer = target
+    drafter = make_drafter(tokenizer, catalog, prompt_id, proactive=proactive)
+    sent = run_rounds(drafter, TargetJudge(runtime, tokenizer.eos_id))
+    assert drafter.generated == reference(prompt_id, target, MAX_TOKENS)
+    assert all(d.q_ids is None and d.q_probs is None for d in sent)  # greedy sends no q'
+    assert [d.round for d in sent] == list(range(len(sent)))
+    # Every window fits what is left of max_tokens, the target's token included.
+    for draft in sent:
+        assert len(draft.tokens) <= MAX_TOKENS - (draft.base_len - drafter.prompt_len) - 1
+
+
+def test_proactive_windows_are_the_ones_drafting_after_the_verdict_would_send(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    runtime, tokenizer = target
+    runs = {}
+    for proactive in (False, True):
+        drafter = make_drafter(tokenizer, catalog, "summarize-01", proactive=proactive)
+        sent = run_rounds(drafter, TargetJudge(runtime, tokenizer.eos_id))
+        runs[proactive] = (drafter, [(d.round, d.base_len, d.tokens) for d in sent])
+    (plain, plain_sent), (eager, eager_sent) = runs[False], runs[True]
+    assert eager_sent == plain_sent
+    assert plain.stats.hits == plain.stats.misses == 0
+    # Copying from a summarised passage often gets a whole window and the bonus token right.
+    assert eager.stats.hits > 0
+    hits = [r for r in eager.records if r.proactive_window]
+    assert len(hits) == eager.stats.hits
+    predrafted = [r for r in eager.records if r.predraft != "none"]
+    assert eager.stats.hits + eager.stats.misses == len(predrafted)
+    for record in eager.records:
+        # A pre-drafted window was confirmed exactly when the whole window was accepted.
+        if record.predraft == "hit":
+            assert record.accepted == record.drafted
+
+
+@pytest.mark.parametrize("draft", ["lookup", "draft-l1", "draft-l1-tflite"])
+def test_sampled_rounds_are_reproducible_and_send_q(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog, draft: str
+) -> None:
+    if not catalog.has(draft):
+        pytest.skip(f"{draft} is not built in {catalog.models_dir}")
+    runtime, tokenizer = target
+    outputs = []
+    for proactive in (False, True):
+        drafter = make_drafter(
+            tokenizer,
+            catalog,
+            "chat-01",
+            draft=draft,
+            sampling=SAMPLED,
+            proactive=proactive,
+            max_tokens=16,
+        )
+        sent = run_rounds(drafter, TargetJudge(runtime, tokenizer.eos_id))
+        outputs.append((drafter.generated, [d.tokens for d in sent]))
+        for message in sent:
+            assert (message.q_ids is None) == (len(message.tokens) == 0)
+            if message.q_ids is not None and message.q_probs is not None:
+                assert len(message.q_ids) == len(message.tokens)
+                for token, ids, probs in zip(
+                    message.tokens, message.q_ids, message.q_probs, strict=True
+                ):
+                    assert token in ids  # the draft sampled from the q' it sends
+                    assert probs[ids.index(token)] > 0
+    # The draft draws from round_rng(seed, round), so drafting ahead changes nothing.
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0][0]) > 0
+
+
+def test_policy_in_a_verdict_changes_window_and_drafter(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    runtime, tokenizer = target
+
+    def policy(round_index: int) -> m.Policy | None:
+        if round_index == 2:
+            return m.Policy(draft_model="hybrid", k=6)
+        if round_index == 5:
+            return m.Policy(draft_model="not-on-this-device", k=1)
+        return None
+
+    drafter = make_drafter(tokenizer, catalog, "code-01", k=3)
+    sent = run_rounds(drafter, TargetJudge(runtime, tokenizer.eos_id, policy))
+    assert drafter.generated == reference("code-01", target, MAX_TOKENS)
+    assert {d.draft_model for d in sent[:3]} == {"lookup"}
+    assert all(len(d.tokens) <= 3 for d in sent[:3])
+    # From round 3 on: hybrid; after round 5 k is 1 and the unknown drafter is refused.
+    assert all(d.draft_model == "hybrid" for d in sent[3:])
+    assert all(len(d.tokens) <= 6 for d in sent[3:6])
+    assert all(len(d.tokens) <= 1 for d in sent[6:])
+
+
+def test_resync_takes_the_coordinator_s_truth(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    runtime, tokenizer = target
+    judge = TargetJudge(runtime, tokenizer.eos_id)
+    ahead = make_drafter(tokenizer, catalog, "chat-01")
+    ahead.resync(judge.open(ahead.spec.open_message()))
+    for _ in range(3):
+        draft = ahead.draft().message(ahead.spec.session_id, 0.0)
+        verdict = judge.judge(draft)
+        assert isinstance(verdict, m.Verdict)
+        ahead.apply_verdict(verdict)
+
+    # A second agent process resuming the same session: the state brings it up to date.
+    behind = make_drafter(tokenizer, catalog, "chat-01")
+    state = judge.open(behind.spec.open_message())
+    outcome = behind.resync(state)
+    assert not outcome.in_sync and not outcome.rewound
+    assert outcome.new_tokens == ahead.generated
+    assert behind.committed == ahead.committed and behind.round == 3
+    assert behind.resync(state).in_sync
+
+    # Its next draft is the one the protocol expects, and the judge accepts it.
+    draft = behind.draft().message(behind.spec.session_id, 0.0)
+    assert (draft.round, draft.base_len) == (3, len(ahead.committed))
+    verdict = judge.judge(draft)
+    assert isinstance(verdict, m.Verdict)
+    # The stored verdict of an earlier round is stale; a verdict of a round not sent is not.
+    assert behind.apply_verdict(judge.sessions[behind.spec.session_id].verdicts[0]) is None
+    with pytest.raises(OutOfSync):
+        behind.apply_verdict(verdict.model_copy(update={"round": 9}))
+    assert behind.apply_verdict(verdict) is not None
+    assert behind.round == 4
+
+
+def test_a_state_that_drops_committed_tokens_rewinds(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    runtime, tokenizer = target
+    judge = TargetJudge(runtime, tokenizer.eos_id)
+    drafter = make_drafter(tokenizer, catalog, "chat-01")
+    drafter.resync(judge.open(drafter.spec.open_message()))
+    verdict = judge.judge(drafter.draft().message(drafter.spec.session_id, 0.0))
+    assert isinstance(verdict, m.Verdict)
+    drafter.apply_verdict(verdict)
+    outcome = drafter.resync(
+        m.SessionState(
+            session_id=drafter.spec.session_id,
+            prompt_len=drafter.prompt_len,
+            generated_ids=(),
+            next_round=0,
+            status="active",
+        )
+    )
+    assert outcome.rewound and outcome.new_tokens == []
+    assert drafter.generated == [] and drafter.round == 0
+
+
+@pytest.mark.parametrize("status", ["finished", "cancelled", "failed"])
+def test_a_state_that_is_not_active_ends_the_session(
+    tokenizer: ChatTokenizer, catalog: DrafterCatalog, status: str
+) -> None:
+    drafter = make_drafter(tokenizer, catalog, "chat-01")
+    drafter.resync(
+        m.SessionState(
+            session_id=drafter.spec.session_id,
+            prompt_len=drafter.prompt_len,
+            generated_ids=(5, 6),
+            next_round=1,
+            status=status,
+        )
+    )
+    assert drafter.finished and drafter.status == status
+    assert drafter.generated == [5, 6]
