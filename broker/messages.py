@@ -314,6 +314,7 @@ class VerifyResult(_Message):
 class CommandName(str, Enum):
     PING = "ping"
     ECHO = "echo"  # the answer to a telemetry probe
+    DEPLOY_MODEL = "deploy_model"  # args: broker.model_release.DeployModelArgs
     START_SESSION = "start_session"  # args: session_id, prompt, task_type, max_tokens, sampling
     CANCEL_SESSION = "cancel_session"  # args: session_id
 

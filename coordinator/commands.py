@@ -219,6 +219,56 @@ def _register_devices(subparsers: Subparsers) -> None:
     rotate.add_argument("device_id", metavar="NAME")
     _add_database_url(rotate)
 
+    provision = _command(
+        group,
+        "provision",
+        "register a device, add it to the broker and write its bundle (config, credential, keys)",
+        _devices_provision,
+    )
+    provision.add_argument("device_id", metavar="NAME", help="device id, also its MQTT username")
+    provision.add_argument("--kind", required=True, help="pi, jetson, phone or other")
+    provision.add_argument("--tag", action="append", default=[], help="a tag (repeat for more)")
+    provision.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        metavar="MODEL",
+        help="a draft chosen for this device; its manifest goes into the bundle (repeat for more)",
+    )
+    provision.add_argument(
+        "--out", type=Path, metavar="DIR", help="bundle directory (default: <home>/bundles/NAME)"
+    )
+    provision.add_argument(
+        "--device-broker-url",
+        metavar="URL",
+        help="the broker as the device reaches it (default: the settings' broker_url)",
+    )
+    provision.add_argument(
+        "--ca-file", type=Path, help="the broker's CA certificate, bundled for mqtts:// brokers"
+    )
+    provision.add_argument(
+        "--broker-dir",
+        type=Path,
+        metavar="DIR",
+        help="the directory `broker write-config` wrote; its acl and passwords are updated",
+    )
+    provision.add_argument(
+        "--broker-pid-file", type=Path, metavar="FILE", help="reload mosquitto by SIGHUP to this pid"
+    )
+    provision.add_argument(
+        "--broker-reload-command",
+        metavar="CMD",
+        help="reload the broker with this command instead (e.g. 'systemctl reload mosquitto')",
+    )
+    provision.add_argument("--models-dir", type=Path, help="models directory (default: settings)")
+    provision.add_argument(
+        "--rotate",
+        action="store_true",
+        help="the device exists: give it a new credential and write a new bundle (a lost bundle)",
+    )
+    provision.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_database_url(provision)
+
 
 def _registry(engine: Engine) -> DeviceRegistry:
     from coordinator.db.engine import make_sessionmaker
@@ -291,6 +341,107 @@ def _devices_retire(args: argparse.Namespace) -> int:
         except RegistryError as exc:
             raise CommandError(str(exc)) from exc
     print(f"retired {device.id}; run `specfleet broker write-config` and reload the broker")
+    return 0
+
+
+def _devices_provision(args: argparse.Namespace) -> int:
+    from coordinator import provisioning
+    from coordinator.db.models import DeviceKind
+    from coordinator.registry import RegistryError, validate_tags
+    from coordinator.releases import release_public_key_pem
+    from coordinator.settings import Settings
+    from inference.artifacts import ArtifactError, load_manifest
+
+    kind = _choice(DeviceKind, args.kind, "--kind")
+    if args.broker_pid_file and args.broker_reload_command:
+        raise CommandError("--broker-pid-file and --broker-reload-command exclude each other")
+    if (args.broker_pid_file or args.broker_reload_command) and not args.broker_dir:
+        raise CommandError("reloading the broker needs --broker-dir (the files to reload)")
+    settings = Settings()
+    broker_url = args.device_broker_url or settings.broker_url
+    try:
+        from broker.client import BrokerAddress
+        from broker.topics import validate_device_id
+
+        validate_device_id(args.device_id)
+        validate_tags(args.tag)
+        BrokerAddress.from_url(broker_url)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    if args.ca_file is not None and not args.ca_file.is_file():
+        raise CommandError(f"--ca-file {args.ca_file} does not exist")
+    models_dir: Path = args.models_dir or settings.resolved_models_dir
+    drafts = []
+    for name in args.draft:
+        try:
+            manifest = load_manifest(models_dir / name)
+        except ArtifactError as exc:
+            raise CommandError(f"--draft {name}: {exc}") from exc
+        if manifest.role != "draft":
+            raise CommandError(f"--draft {name}: a {manifest.role}, not a draft")
+        drafts.append(manifest)
+    out_dir: Path = args.out or settings.home / "bundles" / args.device_id
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CommandError(f"{out_dir} exists and is not empty; a bundle is never overwritten")
+    release_key = release_public_key_pem(settings.home)
+
+    with _engine(args) as engine:
+        registry = _registry(engine)
+        try:
+            if args.rotate:
+                credential = registry.rotate_credential(args.device_id, actor="cli")
+                device = registry.get(args.device_id)
+            else:
+                device, credential = registry.provision(
+                    args.device_id, kind, args.tag, actor="cli"
+                )
+        except (RegistryError, ValueError) as exc:
+            raise CommandError(str(exc)) from exc
+        try:
+            bundle = provisioning.write_bundle(
+                out_dir,
+                device_id=device.id,
+                kind=device.kind.value,
+                tags=device.tags,
+                credential=credential,
+                broker_url=broker_url,
+                release_key_pem=release_key,
+                ca_file=args.ca_file,
+                drafts=drafts,
+            )
+            reloaded = "broker files not updated (no --broker-dir)"
+            if args.broker_dir is not None:
+                provisioning.sync_broker_files(
+                    args.broker_dir,
+                    registry.broker_accounts(),
+                    [d.id for d in registry.list()],
+                )
+                reload = provisioning.BrokerReload(
+                    args.broker_pid_file, args.broker_reload_command
+                )
+                reloaded = reload.run()
+        except (provisioning.ProvisioningError, OSError) as exc:
+            raise CommandError(
+                f"{device.id} is registered, but: {exc}. Fix it, then run "
+                f"`specfleet devices provision {device.id} --kind {device.kind.value} --rotate`"
+            ) from exc
+    if args.json:
+        _print_json(
+            {
+                "id": device.id,
+                "kind": device.kind.value,
+                "tags": device.tags,
+                "bundle": str(bundle.directory),
+                "broker": reloaded,
+            }
+        )
+    else:
+        print(f"device      {device.id}")
+        print(f"kind        {device.kind.value}")
+        print(f"tags        {', '.join(device.tags) or '-'}")
+        print(f"bundle      {bundle.directory}  (holds the credential: keep it private)")
+        print(f"broker      {reloaded}")
+        print(f"next        specfleet flash {device.id} --ssh USER@HOST")
     return 0
 
 

@@ -175,6 +175,10 @@ class Deployment(Base):
         _enum(DeploymentState, "deployment_state"), default=DeploymentState.PENDING
     )
     actor: Mapped[str] = mapped_column(sa.String(64))
+    # The exact artifact rolled out (the models row may since point at a newer build).
+    artifact_sha256: Mapped[str | None] = mapped_column(sa.String(64))
+    wave_percent: Mapped[float | None]  # each wave's share of the targeted devices
+    abort_at_percent: Mapped[float | None]  # stop when this share of attempted devices failed
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
