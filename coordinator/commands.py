@@ -20,7 +20,9 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
     from broker.acl import ServiceRole
+    from coordinator.auth import AdminStore
     from coordinator.registry import DeviceRegistry
+    from coordinator.replay import SessionRecord, TokenDecoder
 
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -33,8 +35,11 @@ EnumT = TypeVar("EnumT", bound="Enum")
 def register(subparsers: Subparsers) -> None:
     _register_db(subparsers)
     _register_devices(subparsers)
+    _register_flash(subparsers)
     _register_broker(subparsers)
     _register_up(subparsers)
+    _register_admin(subparsers)
+    _register_replay(subparsers)
     _register_demo(subparsers)
 
 
@@ -458,6 +463,18 @@ def _devices_rotate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- specfleet flash ---------------------------------------------------------------------------
+
+
+def _register_flash(subparsers: Subparsers) -> None:
+    from coordinator import flash
+
+    help_text = "install or upgrade the agent on a device over SSH, or into a directory"
+    parser = subparsers.add_parser("flash", help=help_text, description=help_text)
+    flash.add_arguments(parser)
+    parser.set_defaults(func=flash.run)
+
+
 # --- specfleet broker --------------------------------------------------------------------------
 
 
@@ -629,3 +646,245 @@ def _register_demo(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser("demo", help=help_text, description=help_text)
     demo.add_arguments(parser)
     parser.set_defaults(func=demo.run)
+
+
+# --- specfleet admin ---------------------------------------------------------------------------
+
+
+def _register_admin(subparsers: Subparsers) -> None:
+    group = _group(subparsers, "admin", "people and scripts allowed into the admin API")
+    create = _command(
+        group, "create", "create an admin; prints its bearer token once", _admin_create
+    )
+    create.add_argument("name", metavar="NAME", help="1-48 of a-z 0-9 . _ -")
+    create.add_argument(
+        "--role", default="admin", help="admin (reads and writes) or viewer (reads only)"
+    )
+    create.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_database_url(create)
+
+    listing = _command(group, "list", "list admins and their live tokens", _admin_list)
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_database_url(listing)
+
+    token = _command(group, "token", "issue another token; prints it once", _admin_token)
+    token.add_argument("name", metavar="NAME")
+    token.add_argument("--label", default="", help="what the token is for (e.g. prometheus)")
+    _add_database_url(token)
+
+    revoke = _command(
+        group, "revoke", "revoke every token of an admin (and its logins)", _admin_revoke
+    )
+    revoke.add_argument("name", metavar="NAME")
+    _add_database_url(revoke)
+
+
+def _admin_store(engine: Engine) -> AdminStore:
+    from coordinator.auth import AdminStore
+    from coordinator.db.engine import make_sessionmaker
+
+    return AdminStore(make_sessionmaker(engine))
+
+
+def _admin_create(args: argparse.Namespace) -> int:
+    from coordinator.auth import AdminError
+    from coordinator.db.models import AdminRole
+
+    role = _choice(AdminRole, args.role, "--role")
+    with _engine(args) as engine:
+        try:
+            admin, token = _admin_store(engine).create(args.name, role, actor="cli")
+        except AdminError as exc:
+            raise CommandError(str(exc)) from exc
+    if args.json:
+        _print_json({"name": admin.name, "role": admin.role.value, "token": token})
+    else:
+        print(f"admin   {admin.name}")
+        print(f"role    {admin.role.value}")
+        print(f"token   {token}")
+        print(
+            "The token is shown only now. Send it as 'Authorization: Bearer TOKEN', "
+            "or paste it into the dashboard's login page."
+        )
+    return 0
+
+
+def _admin_list(args: argparse.Namespace) -> int:
+    from bench.report import format_table
+
+    with _engine(args) as engine:
+        admins = _admin_store(engine).list()
+    if args.json:
+        _print_json(
+            [
+                {
+                    "name": a.name,
+                    "role": a.role.value,
+                    "live_tokens": n,
+                    "created_at": a.created_at.isoformat(),
+                }
+                for a, n in admins
+            ]
+        )
+        return 0
+    if not admins:
+        print("no admins; create one with `specfleet admin create NAME`")
+        return 0
+    rows = [
+        (a.name, a.role.value, str(n), a.created_at.isoformat(timespec="seconds"))
+        for a, n in admins
+    ]
+    print(format_table(("name", "role", "tokens", "created"), rows))
+    return 0
+
+
+def _admin_token(args: argparse.Namespace) -> int:
+    from coordinator.auth import AdminError
+
+    with _engine(args) as engine:
+        try:
+            token = _admin_store(engine).issue_token(args.name, label=args.label, actor="cli")
+        except AdminError as exc:
+            raise CommandError(str(exc)) from exc
+    print(f"token   {token}")
+    print("Shown only now.")
+    return 0
+
+
+def _admin_revoke(args: argparse.Namespace) -> int:
+    from coordinator.auth import AdminError
+
+    with _engine(args) as engine:
+        try:
+            revoked = _admin_store(engine).revoke_tokens(args.name, actor="cli")
+        except AdminError as exc:
+            raise CommandError(str(exc)) from exc
+    print(f"revoked {revoked} token(s) of {args.name}")
+    return 0
+
+
+# --- specfleet replay --------------------------------------------------------------------------
+
+
+def _register_replay(subparsers: Subparsers) -> None:
+    help_text = "rebuild a session round by round from the database and re-stream it"
+    parser = subparsers.add_parser("replay", help=help_text, description=help_text)
+    parser.set_defaults(func=_replay)
+    parser.add_argument("session_id", metavar="SESSION_ID", help="a session id, or its prefix")
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="replay speed: 2 is twice as fast as recorded, 0 does not wait (default: 1)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per round, without waiting"
+    )
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-run the target on the recorded drafts and check every stored verdict",
+    )
+    parser.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="colour tokens by provenance (default: when writing to a terminal)",
+    )
+    parser.add_argument(
+        "--show-rejected", action="store_true", help="also show rejected drafts, struck through"
+    )
+    parser.add_argument(
+        "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
+    )
+    _add_database_url(parser)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from coordinator import replay
+    from coordinator.db.engine import make_sessionmaker
+
+    if not args.speed >= 0:
+        raise CommandError(f"--speed {args.speed}: must be 0 or more")
+    with _engine(args) as engine:
+        sessions = make_sessionmaker(engine)
+        try:
+            session_id = replay.find_session(sessions, args.session_id)
+            record = replay.load_session(sessions, session_id)
+        except replay.ReplayError as exc:
+            raise CommandError(str(exc)) from exc
+    models_dir = args.models_dir or _settings_models_dir()
+    decoder = replay.target_tokenizer(models_dir)
+    if args.verify:
+        return _replay_verify(args, record, models_dir, decoder)
+    result = replay.rebuild(record, decoder)
+    if args.json:
+        for line in replay.json_lines(result):
+            print(line, flush=True)
+        for problem in result.problems:
+            print(f"specfleet replay: {problem}", file=sys.stderr)
+        return 1 if result.problems else 0
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    replay.play_terminal(
+        result, sys.stdout, speed=args.speed, color=color, show_rejected=args.show_rejected
+    )
+    return 1 if result.problems else 0
+
+
+def _settings_models_dir() -> Path:
+    from pydantic import ValidationError
+
+    from coordinator.settings import Settings
+
+    try:
+        return Settings().resolved_models_dir
+    except ValidationError as exc:
+        raise CommandError(f"invalid settings: {exc.errors()[0]['msg']}") from exc
+
+
+def _replay_verify(
+    args: argparse.Namespace,
+    record: SessionRecord,
+    models_dir: Path,
+    decoder: TokenDecoder | None,
+) -> int:
+    from tqdm import tqdm
+
+    from coordinator import replay
+    from inference.artifacts import ArtifactError
+    from inference.gguf_source import GgufError
+    from inference.target_build import load_target
+
+    try:
+        target, tokenizer = load_target(models_dir)
+    except (ArtifactError, GgufError, OSError) as exc:
+        raise CommandError(f"cannot load the target: {exc}") from exc
+    with tqdm(
+        total=len(record.rounds), desc="verifying", unit="round", file=sys.stderr, leave=False
+    ) as bar:
+        report = replay.verify_session(
+            record, target, decoder=decoder or tokenizer, on_round=lambda _: bar.update()
+        )
+    if args.json:
+        _print_json(
+            {
+                "session_id": str(report.session_id),
+                "target": target.name,
+                "rounds": report.rounds,
+                "verified": report.verified,
+                "ok": report.ok,
+                "mismatches": [
+                    {"round": m.round_index, "what": m.what, "detail": m.detail}
+                    for m in report.mismatches
+                ],
+            }
+        )
+    else:
+        for mismatch in report.mismatches:
+            print(f"MISMATCH {mismatch.detail}")
+        verdict = "every stored verdict reproduced" if report.ok else "NOT reproduced"
+        print(
+            f"session {record.id}: {report.verified}/{report.rounds} rounds verified against "
+            f"{target.name}: {verdict}"
+        )
+    return 0 if report.ok else 1

@@ -2,23 +2,95 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, FastAPI
+import logging
+import secrets
+from collections.abc import Sequence
+
+from fastapi import APIRouter, Depends, FastAPI
 from sqlalchemy.engine import Engine
 
-from coordinator.api.routes import devices
+from coordinator.api.deps import get_current_user
+from coordinator.api.routes import (
+    artifacts,
+    auth,
+    devices,
+    events,
+    metrics,
+    models,
+    sessions,
+    stats,
+    verifiers,
+)
+from coordinator.auth import AdminStore, CookieSigner
 from coordinator.db.engine import make_sessionmaker
+from coordinator.live import CoordinatorControl, VerifierLoad
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import Settings
 
 API_PREFIX = "/api/v1"
 
-api_router = APIRouter()
-api_router.include_router(devices.router)
+log = logging.getLogger(__name__)
+
+# Every resource needs credentials; `/me` checks them itself.
+api_router = APIRouter(dependencies=[Depends(get_current_user)])
+for module in (devices, sessions, models, verifiers, events, stats):
+    api_router.include_router(module.router)
+api_router.include_router(auth.router)
 
 
-def create_app(settings: Settings, engine: Engine) -> FastAPI:
-    """The app; the engine's lifetime (and disposal) stays with the caller."""
-    app = FastAPI(title="specfleet coordinator", openapi_url=f"{API_PREFIX}/openapi.json")
+def signing_key(settings: Settings) -> str:
+    """The secret that signs login cookies: the configured one, or (quickstart only) a random
+    one per process, which logs everyone out when the process restarts."""
+    if settings.secret_key:
+        return settings.secret_key
+    if settings.environment != "quickstart":
+        # Settings refuses this already; the check stays here because cookies depend on it.
+        raise ValueError("SPECFLEET_SECRET_KEY must be set outside the quickstart")
+    log.info("no SPECFLEET_SECRET_KEY: dashboard logins last until this process stops")
+    return secrets.token_urlsafe(32)
+
+
+def create_app(
+    settings: Settings,
+    engine: Engine,
+    *,
+    control: CoordinatorControl | None = None,
+    metrics_registry: CoordinatorMetrics | None = None,
+) -> FastAPI:
+    """The app; the engine's lifetime (and disposal) stays with the caller.
+
+    `control` is the running coordinator service (see coordinator.live); it may also be set
+    later as `app.state.control`. `app.state.metrics` is the CoordinatorMetrics the decoding
+    loop reports rounds to.
+    """
+    from coordinator.dashboard.pages import mount_dashboard
+
+    app = FastAPI(
+        title="specfleet coordinator",
+        description="Admin API of a specfleet fleet: devices, sessions, models, verifiers, "
+        "events. Authenticate with `Authorization: Bearer TOKEN` (`specfleet admin create`).",
+        openapi_url=f"{API_PREFIX}/openapi.json",
+        docs_url=f"{API_PREFIX}/docs",
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.sessions = make_sessionmaker(engine)
+    app.state.admins = AdminStore(app.state.sessions)
+    app.state.signer = CookieSigner(signing_key(settings))
+    app.state.control = control
+
+    def verifier_loads() -> Sequence[VerifierLoad]:
+        live: CoordinatorControl | None = app.state.control
+        return live.verifier_loads() if live is not None else ()
+
+    registry = metrics_registry or CoordinatorMetrics()
+    registry.bind_database(app.state.sessions)
+    registry.bind_live(verifier_loads)
+    app.state.metrics = registry
+
     app.include_router(api_router, prefix=API_PREFIX)
+    app.include_router(metrics.router)
+    # Devices fetch artifacts with their own credentials (HTTP Basic), not an admin's.
+    app.include_router(artifacts.router, prefix=API_PREFIX)
+    mount_dashboard(app)
     return app

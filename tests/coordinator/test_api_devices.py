@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
 from coordinator.api.main import create_app
+from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
 from coordinator.registry import DeviceRegistry
 from coordinator.settings import Settings
@@ -32,7 +33,9 @@ def registry(pg_clean_engine: Engine) -> DeviceRegistry:
 @pytest.fixture
 def client(pg_clean_engine: Engine, registry: DeviceRegistry) -> Iterator[TestClient]:
     settings = Settings(database_url=pg_clean_engine.url.render_as_string(hide_password=False))
+    _, token = AdminStore(make_sessionmaker(pg_clean_engine)).create("viewer", "viewer")
     with TestClient(create_app(settings, pg_clean_engine)) as client:
+        client.headers["Authorization"] = f"Bearer {token}"
         yield client
 
 

@@ -49,7 +49,7 @@ def _specfleet(*args: str, env: dict[str, str]) -> str:
 @pytest.fixture
 def coordinator(
     tmp_path: Path, create_pg_database: Callable[[], str]
-) -> Iterator[tuple[str, str, dict[str, str]]]:
+) -> Iterator[tuple[str, str, dict[str, str], dict[str, str]]]:
     """`specfleet up` against the shared Mosquitto and a fresh PostgreSQL database."""
     database_url = create_pg_database()
     http_port = free_port()
@@ -59,6 +59,8 @@ def coordinator(
         SPECFLEET_COORDINATOR_ID=f"coordinator-test-{secrets.token_hex(4)}",
     )
     _specfleet("db", "upgrade", env=env)
+    viewer = json.loads(_specfleet("admin", "create", "ops", "--role", "viewer", "--json", env=env))
+    headers = {"Authorization": f"Bearer {viewer['token']}"}
     process = subprocess.Popen(
         [
             sys.executable,
@@ -85,7 +87,7 @@ def coordinator(
             break
     assert process.poll() is None, "".join(lines)
     try:
-        yield f"http://127.0.0.1:{http_port}/api/v1", database_url, env
+        yield f"http://127.0.0.1:{http_port}/api/v1", database_url, env, headers
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -94,8 +96,8 @@ def coordinator(
             process.kill()
 
 
-def _device_status(api: str, device_id: str) -> str | None:
-    response = httpx.get(f"{api}/devices/{device_id}", timeout=5)
+def _device_status(api: str, device_id: str, headers: dict[str, str]) -> str | None:
+    response = httpx.get(f"{api}/devices/{device_id}", headers=headers, timeout=5)
     return str(response.json()["status"]) if response.status_code == 200 else None
 
 
@@ -109,9 +111,9 @@ def _wait_for(predicate: Callable[[], bool], timeout_s: float) -> float:
 
 
 def test_agent_online_within_2s_and_offline_after_sigkill(
-    coordinator: tuple[str, str, dict[str, str]],
+    coordinator: tuple[str, str, dict[str, str], dict[str, str]],
 ) -> None:
-    api, database_url, env = coordinator
+    api, database_url, env, headers = coordinator
     device_id = f"pi-presence-{secrets.token_hex(4)}"
     added = json.loads(_specfleet("devices", "add", device_id, "--kind", "pi", "--json", env=env))
     credential = added["credential"]
@@ -139,14 +141,14 @@ def test_agent_online_within_2s_and_offline_after_sigkill(
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_for(lambda: _device_status(api, device_id) == "online", 10)
+        _wait_for(lambda: _device_status(api, device_id, headers) == "online", 10)
         online_after = time.monotonic() - launched
         assert online_after <= 2.0, f"online after {online_after:.2f}s"
 
         killed = time.monotonic()
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=5)
-        _wait_for(lambda: _device_status(api, device_id) == "offline", 10)
+        _wait_for(lambda: _device_status(api, device_id, headers) == "offline", 10)
         offline_after = time.monotonic() - killed
         assert offline_after <= 1.5 * AGENT_KEEPALIVE_S, f"offline after {offline_after:.2f}s"
     finally:
@@ -164,9 +166,9 @@ def test_agent_online_within_2s_and_offline_after_sigkill(
 
 
 def test_unregistered_device_is_refused_outside_the_quickstart(
-    coordinator: tuple[str, str, dict[str, str]],
+    coordinator: tuple[str, str, dict[str, str], dict[str, str]],
 ) -> None:
-    api, database_url, env = coordinator
+    api, database_url, env, headers = coordinator
     device_id = f"pi-stranger-{secrets.token_hex(4)}"
     agent = subprocess.Popen(
         [
@@ -189,7 +191,8 @@ def test_unregistered_device_is_refused_outside_the_quickstart(
     events = EventLog(make_sessionmaker(engine))
     try:
         _wait_for(lambda: bool(events.list(device_id=device_id, kind="device.refused")), 10)
-        assert httpx.get(f"{api}/devices/{device_id}", timeout=5).status_code == 404
+        response = httpx.get(f"{api}/devices/{device_id}", headers=headers, timeout=5)
+        assert response.status_code == 404
     finally:
         agent.kill()
         agent.wait()

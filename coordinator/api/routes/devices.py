@@ -1,4 +1,4 @@
-"""`/devices`: the fleet as the registry sees it."""
+"""`/devices`: the fleet as the registry sees it; tagging and retiring are admin writes."""
 
 from __future__ import annotations
 
@@ -6,14 +6,17 @@ from typing import Annotated
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Path, Query
+from fastapi import status as http
 
 from broker.topics import DEVICE_ID_PATTERN
-from coordinator.api.deps import SessionDep
-from coordinator.api.schemas import DevicePublic, DevicesPublic
-from coordinator.db.models import Device, DeviceKind, DeviceStatus
-from coordinator.registry import device_filters
+from coordinator.api.deps import CurrentAdmin, SessionDep
+from coordinator.api.schemas import DevicePublic, DeviceRetire, DevicesPublic, DeviceTagsUpdate
+from coordinator.db.models import Device, DeviceKind, DeviceStatus, utcnow
+from coordinator.events import EventKind, append_event
+from coordinator.registry import device_filters, validate_tags
 
 MAX_PAGE = 1000
+DEVICE_TAGGED = "device.tagged"
 
 router = APIRouter(prefix="/devices", tags=["devices"])
 
@@ -38,9 +41,59 @@ def list_devices(
     return DevicesPublic(data=[DevicePublic.model_validate(d) for d in page], count=count)
 
 
-@router.get("/{device_id}", response_model=DevicePublic)
-def read_device(session: SessionDep, device_id: DeviceId) -> DevicePublic:
-    device = session.get(Device, device_id)
+def _load(session: SessionDep, device_id: str, *, for_update: bool = False) -> Device:
+    device = session.get(Device, device_id, with_for_update=for_update)
     if device is None:
         raise HTTPException(status_code=404, detail=f"no device {device_id!r}")
+    return device
+
+
+@router.get("/{device_id}", response_model=DevicePublic)
+def read_device(session: SessionDep, device_id: DeviceId) -> DevicePublic:
+    return DevicePublic.model_validate(_load(session, device_id))
+
+
+@router.put("/{device_id}/tags", response_model=DevicePublic)
+def set_tags(
+    session: SessionDep, admin: CurrentAdmin, device_id: DeviceId, body: DeviceTagsUpdate
+) -> DevicePublic:
+    """Replace the device's tags (sorted, de-duplicated)."""
+    try:
+        tags = validate_tags(body.tags)
+    except ValueError as exc:
+        raise HTTPException(http.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+    with session.begin():
+        device = _load(session, device_id, for_update=True)
+        if device.status is DeviceStatus.RETIRED:
+            raise HTTPException(http.HTTP_409_CONFLICT, f"device {device_id!r} is retired")
+        before = list(device.tags)
+        device.tags = tags
+        append_event(
+            session,
+            DEVICE_TAGGED,
+            device_id=device_id,
+            actor=admin.actor,
+            detail={"before": before, "after": tags},
+        )
+    return DevicePublic.model_validate(device)
+
+
+@router.post("/{device_id}/retire", response_model=DevicePublic)
+def retire_device(
+    session: SessionDep, admin: CurrentAdmin, device_id: DeviceId, body: DeviceRetire
+) -> DevicePublic:
+    """Retire for good: its credential stops verifying. Retiring twice changes nothing."""
+    with session.begin():
+        device = _load(session, device_id, for_update=True)
+        if device.status is not DeviceStatus.RETIRED:
+            device.status = DeviceStatus.RETIRED
+            device.status_reason = body.reason or None
+            append_event(
+                session,
+                EventKind.DEVICE_RETIRED,
+                device_id=device_id,
+                actor=admin.actor,
+                at=utcnow(),
+                detail={"reason": body.reason},
+            )
     return DevicePublic.model_validate(device)
