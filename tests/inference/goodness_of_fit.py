@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Hashable, Mapping
+from typing import TypeVar
+
+Cell = TypeVar("Cell", bound=Hashable)
 
 # The standard normal quantile at 0.999: a fit is refused only when a correct sampler would
 # produce a worse statistic one time in a thousand.
@@ -21,7 +24,7 @@ def chi_square_critical(df: int, z: float = Z_0999) -> float:
 
 
 def chi_square(
-    counts: Counter[Hashable], expected_probs: Mapping[Hashable, float], min_expected: float = 5.0
+    counts: Counter[Cell], expected_probs: Mapping[Cell, float], min_expected: float = 5.0
 ) -> tuple[float, int]:
     """(statistic, degrees of freedom) of observed counts against expected probabilities.
 
@@ -49,7 +52,7 @@ def chi_square(
     return stat, cells - 1
 
 
-def total_variation(counts: Counter[Hashable], expected_probs: Mapping[Hashable, float]) -> float:
+def total_variation(counts: Counter[Cell], expected_probs: Mapping[Cell, float]) -> float:
     """Half the L1 distance between the empirical and the expected distribution."""
     n = sum(counts.values())
     cells = set(counts) | set(expected_probs)

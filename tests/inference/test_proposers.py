@@ -293,3 +293,31 @@ def test_concat_candidates_pads_one_hot_rows() -> None:
     assert joined.q is not None
     assert joined.q.prob_of(0, 8) == 1.0 and joined.q.prob_of(1, 9) == 1.0
     assert joined.q.prob_of(2, 6) == pytest.approx(0.3)
+
+
+def test_build_prompts_are_distinct_reproducible_and_not_the_benchmark() -> None:
+    import json
+
+    from inference.ngram_build import TASKS, build_prompts
+
+    shared = Path(__file__).resolve().parents[3] / "shared" / "bench" / "prompts.jsonl"
+    benchmark = {json.loads(line)["prompt"] for line in shared.read_text().splitlines() if line}
+    prompts = build_prompts(300)
+    texts = [p.prompt for p in prompts]
+    assert len(set(texts)) == len(texts) == 300
+    assert not benchmark & set(texts)
+    assert {p.task for p in prompts} == set(TASKS)
+    assert build_prompts(300) == prompts
+
+
+def test_batched_greedy_answers_match_the_target_alone() -> None:
+    from inference.ngram_build import greedy_answers
+    from inference.sampling import SamplingParams
+    from inference.speculative import decode_target
+
+    model = SyntheticLM.random(vocab_size=16, dim=8, seed=0, sharpness=0.6)
+    prompts = [[1, 4, 9], [2], [7, 7, 7, 3, 5]]
+    eos = 6
+    answers = greedy_answers(model, prompts, 20, eos, batch_size=2, progress=False)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer == decode_target(model, prompt, 20, SamplingParams(), eos).tokens

@@ -137,7 +137,7 @@ def test_temperature_sharpens() -> None:
 )
 def test_bad_params_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        SamplingParams(**kwargs)  # type: ignore[arg-type]
+        SamplingParams(**kwargs)
 
 
 def test_shape_mismatch_refused() -> None:
