@@ -269,7 +269,7 @@ def test_real_target_sampling_is_reproducible() -> None:
     assert run(12) != first
 
 
-REAL_TRIALS = 400
+REAL_TRIALS = 240
 
 
 def test_real_target_first_sampled_token_follows_the_target() -> None:
@@ -277,10 +277,11 @@ def test_real_target_first_sampled_token_follows_the_target() -> None:
 
     The context repeats a phrase, so prompt lookup proposes the phrase's next word x
     (" pears"), to which the target gives a probability well inside (0, 1), about 0.3: both the
-    acceptance and the residual path run. Over 400 seeded runs, a correct sampler passes
+    acceptance and the residual path run. Over 240 seeded runs, a correct sampler passes
     Pearson's chi-square at p = 0.001 (sparse tokens pooled) 999 times in 1000; the seeds are
     fixed, so the check is deterministic. The frequency of x itself must lie within 4
-    standard errors (about 0.09) of p(x).
+    standard errors (about 0.12) of p(x): accepting every draft would give 1.0, and resampling
+    a rejection from p instead of the residual about 0.5.
     """
     from real_target import target_pair
 
