@@ -153,7 +153,7 @@ class LocalFleet:
             str(port),
         ]
         if spec.runtime != "none":
-            argv += ["--runtime", spec.runtime]
+            argv += ["--draft-runtime", spec.runtime]
         env = self._child_env()
         env["SPECFLEET_MQTT_PROTOCOL"] = self.settings.mqtt_protocol
         env["SPECFLEET_HOME"] = str(self.workdir / spec.device_id)
