@@ -1,4 +1,4 @@
-"""The agent's life on the bus: presence, telemetry with RTT probes, and commands."""
+"""The agent's life on the bus: presence, telemetry with RTT probes, commands and sessions."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import asyncio
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from broker import messages as m
 from broker.client import (
     BrokerAddress,
     BusClient,
+    BusConnectionError,
     ConnectOptions,
     Will,
     run_with_reconnect,
@@ -18,7 +21,10 @@ from broker.client import (
 from broker.compat import task_group
 from broker.topics import DeviceChannel, device_topic
 from device_agent import __version__
+from device_agent.catalog import DrafterCatalog
 from device_agent.health import read_health
+from device_agent.local_api import LocalApi
+from device_agent.sessions import SessionBook, SessionError, SessionRequest
 from device_agent.settings import AgentSettings
 
 log = logging.getLogger(__name__)
@@ -28,17 +34,37 @@ PROBE_TTL_S = 30.0
 
 
 class Agent:
-    """One device on the bus; `run()` returns only when `stop()` is called."""
+    """One device on the bus; `run()` returns only when `stop()` is called.
 
-    def __init__(self, settings: AgentSettings, runtimes: tuple[str, ...] = ()) -> None:
+    With `announce` off the agent is a one-shot connection (`specfleet-agent ask` when no agent
+    runs): no presence, no Will, no telemetry, no local API, and a client id of its own, so that
+    it never takes over or marks offline a resident agent of the same device.
+    """
+
+    def __init__(
+        self, settings: AgentSettings, runtimes: tuple[str, ...] = (), *, announce: bool = True
+    ) -> None:
         self.settings = settings
         self.device_id = settings.device_id
         self.runtimes = runtimes
+        self.announce = announce
         self.rtt_ms: float | None = None
         self._probes: dict[str, float] = {}  # nonce -> monotonic send time
         self._client: BusClient | None = None
         self._stopping = asyncio.Event()
         self.connected = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.catalog = DrafterCatalog(
+            settings.resolved_models_dir,
+            tokenizer_dir=settings.tokenizer_dir,
+            runtime=settings.draft_runtime,
+            threads=settings.draft_threads,
+        )
+        # Drafting is CPU work, and a LiteRT interpreter is not safe to share between threads:
+        # one worker thread drafts for every session in turn, keeping the event loop free.
+        self.drafting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specfleet-draft")
+        self.sessions = SessionBook(settings, self.catalog, self.publish, self.drafting)
+        self.local_api: LocalApi | None = None
 
     def topic(self, channel: DeviceChannel) -> str:
         return device_topic(self.device_id, channel)
@@ -56,6 +82,14 @@ class Agent:
         )
 
     def connect_options(self) -> ConnectOptions:
+        if not self.announce:
+            return ConnectOptions(
+                client_id=f"dev-{self.device_id}-{secrets.token_hex(4)}",
+                username=self.device_id if self.settings.credential else None,
+                password=self.settings.credential,
+                keepalive_s=self.settings.keepalive_s,
+                protocol=self.settings.mqtt_protocol,  # type: ignore[arg-type]
+            )
         will = Will(
             self.topic(DeviceChannel.STATUS),
             m.encode(self._status(m.DeviceState.OFFLINE, "connection lost")),
@@ -72,14 +106,53 @@ class Agent:
 
     async def run(self) -> None:
         address = BrokerAddress.from_url(self.settings.broker_url, self.settings.ca_file)
-        await run_with_reconnect(
-            address, self.connect_options(), self._session, on_disconnect=self._on_disconnect
-        )
+        if self.announce and self.settings.local_api:
+            api = LocalApi(self.sessions, self.health, self.settings.local_api_port)
+            try:
+                await api.start()
+                self.local_api = api
+            except OSError as exc:  # another agent on this host holds the port
+                log.warning("local API not started on port %d: %s", api.port, exc)
+        try:
+            await run_with_reconnect(
+                address, self.connect_options(), self._session, on_disconnect=self._on_disconnect
+            )
+        finally:
+            if self.local_api is not None:
+                await self.local_api.close()
+            self.drafting.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> dict[str, Any]:
+        """What `GET /v1/health` reports."""
+        return {
+            "status": "ok",
+            "device_id": self.device_id,
+            "agent_version": __version__,
+            "connected": self.connected.is_set(),
+            "rtt_ms": self.rtt_ms,
+            "drafters": self.catalog.names(),
+            "default_draft": self.settings.default_draft,
+            "proactive": self.settings.proactive,
+            "sessions_active": len(self.sessions.active),
+        }
+
+    async def publish(self, channel: DeviceChannel, message: m.Message) -> bool:
+        """Publish on one of this device's topics; False when the bus is down (callers retry)."""
+        client = self._client
+        if client is None:
+            return False
+        try:
+            await client.publish(self.topic(channel), m.encode(message))
+        except BusConnectionError as exc:
+            log.warning("could not publish %s: %s", message.type, exc)
+            return False
+        return True
 
     async def stop(self) -> None:
-        """Say goodbye (a retained offline status) and leave."""
+        """Close running sessions, say goodbye (a retained offline status) and leave."""
+        await self.sessions.aclose()
         client = self._client
-        if client is not None:
+        if client is not None and self.announce:
             try:
                 await client.publish(
                     self.topic(DeviceChannel.STATUS),
@@ -97,19 +170,24 @@ class Agent:
     async def _session(self, client: BusClient) -> None:
         await client.subscribe(self.topic(DeviceChannel.COMMAND))
         await client.subscribe(self.topic(DeviceChannel.VERDICT))
-        await client.publish(
-            self.topic(DeviceChannel.STATUS),
-            m.encode(self._status(m.DeviceState.ONLINE)),
-            retain=True,
-        )
+        if self.announce:
+            await client.publish(
+                self.topic(DeviceChannel.STATUS),
+                m.encode(self._status(m.DeviceState.ONLINE)),
+                retain=True,
+            )
         self._client = client
         self.connected.set()
+        # Sessions that ran before this connection ask for their state again.
+        self.sessions.reconnected()
         async with task_group() as tasks:
             receiver = tasks.create_task(self._receive(client), name="agent-receive")
-            telemetry = tasks.create_task(self._telemetry_loop(client), name="agent-telemetry")
+            if self.announce:
+                telemetry = tasks.create_task(self._telemetry_loop(client), name="agent-telemetry")
             await self._stopping.wait()
             receiver.cancel()
-            telemetry.cancel()
+            if self.announce:
+                telemetry.cancel()
 
     async def _telemetry_loop(self, client: BusClient) -> None:
         while True:
@@ -142,10 +220,15 @@ class Agent:
                 continue
             if isinstance(message, m.Command):
                 await self._on_command(client, message)
-            elif isinstance(message, m.ErrorReply):
-                log.warning(
-                    "the coordinator refused our %s: %s", message.refused_type, message.reason
-                )
+            elif isinstance(message, (m.Verdict, m.SessionState, m.ErrorReply)):
+                if self.sessions.dispatch(message):
+                    continue
+                if isinstance(message, m.ErrorReply):
+                    log.warning(
+                        "the coordinator refused our %s: %s", message.refused_type, message.reason
+                    )
+                else:  # another connection of this device (an `ask`) owns that session
+                    log.debug("%s for session %s, not ours", message.type, message.session_id)
             else:
                 log.warning("unexpected %s on %s", message.type, incoming.topic)
 
@@ -154,6 +237,14 @@ class Agent:
             sent = self._probes.pop(str(command.args.get("nonce", "")), None)
             if sent is not None:
                 self.rtt_ms = (time.monotonic() - sent) * 1000.0
+            return
+        if command.name in (m.CommandName.START_SESSION, m.CommandName.CANCEL_SESSION):
+            # Opening loads the tokenizer and the drafter: off the receive loop.
+            task = asyncio.create_task(
+                self._session_command(client, command), name=f"agent-{command.name.value}"
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
         if command.name is m.CommandName.PING:
             ack = m.CommandAck(
@@ -171,4 +262,35 @@ class Agent:
                 error=f"unsupported command {command.name.value!r}",
                 at=time.time(),
             )
+        await client.publish(self.topic(DeviceChannel.ACK), m.encode(ack))
+
+    async def _session_command(self, client: BusClient, command: m.Command) -> None:
+        result: dict[str, Any] = {}
+        error = ""
+        if command.name is m.CommandName.START_SESSION:
+            try:
+                session_id, request = SessionRequest.from_command(command.args)
+                running = self.sessions.get(session_id)
+                if running is None:  # a repeated command finds its session running
+                    running = await self.sessions.start(request, session_id)
+                result = {"session_id": session_id, "status": running.status}
+            except SessionError as exc:
+                error = str(exc)
+        else:
+            session_id = str(command.args.get("session_id", ""))
+            found = self.sessions.get(session_id)
+            if found is None:
+                error = f"no session {session_id!r} on this device"
+            else:
+                reason = str(command.args.get("reason", "cancelled by the coordinator"))
+                await found.cancel(reason[:256])
+                result = {"session_id": session_id, "status": found.status}
+        ack = m.CommandAck(
+            command_id=command.command_id,
+            device_id=self.device_id,
+            ok=not error,
+            result=result,
+            error=error[:1024],
+            at=time.time(),
+        )
         await client.publish(self.topic(DeviceChannel.ACK), m.encode(ack))

@@ -141,5 +141,6 @@ class DrafterCatalog:
     def release(self, name: str, temperature: float, proposer: Proposer) -> None:
         """Take a drafter back once its session no longer drafts with it."""
         proposer.rollback(0)
+        key = (self.resolve(name), temperature)
         with self._lock:
-            self._idle.setdefault((self.resolve(name), temperature), []).append(proposer)
+            self._idle.setdefault(key, []).append(proposer)

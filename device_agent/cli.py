@@ -13,7 +13,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from device_agent.settings import AgentSettings, load_agent_settings
+from device_agent.settings import (
+    AgentSettings,
+    LocalSettings,
+    load_agent_settings,
+    load_local_settings,
+)
 
 log = logging.getLogger("device_agent")
 
@@ -25,28 +30,94 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="connect to the bus and serve until stopped")
-    run.add_argument("--config", type=Path, help="TOML config file (flat keys, e.g. device_id)")
-    run.add_argument("--device-id", help="this device's id (env SPECFLEET_DEVICE_ID)")
-    run.add_argument("--credential", help="this device's secret (env SPECFLEET_CREDENTIAL)")
-    run.add_argument("--broker-url", help="mqtt://host:port or mqtts://host:port")
-    run.add_argument("--ca-file", type=Path, help="CA bundle for an mqtts:// broker")
+    _add_device_arguments(run)
     run.add_argument("--kind", choices=["pi", "jetson", "phone", "other"])
     run.add_argument("--keepalive", type=int, dest="keepalive_s", help="MQTT keepalive, seconds")
     run.add_argument("--telemetry-interval", type=float, dest="telemetry_interval_s")
+    run.add_argument("--draft", dest="default_draft", help="drafter of sessions that name none")
+    run.add_argument(
+        "--draft-runtime", choices=["onnx", "tflite"], help="which build a bare draft name means"
+    )
+    run.add_argument(
+        "--no-proactive",
+        dest="proactive",
+        action="store_false",
+        default=None,
+        help="do not draft the next window while a verdict is in flight",
+    )
+    run.add_argument(
+        "--no-local-api",
+        dest="local_api",
+        action="store_false",
+        default=None,
+        help="serve no HTTP API on loopback",
+    )
+
+    ask = sub.add_parser(
+        "ask",
+        help="answer one prompt on this device and stream the text",
+        description="Run one session through the running agent's local API, or, when none "
+        "answers, over a one-shot bus connection made with the same settings.",
+    )
+    ask.add_argument("prompt", help="the user's message")
+    ask.add_argument("--max-tokens", type=int, help="tokens to generate at most")
+    ask.add_argument("--temperature", type=float, help="0 (default) for greedy")
+    ask.add_argument("--top-p", type=float)
+    ask.add_argument("--seed", type=int, help="sampling is reproducible from it")
+    ask.add_argument("--draft", help="drafter: lookup, ngram, hybrid, a draft's name, hybrid+NAME")
+    ask.add_argument("--k", type=int, help="tokens drafted per round")
+    ask.add_argument("--task-type", help="task of the prompt, for the coordinator's policy")
+    ask.add_argument(
+        "--no-proactive",
+        dest="proactive",
+        action="store_false",
+        default=None,
+        help="do not draft ahead while a verdict is in flight",
+    )
+    ask.add_argument("--json", action="store_true", help="print the session summary as JSON")
+    _add_device_arguments(ask)
     return parser
 
 
+def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file (flat keys, e.g. device_id)")
+    parser.add_argument("--device-id", help="this device's id (env SPECFLEET_DEVICE_ID)")
+    parser.add_argument("--credential", help="this device's secret (env SPECFLEET_CREDENTIAL)")
+    parser.add_argument("--broker-url", help="mqtt://host:port or mqtts://host:port")
+    parser.add_argument("--ca-file", type=Path, help="CA bundle for an mqtts:// broker")
+    parser.add_argument("--models-dir", type=Path, help="draft models and the tokenizer")
+    parser.add_argument("--local-api-port", type=int, help="loopback port of the local API")
+
+
+def _local_overrides(args: argparse.Namespace) -> dict[str, object]:
+    return {"models_dir": args.models_dir, "local_api_port": args.local_api_port}
+
+
 def _settings(args: argparse.Namespace) -> AgentSettings:
-    return load_agent_settings(
-        args.config,
-        device_id=args.device_id,
-        credential=args.credential,
-        broker_url=args.broker_url,
-        ca_file=args.ca_file,
-        kind=args.kind,
-        keepalive_s=args.keepalive_s,
-        telemetry_interval_s=args.telemetry_interval_s,
-    )
+    overrides = {
+        "device_id": args.device_id,
+        "credential": args.credential,
+        "broker_url": args.broker_url,
+        "ca_file": args.ca_file,
+        **_local_overrides(args),
+    }
+    if args.command == "run":
+        overrides |= {
+            "kind": args.kind,
+            "keepalive_s": args.keepalive_s,
+            "telemetry_interval_s": args.telemetry_interval_s,
+            "default_draft": args.default_draft,
+            "draft_runtime": args.draft_runtime,
+            "proactive": args.proactive,
+            "local_api": args.local_api,
+        }
+    return load_agent_settings(args.config, **overrides)
+
+
+def _settings_reason(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in first["loc"])
+    return f"{where}: {first['msg']}"
 
 
 async def _run(settings: AgentSettings) -> None:
@@ -60,18 +131,69 @@ async def _run(settings: AgentSettings) -> None:
     await agent.run()
 
 
+def _ask(args: argparse.Namespace) -> int:
+    from device_agent.ask import AskError, ask, build_request, default_output
+
+    try:
+        request = build_request(
+            prompt=args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            draft=args.draft,
+            k=args.k,
+            task_type=args.task_type,
+            proactive=args.proactive,
+        )
+        local: LocalSettings = load_local_settings(args.config, **_local_overrides(args))
+    except AskError as exc:
+        print(f"specfleet-agent ask: {exc.reason}", file=sys.stderr)
+        return 2
+    except ValidationError as exc:
+        print(f"specfleet-agent ask: {_settings_reason(exc)}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"specfleet-agent ask: {exc}", file=sys.stderr)
+        return 2
+    agent_settings: AgentSettings | None = None
+    settings_error = ""
+    try:
+        agent_settings = _settings(args)
+    except ValidationError as exc:
+        missing_id = any(
+            e["loc"] == ("device_id",) and e["type"] == "missing" for e in exc.errors()
+        )
+        settings_error = (
+            "a device id (--device-id or SPECFLEET_DEVICE_ID)"
+            if missing_id
+            else f"valid settings ({_settings_reason(exc)})"
+        )
+    try:
+        return asyncio.run(
+            ask(local, agent_settings, request, default_output(args.json), settings_error)
+        )
+    except AskError as exc:
+        print(f"specfleet-agent ask: {exc.reason}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # `ask` writes the answer to the terminal: only warnings go beside it unless asked.
+    quiet = args.command == "ask" and not args.verbose
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command == "ask":
+        return _ask(args)
     try:
         settings = _settings(args)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"])
-        print(f"specfleet-agent: {where}: {first['msg']}", file=sys.stderr)
+        print(f"specfleet-agent: {_settings_reason(exc)}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as exc:
         print(f"specfleet-agent: {exc}", file=sys.stderr)

@@ -206,6 +206,11 @@ class SessionDrafter:
         return self.proposer.get_candidates(context, k, self._draft_rng(round_index))
 
     @property
+    def has_speculation(self) -> bool:
+        """Whether a window for the next round is already drafted."""
+        return self._speculation is not None
+
+    @property
     def next_draft_model(self) -> str:
         """The drafter the next window will come from (a policy may have asked for another)."""
         return self._wanted_model or self.draft_model

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from broker import messages as m
 from broker.client import BrokerAddress, BusClient, ConnectOptions, connect
 from broker.compat import task_group
 from broker.topics import DeviceChannel, device_subscription, device_topic, parse_device_topic
+from device_agent.settings import load_agent_settings
+from inference.onnx_runtime import OnnxRuntime
 from inference.runtime import KVCache, Runtime
 from inference.sampling import (
     RngStream,
@@ -26,7 +32,14 @@ from inference.sampling import (
     rejection_sample,
     round_rng,
 )
+from inference.speculative import decode_target
+from inference.tokenizer import ChatTokenizer
 
+if TYPE_CHECKING:
+    from device_agent.agent import Agent
+
+CONNECT_TIMEOUT_S = 10.0
+SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "prompts.jsonl"
 PolicyRule = Callable[[int], m.Policy | None]  # round -> the policy sent with its verdict
 
 
@@ -172,7 +185,8 @@ class Faults:
 
     drop_verdicts: set[int] = field(default_factory=set)  # rounds whose first verdict is lost
     repeat_verdicts: bool = False  # every verdict is published twice
-    silent: bool = False  # answer nothing at all
+    silent: bool = False  # answer no open and no draft
+    refuse_opens: str = ""  # refuse every SessionOpen with this reason
 
 
 class BusPeer:
@@ -228,18 +242,28 @@ class BusPeer:
                 self.acks.put_nowait(message)
             elif isinstance(message, m.Status):
                 self.statuses.append(message)
-            elif not self.faults.silent:
+            else:
                 await self._answer(parsed.device_id, message)
 
     async def _answer(self, device_id: str, message: m.Message) -> None:
         if isinstance(message, m.SessionOpen):
             self.opens.append(message)
-            await self.send(device_id, self.judge.open(message))
+            if self.faults.refuse_opens:
+                refusal = m.ErrorReply(
+                    refused_type=message.type,
+                    session_id=message.session_id,
+                    reason=self.faults.refuse_opens,
+                )
+                await self.send(device_id, refusal)
+            elif not self.faults.silent:
+                await self.send(device_id, self.judge.open(message))
         elif isinstance(message, m.SessionClose):
             self.closes.append(message)
             self.judge.close(message)
         elif isinstance(message, m.Draft):
             self.drafts.append(message)
+            if self.faults.silent:
+                return
             answer = self.judge.judge(message)
             if isinstance(answer, tuple):
                 for reply in answer:
@@ -251,3 +275,51 @@ class BusPeer:
             await self.send(device_id, answer)
             if self.faults.repeat_verdicts:
                 await self.send(device_id, answer)
+
+
+@contextlib.asynccontextmanager
+async def running_agent(
+    broker_url: str, device_id: str, models_dir: Path, **settings: Any
+) -> AsyncIterator[Agent]:
+    """A real agent on the broker, connected, with the local API on a free port unless told."""
+    from device_agent.agent import Agent
+
+    values: dict[str, Any] = {"local_api_port": 0, **settings}
+    agent = Agent(
+        load_agent_settings(
+            None, device_id=device_id, broker_url=broker_url, models_dir=models_dir, **values
+        )
+    )
+    run = asyncio.create_task(agent.run(), name=f"agent-{device_id}")
+    try:
+        await asyncio.wait_for(agent.connected.wait(), CONNECT_TIMEOUT_S)
+        yield agent
+    finally:
+        await agent.stop()
+        await asyncio.wait_for(run, CONNECT_TIMEOUT_S)
+
+
+@functools.cache
+def prompt_text(prompt_id: str) -> str:
+    for line in SHARED_PROMPTS.read_text().splitlines():
+        if line.strip() and json.loads(line)["id"] == prompt_id:
+            return str(json.loads(line)["prompt"])
+    raise KeyError(prompt_id)
+
+
+_REFERENCES: dict[tuple[str, int], list[int]] = {}
+
+
+def reference(
+    prompt_id: str, target: tuple[OnnxRuntime, ChatTokenizer], max_tokens: int
+) -> list[int]:
+    """The target's own greedy answer (computed once per prompt and length)."""
+    key = (prompt_id, max_tokens)
+    if key not in _REFERENCES:
+        runtime, tokenizer = target
+        prompt_ids = tokenizer.apply_chat_template(prompt_text(prompt_id))
+        result = decode_target(
+            runtime, prompt_ids, max_tokens, SamplingParams(), eos=tokenizer.eos_id
+        )
+        _REFERENCES[key] = result.tokens
+    return _REFERENCES[key]

@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
-
 import pytest
-from agent_peer import TargetJudge
+from agent_peer import TargetJudge, prompt_text, reference
 
 from broker import messages as m
 from device_agent.catalog import DrafterCatalog
 from device_agent.drafting import OutOfSync, SessionDrafter, SessionSpec
 from inference.onnx_runtime import OnnxRuntime
-from inference.sampling import SamplingParams
-from inference.speculative import decode_target
 from inference.tokenizer import ChatTokenizer
 
-SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "prompts.jsonl"
 GREEDY = m.SamplingSpec()
 SAMPLED = m.SamplingSpec(temperature=0.8, top_p=0.95, seed=11)
 MAX_TOKENS = 40
-
-
-@functools.cache
-def prompt_text(prompt_id: str) -> str:
-    for line in SHARED_PROMPTS.read_text().splitlines():
-        if line.strip() and json.loads(line)["id"] == prompt_id:
-            return str(json.loads(line)["prompt"])
-    raise KeyError(prompt_id)
 
 
 def make_drafter(
@@ -78,24 +63,6 @@ def run_rounds(drafter: SessionDrafter, judge: TargetJudge) -> list[m.Draft]:
         assert isinstance(answer, m.Verdict), answer
         assert drafter.apply_verdict(answer) is not None
     return sent
-
-
-_REFERENCES: dict[tuple[str, int], list[int]] = {}
-
-
-def reference(
-    prompt_id: str, target: tuple[OnnxRuntime, ChatTokenizer], max_tokens: int
-) -> list[int]:
-    """The target's own greedy answer (computed once per prompt and length)."""
-    key = (prompt_id, max_tokens)
-    if key not in _REFERENCES:
-        runtime, tokenizer = target
-        prompt_ids = tokenizer.apply_chat_template(prompt_text(prompt_id))
-        result = decode_target(
-            runtime, prompt_ids, max_tokens, SamplingParams(), eos=tokenizer.eos_id
-        )
-        _REFERENCES[key] = result.tokens
-    return _REFERENCES[key]
 
 
 @pytest.mark.parametrize("proactive", [False, True])
