@@ -51,16 +51,12 @@ class _DatabaseGauges(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self._sessions() as db:
-            by_state = dict(
-                db.execute(
-                    sa.select(DecodingSession.status, sa.func.count()).group_by(
-                        DecodingSession.status
-                    )
-                )
+            states = sa.select(DecodingSession.status, sa.func.count()).group_by(
+                DecodingSession.status
             )
-            by_status = dict(
-                db.execute(sa.select(Device.status, sa.func.count()).group_by(Device.status))
-            )
+            statuses = sa.select(Device.status, sa.func.count()).group_by(Device.status)
+            by_state = {state: n for state, n in db.execute(states)}
+            by_status = {status: n for status, n in db.execute(statuses)}
         sessions = GaugeMetricFamily(
             PREFIX + "sessions", "Decoding sessions by state.", labels=["state"]
         )

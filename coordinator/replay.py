@@ -505,7 +505,7 @@ class Mismatch:
     """A stored verdict the target does not reproduce (or a round that could not be checked)."""
 
     round_index: int
-    what: str  # "verdict", "base_len" or "unverifiable"
+    what: str  # "verdict", "base_len", "malformed" or "unverifiable"
     detail: str
 
 
@@ -558,7 +558,9 @@ def verify_session(
     forward pass over [last committed token] + draft gives k+1 rows of logits, and rejection
     sampling with the round's own random stream, round_rng(seed, round, VERIFY), gives the
     verdict. The replay follows the stored path (the cache is trimmed to what was committed),
-    so one mismatch does not hide or cause others.
+    so each round is judged in the context the session really had: a verifier that once
+    decided differently shows up as that one round. A token rewritten in the database after
+    the fact also changes what every later round is judged against.
     """
     from inference.sampling import RngStream, SamplingParams, rejection_sample, round_rng
 
@@ -578,6 +580,16 @@ def verify_session(
                     "base_len",
                     f"round {rnd.index}: base_len {rnd.base_len}, but the rounds before it "
                     f"commit {len(committed)} tokens; verification stops here",
+                )
+            )
+            break
+        if not 0 <= rnd.n_accepted <= rnd.k or rnd.k != len(rnd.draft_tokens):
+            report.mismatches.append(
+                Mismatch(
+                    rnd.index,
+                    "malformed",
+                    f"round {rnd.index}: n_accepted {rnd.n_accepted} and k {rnd.k} do not fit "
+                    f"{len(rnd.draft_tokens)} drafted tokens; verification stops here",
                 )
             )
             break

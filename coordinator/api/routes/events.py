@@ -25,8 +25,8 @@ KIND_PATTERN = r"^[a-z0-9_.]{1,64}$"
 # The tail polls the table this often; a stream ends after STREAM_LIFETIME_S and the browser's
 # EventSource reconnects with Last-Event-ID, so no stream outlives a server shutdown for long.
 POLL_INTERVAL_S = 0.5
-STREAM_LIFETIME_S = 60.0
-KEEPALIVE_S = 15.0
+STREAM_LIFETIME_S = 15.0
+KEEPALIVE_S = 10.0
 RECONNECT_MS = 1000
 
 router = APIRouter(prefix="/events", tags=["events"])

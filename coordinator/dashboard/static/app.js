@@ -124,8 +124,8 @@ const SF = (() => {
     const last = Math.max(0, count - 1);
     container.replaceChildren(
       el("span", { class: "muted small" }, count ? `${skip + 1}–${Math.min(skip + limit, count)} of ${count}` : ""),
-      el("button", { class: "button small", type: "button", disabled: skip === 0, onclick: () => load(Math.max(0, skip - limit)) }, "← Newer"),
-      el("button", { class: "button small", type: "button", disabled: skip + limit > last, onclick: () => load(skip + limit) }, "Older →"),
+      el("button", { class: "button small", type: "button", disabled: skip === 0, onclick: () => load(Math.max(0, skip - limit)) }, "← Previous"),
+      el("button", { class: "button small", type: "button", disabled: skip + limit > last, onclick: () => load(skip + limit) }, "Next →"),
     );
   }
 

@@ -5,7 +5,7 @@
   const { api, el, toast } = SF;
   const NS = "http://www.w3.org/2000/svg";
   const COLORS = ["#1f6feb", "#10b981", "#f59e0b", "#8b5cf6", "#ef4444", "#0ea5e9", "#64748b", "#d946ef"];
-  const W = 720, H = 240, PAD = { left: 44, right: 12, top: 10, bottom: 28 };
+  const H = 240, PAD = { left: 44, right: 12, top: 10, bottom: 28 };
   const VERIFIER_POINTS = 150; // 5 minutes of samples at one every 2 s
   const verifierHistory = new Map(); // verifier id -> [{t, y}]
 
@@ -19,18 +19,35 @@
     return node;
   }
 
-  function frame() {
-    return svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
+  // Drawn at the container's own pixel width, so text keeps its size on any screen.
+  function width(container) {
+    return Math.max(320, Math.floor(container.clientWidth));
+  }
+
+  function frame(W) {
+    return svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img" });
   }
 
   function empty(container, text) {
-    const root = frame();
+    const W = width(container);
+    const root = frame(W);
     root.append(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, text));
     container.replaceChildren(root);
   }
 
-  function yAxis(root, yMax, format, ticks = 4) {
+  // A round axis maximum: 1, 2 or 5 times a power of ten, at or above `value`.
+  function niceMax(value) {
+    if (value <= 0) return 1;
+    const power = 10 ** Math.floor(Math.log10(value));
+    for (const step of [1, 2, 2.5, 5, 10]) if (step * power >= value) return step * power;
+    return 10 * power;
+  }
+
+  function yAxis(root, W, yMax, format) {
     const plotH = H - PAD.top - PAD.bottom;
+    // Steps of 0.5, 1 or 2 (times a power of ten) between gridlines, whatever the maximum.
+    const mantissa = Math.round(yMax / 10 ** Math.floor(Math.log10(yMax)) * 10) / 10;
+    const ticks = mantissa === 2 ? 4 : 5;
     for (let i = 0; i <= ticks; i += 1) {
       const value = (yMax * i) / ticks;
       const y = PAD.top + plotH - (plotH * i) / ticks;
@@ -45,12 +62,13 @@
     if (!points.length) { empty(container, emptyText); return; }
     const tMin = Math.min(...points.map((p) => p.t));
     const tMax = Math.max(...points.map((p) => p.t), tMin + 1);
-    const top = yMax ?? Math.max(1, ...points.map((p) => p.y)) * 1.1;
+    const top = yMax ?? niceMax(Math.max(1, ...points.map((p) => p.y)));
+    const W = width(container);
     const plotW = W - PAD.left - PAD.right, plotH = H - PAD.top - PAD.bottom;
     const x = (t) => PAD.left + (plotW * (t - tMin)) / (tMax - tMin);
     const y = (v) => PAD.top + plotH - (plotH * v) / top;
-    const root = frame();
-    yAxis(root, top, format);
+    const root = frame(W);
+    yAxis(root, W, top, format);
     for (const fraction of [0, 0.5, 1]) {
       const t = tMin + fraction * (tMax - tMin);
       root.append(svg("text", { x: x(t), y: H - 8, "text-anchor": fraction === 0 ? "start" : fraction === 1 ? "end" : "middle" },
@@ -71,11 +89,12 @@
   // bars: [{label, value, extra?}] where extra (drawn lighter, behind) is e.g. a p95.
   function barChart(container, bars, { format, emptyText }) {
     if (!bars.some((b) => b.value || b.extra)) { empty(container, emptyText); return; }
-    const top = Math.max(...bars.map((b) => Math.max(b.value || 0, b.extra || 0))) * 1.1;
+    const top = niceMax(Math.max(...bars.map((b) => Math.max(b.value || 0, b.extra || 0))));
+    const W = width(container);
     const plotW = W - PAD.left - PAD.right, plotH = H - PAD.top - PAD.bottom;
     const slot = plotW / bars.length;
-    const root = frame();
-    yAxis(root, top, format);
+    const root = frame(W);
+    yAxis(root, W, top, format);
     bars.forEach((b, i) => {
       const x0 = PAD.left + i * slot + slot * 0.15;
       const width = slot * 0.7;
@@ -156,6 +175,11 @@
   }
 
   windowSelect.addEventListener("change", drawStats);
+  let resizeTimer;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizeTimer);
+    resizeTimer = setTimeout(() => { drawStats(); sampleVerifiers(); }, 200);
+  });
   drawStats();
   sampleVerifiers();
   setInterval(drawStats, 15000);

@@ -66,7 +66,7 @@
       fact("Seed", s.seed),
       fact("Tokens", `${st.generated} / ${s.max_tokens}`),
       fact("Rounds", detail.rounds_count),
-      fact("α", fmt.alpha(st.alpha)),
+      fact(el("span", { class: "greek" }, "α"), fmt.alpha(st.alpha)),
       fact("Tokens/s", fmt.num(st.tokens_per_s, 1)),
       fact("Duration", st.duration_s === null ? "–" : `${st.duration_s.toFixed(2)} s`),
       fact("Started", fmt.time(s.created_at)),

@@ -1,0 +1,429 @@
+"""The dashboard in real headless Chromium (Debian's package, driven by Playwright): log in, see
+a device come online live, open a finished session, see its tokens' provenance, run the replay.
+Every page leaves a screenshot under test-artifacts/screenshots/ for CI to keep."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+from dashboard_rows import StoredSession, add_fleet, add_session, recent
+from fastapi import FastAPI
+from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
+from sqlalchemy.engine import Engine
+
+from broker.mosquitto import free_port
+from coordinator.api.main import create_app
+from coordinator.auth import AdminStore
+from coordinator.db.engine import make_sessionmaker
+from coordinator.db.models import AdminRole, SessionMode, SessionStatus
+from coordinator.settings import Settings
+from inference.artifacts import default_models_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOTS = REPO_ROOT / "test-artifacts" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
+SPECFLEET = (sys.executable, "-m", "specfleet")
+AGENT = (sys.executable, "-m", "device_agent.cli", "run")
+SECRET = "a-test-secret-of-32-characters!!"
+VIEWPORT = {"width": 1360, "height": 900}
+
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(),
+    reason="Chromium is not installed: run scripts/install-browser-test-deps.sh",
+)
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    yield browser
+    browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport=VIEWPORT)  # type: ignore[arg-type]
+    page = context.new_page()
+    page.set_default_timeout(15_000)
+    yield page
+    context.close()
+
+
+def screenshot(page: Page, name: str) -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 10_000  # a rendered page, not a blank one
+    return path
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """The app under uvicorn on a free loopback port, in a thread of this process."""
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        # Event streams stay open; do not wait for the browser to close them.
+        timeout_graceful_shutdown=1,
+    )
+    server = uvicorn.Server(config)
+    # A thread, because Playwright's sync API owns this thread and uvicorn needs an event loop.
+    thread = threading.Thread(target=server.run, name="dashboard-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    url: str
+    token: str
+    viewer_token: str
+    finished: StoredSession
+
+
+@pytest.fixture
+def dashboard(pg_clean_engine: Engine) -> Iterator[Dashboard]:
+    sessions = make_sessionmaker(pg_clean_engine)
+    add_fleet(sessions, recent(5))
+    finished = add_session(sessions, created_at=recent(300))
+    add_session(sessions, device_id="jet-1", created_at=recent(240), task_type="code")
+    add_session(
+        sessions,
+        device_id="pi-2",
+        created_at=recent(200),
+        status=SessionStatus.CANCELLED,
+        mode=SessionMode.CLOUD,
+        draft_model="draft-l1",
+        pattern=((4, 1, False), (4, 3, False)),
+    )
+    store = AdminStore(sessions)
+    _, token = store.create("alice", AdminRole.ADMIN)
+    _, viewer_token = store.create("victor", AdminRole.VIEWER)
+    settings = Settings(
+        database_url=pg_clean_engine.url.render_as_string(hide_password=False),
+        models_dir=default_models_dir(),
+        secret_key=SECRET,
+    )
+    with serve(create_app(settings, pg_clean_engine)) as url:
+        yield Dashboard(url, token, viewer_token, finished)
+
+
+def log_in(page: Page, url: str, token: str, start: str = "/fleet") -> None:
+    page.goto(url + start)
+    expect(page).to_have_url(f"{url}/login?next={start.replace('/', '%2F')}")
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    expect(page).to_have_url(url + start)
+
+
+def test_log_in_and_see_the_fleet(page: Page, dashboard: Dashboard) -> None:
+    page.goto(dashboard.url + "/fleet")
+    expect(page.locator("#token")).to_be_visible()
+    screenshot(page, "login")
+
+    page.fill("#token", "sft_wrong")
+    page.click("button[type=submit]")
+    expect(page.get_by_role("alert")).to_have_text("That token is not valid.")
+
+    page.fill("#token", dashboard.token)
+    page.click("button[type=submit]")
+    expect(page).to_have_url(dashboard.url + "/fleet")
+    expect(page.get_by_test_id("user-name")).to_have_text("alice")
+    rows = page.locator("#devices tbody tr[data-device]")
+    expect(rows).to_have_count(4)
+    pi = page.locator('tr[data-device="pi-1"]')
+    expect(pi).to_have_attribute("data-status", "online")
+    expect(pi).to_contain_text("14 ms")
+    expect(pi).to_contain_text("draft-l1")
+    # α and speed come from the finished session's rounds (within the last 15 minutes).
+    expect(pi.locator("td").nth(5)).not_to_have_text("–")
+    expect(page.locator("#sum-online")).to_have_text("1")
+    expect(page.locator("#live-indicator")).to_have_class("live on")
+    screenshot(page, "fleet")
+
+    page.select_option("#filter-status", "offline")
+    expect(rows).to_have_count(3)
+    page.fill("#filter-tag", "field")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-device", "phone-1")
+
+
+def test_a_viewer_sees_no_write_controls(page: Page, dashboard: Dashboard) -> None:
+    log_in(page, dashboard.url, dashboard.viewer_token)
+    expect(page.locator("#devices tbody tr[data-device]")).to_have_count(4)
+    expect(page.get_by_role("button", name="Retire")).to_have_count(0)
+    page.goto(dashboard.url + "/sessions")
+    expect(page.locator("#start-panel")).to_have_count(0)
+
+
+def _transcript_tokens(page: Page) -> list[tuple[int, str]]:
+    pairs: list[list[object]] = page.eval_on_selector_all(
+        "#transcript .tok:not(.tok-rejected)",
+        "nodes => nodes.map(n => [Number(n.dataset.token), n.dataset.kind])",
+    )
+    return [(int(str(token)), str(kind)) for token, kind in pairs]
+
+
+def _background(page: Page, selector: str) -> str:
+    value: str = page.eval_on_selector(selector, "n => getComputedStyle(n).backgroundColor")
+    return value
+
+
+def test_open_a_finished_session_and_see_its_tokens_highlighted(
+    page: Page, dashboard: Dashboard
+) -> None:
+    stored = dashboard.finished
+    log_in(page, dashboard.url, dashboard.token, "/sessions")
+    rows = page.locator("#sessions tbody tr[data-session]")
+    expect(rows).to_have_count(3)
+    screenshot(page, "sessions")
+    rows.filter(has_text="pi-1").locator("a").click()
+    expect(page).to_have_url(f"{dashboard.url}/sessions/{stored.id}")
+    expect(page.locator("#transcript")).to_have_attribute("data-loaded", "true")
+    expect(page.locator("#session-status")).to_have_text("finished")
+
+    tokens = _transcript_tokens(page)
+    assert [t for t, _ in tokens] == stored.generated
+    assert [kind for _, kind in tokens] == stored.kinds
+    colours = {
+        kind: _background(page, f"#transcript .tok-{kind}")
+        for kind in ("accepted", "corrected", "provisional")
+    }
+    assert len(set(colours.values())) == 3, colours
+    assert "rgba(0, 0, 0, 0)" not in colours.values()
+    decoration: str = page.eval_on_selector(
+        "#transcript .tok-provisional", "n => getComputedStyle(n).textDecorationStyle"
+    )
+    assert decoration == "dashed"
+    expect(page.locator("#transcript .tok-provisional").first).to_have_attribute(
+        "title",
+        "round 2 · provisional (drafted offline), accepted · id " + str(stored.generated[7]),
+    )
+
+    # Rejected drafts are hidden until asked for, then struck through.
+    rejected = page.locator("#transcript .tok-rejected").first
+    expect(rejected).to_be_hidden()
+    page.check("#show-rejected")
+    expect(rejected).to_be_visible()
+    assert "line-through" in str(
+        page.eval_on_selector(
+            "#transcript .tok-rejected", "n => getComputedStyle(n).textDecoration"
+        )
+    )
+
+    timeline = page.locator("#timeline li")
+    expect(timeline).to_have_count(stored.rounds)
+    expect(timeline.first.locator(".leg")).to_have_count(5)
+    expect(page.locator("#timeline li.policy-change")).to_have_count(1)
+    expect(page.locator("#timeline .r-policy").first).to_contain_text("k 4")
+    expect(page.locator("#timeline .r-policy").last).to_contain_text("k 6")
+    expect(page.locator("#facts")).to_contain_text(f"{len(stored.generated)} / 256")
+    screenshot(page, "session")
+
+    # A phone's width: one column, nothing wider than the screen.
+    page.set_viewport_size({"width": 390, "height": 844})
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 0, overflow
+    screenshot(page, "session-narrow")
+
+
+def test_run_the_replay(page: Page, dashboard: Dashboard) -> None:
+    stored = dashboard.finished
+    log_in(page, dashboard.url, dashboard.token, f"/sessions/{stored.id}")
+    expect(page.locator("#transcript")).to_have_attribute("data-loaded", "true")
+    total = len(stored.generated)
+    page.select_option("#replay-speed", "2")
+    page.click("#replay-button")
+    expect(page.locator("#replay-button")).to_have_text("⏸ Stop")
+    # Mid-replay: some rounds are shown, not all, and the current round is marked.
+    page.wait_for_function(
+        f"""() => {{
+            const n = document.querySelectorAll('#transcript .tok:not(.tok-rejected)').length;
+            return n > 0 && n < {total};
+        }}"""
+    )
+    expect(page.locator("#timeline li.current")).to_have_count(1)
+    expect(page.locator("#replay-progress")).to_contain_text(f"/ {stored.rounds}")
+    screenshot(page, "session-replay")
+    expect(page.locator("#transcript")).to_have_attribute("data-replay", "done", timeout=30_000)
+    expect(page.locator("#replay-progress")).to_have_text(f"replayed {stored.rounds} rounds")
+    assert [t for t, _ in _transcript_tokens(page)] == stored.generated
+    expect(page.locator("#replay-button")).to_have_text("▶ Replay")
+
+
+def test_charts_models_and_events_pages(page: Page, dashboard: Dashboard) -> None:
+    log_in(page, dashboard.url, dashboard.token, "/charts")
+    expect(page.locator("#chart-acceptance svg path")).to_have_count(3)
+    expect(page.locator("#legend-acceptance")).to_contain_text("lookup · code")
+    expect(page.locator("#chart-rtt svg rect.bar")).to_have_count(11)
+    expect(page.locator("#chart-legs svg rect.bar")).to_have_count(5)
+    expect(page.locator("#chart-verifiers")).to_contain_text("No coordinator service attached")
+    screenshot(page, "charts")
+
+    page.goto(dashboard.url + "/models")
+    target = page.locator("#models tbody tr", has_text="smollm2")
+    expect(target.first).to_contain_text("target")
+    expect(target.first).to_contain_text("on disk")
+    screenshot(page, "models")
+
+    page.goto(dashboard.url + "/events")
+    events = page.locator("#events tbody tr[data-event]")
+    expect(events.first).to_have_attribute("data-kind", "auth.login")
+    expect(page.locator('#events tr[data-kind="device.provisioned"]')).to_have_count(4)
+    page.fill("#filter-kind", "device.")
+    expect(events).to_have_count(5)
+    screenshot(page, "events")
+
+
+def test_a_write_from_the_page_is_audited(page: Page, dashboard: Dashboard) -> None:
+    log_in(page, dashboard.url, dashboard.token)
+    page.once("dialog", lambda dialog: dialog.accept("lab, rack-3"))
+    page.locator('tr[data-device="pi-2"]').get_by_role("button", name="Tags").click()
+    expect(page.locator('tr[data-device="pi-2"]')).to_contain_text("rack-3")
+    page.goto(dashboard.url + "/events")
+    tagged = page.locator('#events tr[data-kind="device.tagged"]')
+    expect(tagged).to_contain_text("user:alice")
+    expect(tagged).to_contain_text('"after":["lab","rack-3"]')
+
+
+# --- live: `specfleet up` on the real Mosquitto and PostgreSQL, a real device agent ------------
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECFLEET_")}
+    env.update(
+        SPECFLEET_HOME=str(home),
+        SPECFLEET_ENVIRONMENT="production",
+        SPECFLEET_SECRET_KEY=secrets.token_urlsafe(24),
+        **extra,
+    )
+    return env
+
+
+def _specfleet(*args: str, env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [*SPECFLEET, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture
+def running_coordinator(
+    tmp_path: Path, create_pg_database: Callable[[], str]
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """`specfleet up` (coordinator service, HTTP API and dashboard) on the shared Mosquitto."""
+    http_port = free_port()
+    env = _env(
+        tmp_path,
+        SPECFLEET_DATABASE_URL=create_pg_database(),
+        SPECFLEET_COORDINATOR_ID=f"coordinator-browser-{secrets.token_hex(4)}",
+    )
+    _specfleet("db", "upgrade", env=env)
+    process = subprocess.Popen(
+        [*SPECFLEET, "up", "--broker", SHARED_MOSQUITTO, "--http-port", str(http_port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    lines = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        lines.append(line)
+        if line.startswith("coordinator  connected") or process.poll() is not None:
+            break
+    assert process.poll() is None, "".join(lines)
+    try:
+        yield f"http://127.0.0.1:{http_port}", env
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def test_see_a_device_come_online_live(
+    running_coordinator: tuple[str, dict[str, str]], page: Page
+) -> None:
+    # (The page is set up after the coordinator, so it closes its event stream first.)
+    url, env = running_coordinator
+    admin = json.loads(_specfleet("admin", "create", "ops", "--json", env=env))
+    log_in(page, url, admin["token"])
+    expect(page.locator("#live-indicator")).to_have_class("live on")
+    page.evaluate("window.__notReloaded = true")
+
+    device_id = f"pi-live-{secrets.token_hex(3)}"
+    added = json.loads(_specfleet("devices", "add", device_id, "--kind", "pi", "--json", env=env))
+    row = page.locator(f'tr[data-device="{device_id}"]')
+    expect(row).to_have_attribute("data-status", "offline")
+
+    agent = subprocess.Popen(
+        [
+            *AGENT,
+            *("--device-id", device_id, "--credential", added["credential"]),
+            *("--broker-url", SHARED_MOSQUITTO, "--keepalive", "2", "--telemetry-interval", "0.5"),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        expect(row).to_have_attribute("data-status", "online", timeout=20_000)
+        expect(row.locator(".status-dot.online")).to_have_count(1)
+        assert page.evaluate("window.__notReloaded") is True  # it changed in place
+        screenshot(page, "fleet-live")
+    finally:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=5)
+    # The Last Will arrives: the row goes offline again without a reload.
+    expect(row).to_have_attribute("data-status", "offline", timeout=20_000)
