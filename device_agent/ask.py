@@ -99,7 +99,7 @@ async def ask_local_api(port: int, request: SessionRequest, output: AskOutput) -
     try:
         async for event in stream_session(HOST, port, document):
             if event.event == "text":
-                _write(output, str(event.data["text"]))
+                _write(output, str(event.data["delta"]))
             elif event.event == "done":
                 return _finish(event.data, output)
             elif event.event == "error":

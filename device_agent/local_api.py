@@ -4,9 +4,9 @@ Plain asyncio streams keep the agent's footprint small (no web framework on a Pi
 
 - `GET /v1/health`: the agent, its bus link and its drafters.
 - `POST /v1/sessions` with a JSON `SessionRequest`: a Server-Sent Events stream of the session,
-  `event: session` (its id), `event: text` per committed piece of text, then `event: done` with
-  the summary, or `event: error` when it failed or was cancelled. A client that hangs up
-  cancels the session.
+  `event: session` (its id), `event: text` (`{"delta": ...}`) per committed piece of text, then
+  `event: done` with the summary, or `event: error` when it failed or was cancelled. A client
+  that hangs up cancels the session.
 - `GET /v1/sessions`: the running and recently ended sessions.
 - `GET /v1/sessions/{id}`: one session's summary so far; `GET /v1/sessions/{id}/events`: its
   stream from the start (coordinator-started sessions too); `DELETE /v1/sessions/{id}`: cancel.
@@ -259,7 +259,7 @@ class LocalApi:
 
         async def forward() -> None:
             async for delta in session.text_deltas():
-                writer.write(sse_event("text", {"text": delta}))
+                writer.write(sse_event("text", {"delta": delta}))
                 await writer.drain()
             summary = session.summary()
             if summary.status == "finished":

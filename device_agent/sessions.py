@@ -117,6 +117,7 @@ class SessionSummary:
     prompt: str
     prompt_len: int
     token_ids: list[int]  # generated, the prompt excluded; ends with eos when it stopped there
+    tokens: int  # len(token_ids)
     text: str
     rounds: int
     drafted: list[int]  # per round
@@ -134,6 +135,10 @@ class SessionSummary:
     proactive_misses: int
     verifiers: list[str]
     resyncs: int
+    # Per verified round: from publishing the draft to its verdict reaching the agent, and from
+    # that arrival to the next draft leaving (the agent's own share of the round).
+    wait_ms: list[float]
+    turnaround_ms: list[float]
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -167,7 +172,7 @@ class AgentSession:
         self.first_token_at: float | None = None
         self.ended_at: float | None = None
         self.resyncs = 0
-        self.inbox: asyncio.Queue[Inbound] = asyncio.Queue()
+        self.inbox: asyncio.Queue[tuple[float, Inbound]] = asyncio.Queue()  # (arrival, message)
         self._detokenizer: IncrementalDetokenizer = tokenizer.detokenizer()
         self._chunks: list[str] = []
         self._changed = asyncio.Condition()
@@ -175,6 +180,9 @@ class AgentSession:
         self._task: asyncio.Task[None] | None = None
         self._speculating: asyncio.Future[bool] | None = None
         self._published = False  # whether the window in flight went out
+        self._sent_at = 0.0  # perf_counter when the window in flight went out
+        self.wait_ms: list[float] = []
+        self.turnaround_ms: list[float] = []
         self._refusals = 0
         self._close_reason = ""
 
@@ -223,6 +231,7 @@ class AgentSession:
             prompt=self.spec.prompt,
             prompt_len=len(self.spec.prompt_ids),
             token_ids=list(generated),
+            tokens=len(generated),
             text=self.tokenizer.decode(generated),
             rounds=len(records),
             drafted=drafted,
@@ -242,6 +251,8 @@ class AgentSession:
             proactive_misses=drafter.stats.misses,
             verifiers=list(dict.fromkeys(r.verifier_id for r in records if r.verifier_id)),
             resyncs=self.resyncs,
+            wait_ms=[round(ms, 3) for ms in self.wait_ms],
+            turnaround_ms=[round(ms, 3) for ms in self.turnaround_ms],
         )
 
     async def cancel(self, reason: str = "cancelled") -> None:
@@ -306,6 +317,7 @@ class AgentSession:
         self._published = await self.book.publish(
             DeviceChannel.DRAFT, window.message(self.session_id, time.time())
         )
+        self._sent_at = time.perf_counter()
         # A window sent again keeps the next one already drafted for it.
         if not self._published or not self.drafter.proactive or self.drafter.has_speculation:
             return
@@ -332,7 +344,7 @@ class AgentSession:
             while not self.drafter.finished:
                 timeout = OPEN_TIMEOUT_S if awaiting_state else self.book.settings.round_timeout_s
                 try:
-                    message = await asyncio.wait_for(self.inbox.get(), timeout)
+                    arrived, message = await asyncio.wait_for(self.inbox.get(), timeout)
                 except asyncio.TimeoutError:
                     timeouts += 1
                     if timeouts > self.book.settings.round_retries:
@@ -353,7 +365,7 @@ class AgentSession:
                     awaiting_state = False
                     await self._on_state(message)
                 elif isinstance(message, m.Verdict):
-                    if not await self._on_verdict(message):
+                    if not await self._on_verdict(message, arrived):
                         awaiting_state = True
                         await self.book.publish(DeviceChannel.SESSION, self.spec.open_message())
                 else:
@@ -399,8 +411,9 @@ class AgentSession:
             return
         await self._next_round()
 
-    async def _on_verdict(self, verdict: m.Verdict) -> bool:
+    async def _on_verdict(self, verdict: m.Verdict, arrived: float) -> bool:
         """Apply a verdict; False when it does not fit and the state must be asked for."""
+        waited_ms = (arrived - self._sent_at) * 1e3
         await self._settle()
         try:
             new_tokens = self.drafter.apply_verdict(verdict)
@@ -411,8 +424,10 @@ class AgentSession:
             log.debug("session %s: stale verdict of round %d", self.session_id, verdict.round)
             return True
         await self._emit(new_tokens)
+        self.wait_ms.append(waited_ms)
         if not self.drafter.finished:
             await self._next_round()
+            self.turnaround_ms.append((self._sent_at - arrived) * 1e3)
         return True
 
     def _on_error(self, error: m.ErrorReply) -> None:
@@ -539,13 +554,13 @@ class SessionBook:
         session = self._sessions.get(message.session_id or "")
         if session is None:
             return False
-        session.inbox.put_nowait(message)
+        session.inbox.put_nowait((time.perf_counter(), message))
         return True
 
     def reconnected(self) -> None:
         """The bus is back: every running session asks for its state again."""
         for session in self._sessions.values():
-            session.inbox.put_nowait(_Reconnected())
+            session.inbox.put_nowait((time.perf_counter(), _Reconnected()))
 
     async def cancel(self, session_id: str, reason: str = "cancelled") -> bool:
         session = self._sessions.get(session_id)

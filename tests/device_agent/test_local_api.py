@@ -72,7 +72,7 @@ def test_a_session_streams_as_server_sent_events(
     expected = reference("summarize-01", target, 24)
     assert summary["token_ids"] == expected and summary["status"] == "finished"
     assert summary["session_id"] == events[0][1]["session_id"]
-    assert "".join(d["text"] for e, d in events if e == "text") == summary["text"]
+    assert "".join(d["delta"] for e, d in events if e == "text") == summary["text"]
     assert summary["text"] == tokenizer.decode(expected)
     assert summary["rounds"] == len(summary["accepted"]) == len(summary["drafted"])
     assert 0.0 <= summary["alpha"] <= 1.0 and summary["tokens_per_s"] > 0

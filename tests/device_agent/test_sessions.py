@@ -72,6 +72,11 @@ def test_a_greedy_session_streams_the_target_s_own_answer(
     else:
         assert summary.proactive_hits == summary.proactive_misses == 0
     assert summary.verifiers == ["judge"] and summary.tokens_per_s is not None
+    assert summary.tokens == len(expected)
+    # One wait per round, one turnaround per round that a next draft followed.
+    assert len(summary.wait_ms) == summary.rounds
+    assert len(summary.turnaround_ms) == summary.rounds - 1
+    assert min(summary.wait_ms) > 0 and min(summary.turnaround_ms) >= 0
 
 
 def test_lost_and_repeated_verdicts_neither_stall_nor_double_commit(
