@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from broker import messages as m
-from broker.client import BrokerAddress, BusClient, ConnectOptions, connect
+from broker.client import BrokerAddress, BusClient, ConnectOptions, run_with_reconnect
 from broker.compat import task_group
 from broker.topics import DeviceChannel, device_subscription, device_topic, parse_device_topic
 from device_agent.settings import load_agent_settings
@@ -187,6 +187,10 @@ class Faults:
     repeat_verdicts: bool = False  # every verdict is published twice
     silent: bool = False  # answer no open and no draft
     refuse_opens: str = ""  # refuse every SessionOpen with this reason
+    # Judge this round's draft, then restart the broker before its verdict goes out: the
+    # round is committed on this side and the agent must learn it from the SessionState.
+    restart_at_round: int | None = None
+    restart: Callable[[], None] | None = None
 
 
 class BusPeer:
@@ -217,8 +221,11 @@ class BusPeer:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[BusPeer]:
+        """Connected (and reconnecting after a broker restart) until the block ends."""
         options = ConnectOptions(client_id=f"peer-{secrets.token_hex(4)}")
-        async with connect(self.address, options) as client, task_group() as tasks:
+        connected = asyncio.Event()
+
+        async def serve(client: BusClient) -> None:
             for channel in (
                 DeviceChannel.SESSION,
                 DeviceChannel.DRAFT,
@@ -227,11 +234,18 @@ class BusPeer:
             ):
                 await client.subscribe(device_subscription(channel))
             self.client = client
-            receiver = tasks.create_task(self._receive(client), name="peer-receive")
+            connected.set()
+            await self._receive(client)
+
+        async with task_group() as tasks:
+            link = tasks.create_task(
+                run_with_reconnect(self.address, options, serve), name="peer-link"
+            )
             try:
+                await asyncio.wait_for(connected.wait(), CONNECT_TIMEOUT_S)
                 yield self
             finally:
-                receiver.cancel()
+                link.cancel()
 
     async def _receive(self, client: BusClient) -> None:
         async for incoming in client.messages():
@@ -271,6 +285,10 @@ class BusPeer:
                 return
             if message.round in self.faults.drop_verdicts and message.round not in self._dropped:
                 self._dropped.add(message.round)
+                return
+            if message.round == self.faults.restart_at_round and self.faults.restart is not None:
+                self.faults.restart_at_round = None
+                self.faults.restart()
                 return
             await self.send(device_id, answer)
             if self.faults.repeat_verdicts:

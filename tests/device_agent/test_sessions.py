@@ -208,3 +208,23 @@ def test_commands_start_and_cancel_sessions(
             assert [c.session_id for c in peer.closes] == ["coord-2"]
 
     asyncio.run(scenario())
+
+
+def test_a_session_survives_a_broker_restart_mid_round(
+    models_dir: Path, target: tuple[OnnxRuntime, ChatTokenizer]
+) -> None:
+    # A broker of its own: the restart must not disturb the other tests' broker.
+    with PrivateMosquitto() as broker:
+        faults = Faults(restart_at_round=3, restart=broker.restart)
+        request = SessionRequest(prompt=prompt_text("chat-01"), max_tokens=20)
+        summary, streamed, peer = asyncio.run(
+            run_session(broker, models_dir, target, request, faults)
+        )
+    assert summary.status == "finished"
+    assert summary.token_ids == reference("chat-01", target, 20)
+    assert streamed == summary.text
+    # Round 3 was committed by the peer but its verdict never came: the agent learnt it from
+    # the SessionState after reconnecting, and went on from round 4.
+    assert summary.resyncs == 1 and len(peer.opens) >= 2
+    assert 3 not in [d.round for d in peer.drafts[4:]]
+    assert summary.rounds == len({d.round for d in peer.drafts}) - 1
