@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 16
 BATCH_WINDOW_MS = 2.0  # after the first request of a batch, wait this long for more
 HEARTBEAT_S = 1.0
-BATCH_TIMEOUT_S = 120.0  # a child that takes longer on one batch is taken for hung and killed
+BATCH_TIMEOUT_S = 300.0  # a child that takes longer on one batch is taken for hung and killed
 RESTART_ATTEMPTS = 5
 RESTART_BACKOFF_S = 0.5
 STATUS_ON_EXIT_TIMEOUT_S = 2.0
@@ -184,17 +184,17 @@ class VerifierWorker:
     async def run(self) -> None:
         """Load the target, then serve the bus until cancelled; VerifierError on a dead end."""
         try:
-            ready = await self.child.start()
-        except ChildStartError as exc:
-            raise VerifierError(f"cannot start the inference process: {exc}") from exc
-        self._target = ready.target
-        options = ConnectOptions(
-            client_id=f"specfleet-verifier-{self.config.verifier_id}",
-            username=self.username,
-            password=self.password,
-            will=Will(self.status_topic, encode(self.status(DeviceState.OFFLINE)), retain=True),
-        )
-        try:
+            try:
+                ready = await self.child.start()
+            except ChildStartError as exc:
+                raise VerifierError(f"cannot start the inference process: {exc}") from exc
+            self._target = ready.target
+            options = ConnectOptions(
+                client_id=f"specfleet-verifier-{self.config.verifier_id}",
+                username=self.username,
+                password=self.password,
+                will=Will(self.status_topic, encode(self.status(DeviceState.OFFLINE)), retain=True),
+            )
             async with task_group() as tasks:
                 tasks.create_task(self._serve_batches(), name=f"{self.child.name}-batches")
                 tasks.create_task(
@@ -364,7 +364,8 @@ def refusal_reply(payload: bytes, reason: str, verifier_id: str) -> VerifyResult
     """An error result for a refused request, when its id, session and round can be read."""
     try:
         document = json.loads(payload)
-        if not isinstance(document, dict):
+        # Only a request gets a result; any other message here was misrouted, not ours to answer.
+        if not isinstance(document, dict) or document.get("type") != "verify_request":
             return None
         context = document.get("context_ids")
         return VerifyResult(

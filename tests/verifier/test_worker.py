@@ -32,6 +32,7 @@ from verifier.child import ChildConfig
 from verifier.worker import VerifierWorker, WorkerConfig
 
 K = 4
+SCENARIO_WATCHDOG_S = 100.0
 Body = Callable[[VerifierWorker, BusListener], Awaitable[None]]
 
 
@@ -61,7 +62,25 @@ def run_with_worker(mosquitto: PrivateMosquitto, body: Body, batch_window_ms: fl
                 serving.cancel()
                 listening.cancel()
 
-    asyncio.run(scenario())
+    async def watched() -> None:
+        # A stuck scenario says where it is stuck before pytest-timeout kills it.
+        watchdog = asyncio.get_running_loop().call_later(SCENARIO_WATCHDOG_S, dump_state, worker)
+        try:
+            await scenario()
+        finally:
+            watchdog.cancel()
+
+    asyncio.run(watched())
+
+
+def dump_state(worker: VerifierWorker) -> None:
+    print(
+        f"worker {worker.config.verifier_id}: in flight {worker.in_flight}, queue "
+        f"{worker.queue_depth}, child {worker.child.pid} alive={worker.child.alive}, "
+        f"{worker.counters}"
+    )
+    for task in asyncio.all_tasks():
+        task.print_stack()
 
 
 def greedy_case(session: str, prompt: int, start: int, wrong_at: int | None) -> VerifyRequest:
