@@ -1,0 +1,128 @@
+"""CoordinatorControl over the running coordinator service: verifier load from its pool, and
+sessions started and cancelled on devices through bus commands."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import FastAPI
+
+from broker import messages as m
+from coordinator.db.models import DecodingSession, Device, DeviceStatus, Round
+from coordinator.fleet import CommandFailed
+from coordinator.live import ControlError, SessionStartRequest, VerifierLoad
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.service import Coordinator
+
+log = logging.getLogger(__name__)
+
+# The device acknowledges a start once its session is open; loading a drafter takes a while.
+START_TIMEOUT_S = 60.0
+# The session is closed before the agent is told; its answer is waited for only this long.
+CANCEL_ACK_WAIT_S = 5.0
+
+
+class ServiceControl:
+    """What the admin API asks of the service: `create_app(..., control=ServiceControl(c))`."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    def verifier_loads(self) -> Sequence[VerifierLoad]:
+        loads = []
+        for info in self._coordinator.verifiers.verifiers.values():
+            status = info.status
+            loads.append(
+                VerifierLoad(
+                    verifier_id=info.verifier_id,
+                    online=info.alive,
+                    queue_depth=status.queue_depth,
+                    in_flight=max(status.in_flight, len(info.in_flight)),
+                    sessions_cached=status.sessions_cached,
+                    max_batch=status.max_batch,
+                    target=status.target,
+                    last_heartbeat=datetime.fromtimestamp(status.at, tz=timezone.utc),
+                )
+            )
+        return loads
+
+    def _device_status(self, device_id: str) -> DeviceStatus | None:
+        with self._coordinator.sessions() as db:
+            device = db.get(Device, device_id)
+            return None if device is None else device.status
+
+    def _session_device(self, session_id: uuid.UUID) -> str | None:
+        with self._coordinator.sessions() as db:
+            row = db.get(DecodingSession, session_id)
+            return None if row is None else row.device_id
+
+    async def start_session(self, request: SessionStartRequest) -> uuid.UUID:
+        status = await asyncio.to_thread(self._device_status, request.device_id)
+        if status is None:
+            raise ControlError(f"no device {request.device_id!r}", status=404)
+        if status is not DeviceStatus.ONLINE:
+            raise ControlError(f"device {request.device_id!r} is {status.value}", status=409)
+        session_id = uuid.uuid4()
+        # The seed is chosen here and stored with the session, so replay can verify it.
+        seed = request.seed if request.seed is not None else secrets.randbits(62)
+        args: dict[str, Any] = {
+            "session_id": str(session_id),
+            "prompt": request.prompt,
+            "task_type": request.task_type,
+            "max_tokens": request.max_tokens,
+            "sampling": {
+                "temperature": request.temperature,
+                "top_p": request.top_p,
+                "seed": seed,
+            },
+        }
+        if request.draft_model is not None:
+            args["draft_model"] = request.draft_model
+        if request.k is not None:
+            args["k"] = request.k
+        try:
+            await self._coordinator.fleet.send_command(
+                request.device_id, m.CommandName.START_SESSION, args, timeout_s=START_TIMEOUT_S
+            )
+        except CommandFailed as exc:
+            raise ControlError(str(exc), status=409) from exc
+        return session_id
+
+    async def cancel_session(self, session_id: uuid.UUID, *, reason: str, actor: str) -> None:
+        """Close the session on the coordinator, which is its authority (later drafts are
+        refused and the device hears the new state), then ask the agent to stop drafting."""
+        device_id = await asyncio.to_thread(self._session_device, session_id)
+        if device_id is None:
+            raise ControlError(f"no session {session_id}", status=404)
+        close = m.SessionClose(session_id=str(session_id), reason=reason[:256])
+        await self._coordinator.book.on_session_close(device_id, close)
+        try:
+            await self._coordinator.fleet.send_command(
+                device_id,
+                m.CommandName.CANCEL_SESSION,
+                {"session_id": str(session_id), "reason": reason[:256]},
+                timeout_s=CANCEL_ACK_WAIT_S,
+            )
+        except CommandFailed as exc:
+            # Closed already: an agent that is offline, slow, or done with it changes nothing.
+            log.info("cancel of %s on %s: %s", session_id, device_id, exc)
+
+
+def attach_service(app: FastAPI, coordinator: Coordinator) -> ServiceControl:
+    """Wire a running coordinator into the admin app: start/cancel and verifier load through
+    it, and every persisted round counted in the app's /metrics."""
+    control = ServiceControl(coordinator)
+    app.state.control = control
+    metrics: CoordinatorMetrics = app.state.metrics
+
+    def observe(_live: object, row: Round) -> None:
+        metrics.observe_row(row)
+
+    coordinator.book.round_observers.append(observe)
+    return control

@@ -1,0 +1,189 @@
+"""A session started from the admin API completes on a real agent: the coordinator service, a
+verifier and an agent process on the real Mosquitto, the real PostgreSQL and the real target.
+The finished session then replays and re-verifies from the database, and a second one is
+cancelled from the API."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from dashboard_rows import chat_tokenizer
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from broker.mosquitto import free_port
+from coordinator import replay
+from coordinator.api.main import create_app
+from coordinator.auth import AdminStore
+from coordinator.control import attach_service
+from coordinator.db.engine import make_engine, make_sessionmaker
+from coordinator.events import EventLog
+from coordinator.localfleet import AgentSpec, local_fleet
+from coordinator.settings import Settings
+from coordinator.stack import http_api
+from inference.artifacts import default_models_dir
+from inference.sampling import SamplingParams
+from inference.speculative import decode_target
+from inference.target_build import load_target
+
+SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
+PROMPT = "Name the four seasons of the year."
+MAX_TOKENS = 24
+
+
+async def _wait_for_status(
+    client: httpx.AsyncClient, session_id: str, wanted: set[str], timeout_s: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = await client.get(f"/api/v1/sessions/{session_id}")
+        if response.status_code == 200 and response.json()["session"]["status"] in wanted:
+            body: dict[str, Any] = response.json()
+            return body
+        assert time.monotonic() < deadline, f"session {session_id}: {response.text[:300]}"
+        await asyncio.sleep(0.2)
+
+
+async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    device_id = f"pi-api-{secrets.token_hex(3)}"
+    settings = Settings(
+        home=workdir,
+        database_url=database_url,
+        models_dir=default_models_dir(),
+        secret_key="a-test-secret-of-32-characters!!",
+        coordinator_id=f"coordinator-api-{secrets.token_hex(4)}",
+    )
+    verifier_id = f"verifier-api-{secrets.token_hex(3)}"
+    tokenizer = chat_tokenizer()
+    async with local_fleet(
+        settings,
+        [AgentSpec(device_id, "pi", "lookup", "none")],
+        [verifier_id],
+        workdir=workdir / "fleet",
+        external_broker=SHARED_MOSQUITTO,
+        eos_id=tokenizer.eos_id,
+    ) as fleet:
+        engine = make_engine(database_url)
+        try:
+            _, token = AdminStore(make_sessionmaker(engine)).create("alice")
+            app = create_app(settings, engine)
+            attach_service(app, fleet.coordinator)
+            port = free_port()
+            async with (
+                http_api(app, "127.0.0.1", port),
+                httpx.AsyncClient(
+                    base_url=f"http://127.0.0.1:{port}",
+                    headers={"Authorization": f"Bearer {token}"},
+                    timeout=60,
+                ) as client,
+            ):
+                # The agent's presence reaches the registry a moment after it is up.
+                deadline = time.monotonic() + 20
+                while (await client.get(f"/api/v1/devices/{device_id}")).json()[
+                    "status"
+                ] != "online":
+                    assert time.monotonic() < deadline, "the agent never came online"
+                    await asyncio.sleep(0.1)
+                # Other verifiers may share the broker; ours is there and online.
+                verifiers = (await client.get("/api/v1/verifiers")).json()
+                assert verifiers["live"]
+                assert {v["verifier_id"]: v["online"] for v in verifiers["data"]}[verifier_id]
+
+                started = await client.post(
+                    "/api/v1/sessions",
+                    json={
+                        "device_id": device_id,
+                        "prompt": PROMPT,
+                        "max_tokens": MAX_TOKENS,
+                        "draft_model": "lookup",
+                        "k": 4,
+                    },
+                )
+                assert started.status_code == 202, started.text
+                finished = await _wait_for_status(
+                    client, started.json()["id"], {"finished", "failed", "cancelled"}, 90
+                )
+                finished["metrics"] = (await client.get("/metrics")).text
+
+                long_one = await client.post(
+                    "/api/v1/sessions",
+                    json={
+                        "device_id": device_id,
+                        "prompt": "Count to a thousand.",
+                        "max_tokens": 2000,
+                    },
+                )
+                assert long_one.status_code == 202, long_one.text
+                long_id = long_one.json()["id"]
+                await _wait_for_status(client, long_id, {"active"}, 30)
+                cancelled = await client.post(
+                    f"/api/v1/sessions/{long_id}/cancel", json={"reason": "from the test"}
+                )
+                assert cancelled.status_code == 202, cancelled.text
+                stopped = await _wait_for_status(
+                    client, long_id, {"cancelled", "finished", "failed"}, 30
+                )
+        finally:
+            engine.dispose()
+    return finished, stopped
+
+
+def test_a_session_started_from_the_api_completes_on_an_agent(
+    tmp_path: Path, create_pg_database: Callable[[], str]
+) -> None:
+    database_url = create_pg_database()
+    finished, stopped = asyncio.run(_scenario(database_url, tmp_path))
+
+    assert finished["session"]["status"] == "finished", finished["session"]
+    assert finished["problems"] == []
+    generated = [t["id"] for r in finished["rounds"] for t in r["tokens"]]
+    # Greedy over the bus is the target's own output.
+    target, tokenizer = load_target(default_models_dir())
+    prompt_ids = tokenizer.apply_chat_template(PROMPT)
+    reference = decode_target(
+        target, prompt_ids, MAX_TOKENS, SamplingParams(temperature=0.0), tokenizer.eos_id
+    )
+    assert generated == reference.tokens
+    assert finished["text"] == tokenizer.decode(reference.tokens)
+    # Every persisted round reached /metrics through the service's round observer.
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(finished["metrics"])
+        for sample in family.samples
+    }
+    lookup = (("draft_model", "lookup"),)
+    assert samples[("specfleet:committed_tokens_total", lookup)] == len(generated)
+    drafted = sum(r["k"] for r in finished["rounds"])
+    assert samples[("specfleet:spec_decode_num_draft_tokens_total", lookup)] == drafted
+
+    # The finished session replays from the database and its every verdict is reproduced.
+    engine: Engine = make_engine(database_url)
+    try:
+        sessions = make_sessionmaker(engine)
+        record = replay.load_session(sessions, uuid.UUID(finished["session"]["id"]))
+        report = replay.verify_session(record, target, decoder=tokenizer)
+        assert report.ok, report.mismatches
+        assert report.verified == len(record.rounds) == finished["rounds_count"]
+        events = _event_kinds(sessions, record.id)
+    finally:
+        engine.dispose()
+    assert "session.start_requested" in events
+
+    assert stopped["session"]["status"] == "cancelled", stopped["session"]
+    assert stopped["stats"]["generated"] < 2000
+
+
+def _event_kinds(sessions: sessionmaker[Session], session_id: uuid.UUID) -> list[str]:
+    return [e.kind for e in EventLog(sessions).list(session_id=session_id)]
+
+
+pytestmark = pytest.mark.timeout(240)
