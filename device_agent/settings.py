@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -70,17 +70,28 @@ class AgentSettings(LocalSettings):
 
     device_id: str
     credential: str | None = None  # absent only for anonymous quickstart brokers
+    credential_file: Path | None = None  # read when `credential` is not given (bundles use it)
     broker_url: str = "mqtt://127.0.0.1:1883"
     ca_file: Path | None = None  # CA bundle for mqtts:// brokers
     kind: str = "other"
     keepalive_s: int = Field(default=10, ge=1, le=3600)
     telemetry_interval_s: float = Field(default=5.0, gt=0)
     mqtt_protocol: str = Field(default="auto", pattern=r"^(auto|5|3\.1\.1)$")
+    # The coordinator's Ed25519 public key (PEM): model releases must carry its signature.
+    release_key_file: Path | None = None
+    # An HTTP proxy for artifact downloads (a site's caching proxy); the environment's is not used.
+    http_proxy: str | None = None
 
     @field_validator("device_id")
     @classmethod
     def _device_id_is_a_topic_level(cls, value: str) -> str:
         return validate_device_id(value)
+
+    @model_validator(mode="after")
+    def _read_credential_file(self) -> AgentSettings:
+        if self.credential is None and self.credential_file is not None:
+            self.credential = self.credential_file.read_text().strip() or None
+        return self
 
 
 S = TypeVar("S", bound=LocalSettings)

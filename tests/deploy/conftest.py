@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import getpass
+import re
 import secrets
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from deploy_support import FileServer
+from deploy_support import FileServer, Lab, run_cli
 from psycopg import sql
 from sqlalchemy.engine import Engine
 
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db import migrate
-from coordinator.db.engine import make_engine
+from coordinator.db.engine import make_engine, make_sessionmaker
+from coordinator.registry import DeviceRegistry
 from inference.artifacts import default_models_dir
 from inference.distill import ensure_drafts
 from inference.drafts import list_drafts
@@ -113,3 +116,48 @@ def secured_mosquitto(broker_dir: Path) -> Iterator[Callable[[], PrivateMosquitt
     yield start
     for broker in started:
         broker.stop()
+
+
+# --- packaging -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def agent_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The specfleet wheel of this checkout and the agent's dependencies for this machine."""
+    from coordinator.packaging import DevicePlatform, build_wheel, build_wheelhouse
+
+    root = tmp_path_factory.mktemp("wheelhouse")
+    wheel = build_wheel(root / "built")
+    build_wheelhouse(wheel, "onnx", DevicePlatform.local(), root / "onnx")
+    return root / "onnx"
+
+
+# --- a lab for flashing ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def lab(
+    tmp_path: Path,
+    sqlite_db: tuple[str, Engine],
+    broker_dir: Path,
+    secured_mosquitto: Callable[[], PrivateMosquitto],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Lab]:
+    url, engine = sqlite_db
+    monkeypatch.setenv("SPECFLEET_HOME", str(tmp_path / "home"))
+    assert run_cli(["broker", "write-config", "--out", str(broker_dir), "--database-url", url]) == 0
+    found = re.search(r"user coordinator: credential (\S+)", capsys.readouterr().out)
+    assert found is not None
+    broker = secured_mosquitto()
+    monkeypatch.setenv("SPECFLEET_BROKER_URL", broker.url)
+    monkeypatch.setenv("SPECFLEET_BROKER_USERNAME", "coordinator")
+    monkeypatch.setenv("SPECFLEET_BROKER_PASSWORD", found.group(1))
+    registry = DeviceRegistry(make_sessionmaker(engine))
+    coordinator = ("coordinator", found.group(1))
+    lab = Lab(url, registry, broker, coordinator, broker_dir, tmp_path / "bundles", [])
+    yield lab
+    for root in lab.roots:  # stop the agents this test started, by their pid files
+        agentctl = root / "current" / "bin" / "agentctl"
+        if agentctl.exists():
+            subprocess.run([str(agentctl), "stop"], check=False, timeout=30)

@@ -6,9 +6,14 @@ import asyncio
 import dataclasses
 import http.server
 import shutil
+import subprocess
+import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
+from broker.mosquitto import PrivateMosquitto
+from coordinator.registry import DeviceRegistry
 from inference.artifacts import load_manifest, sha256_file, write_manifest
 
 
@@ -104,6 +109,8 @@ async def _receive_until(client: object, marker: bytes, timeout_s: float = 5.0) 
 
     async def collect() -> None:
         async for incoming in client.messages():
+            if incoming.retain:  # a running agent's retained status is not what we sent
+                continue
             seen.append(incoming.payload)
             if incoming.payload == marker:
                 return
@@ -143,3 +150,56 @@ async def isolation(
         await device.publish(device_topic(device_id, DeviceChannel.STATUS), b"own status")
         written = await _receive_until(watcher, b"own status")
     return {"read": read, "written": written}
+
+
+# --- a lab: registry, broker and bundles for flashing ---------------------------------------------
+
+# The interpreter behind the project's virtual environment: the "device's" Python.
+DEVICE_PYTHON = str(Path(getattr(sys, "_base_executable", sys.executable)).resolve())
+ISOLATED = {"read": [b"own command"], "written": [b"own status"]}
+ONLINE_TIMEOUT = "60"
+
+
+@dataclass
+class Lab:
+    database_url: str
+    registry: DeviceRegistry
+    broker: PrivateMosquitto
+    coordinator: tuple[str, str]
+    broker_dir: Path
+    bundles: Path
+    roots: list[Path]
+
+    def provision(self, device_id: str) -> Path:
+        bundle = self.bundles / device_id
+        code = run_cli(
+            [
+                "devices", "provision", device_id, "--kind", "pi",
+                "--device-broker-url", self.broker.url, "--out", str(bundle),
+                "--broker-dir", str(self.broker_dir),
+                "--broker-pid-file", str(self.broker_dir / "mosquitto.pid"),
+                "--database-url", self.database_url,
+            ]
+        )  # fmt: skip
+        assert code == 0
+        return bundle
+
+
+def flash(*args: str) -> int:
+    """`specfleet flash` with the device's Python; later arguments override these."""
+    return run_cli(["flash", "--python", DEVICE_PYTHON, "--online-timeout", ONLINE_TIMEOUT, *args])
+
+
+def isolated(lab: Lab, device_id: str, credential: str) -> bool:
+    seen = asyncio.run(isolation(lab.broker.url, device_id, credential, lab.coordinator, "pi-x"))
+    return seen == ISOLATED
+
+
+def releases(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "releases").iterdir()) if root.exists() else []
+
+
+def agent_running(root: Path) -> bool:
+    agentctl = root / "current" / "bin" / "agentctl"
+    status = subprocess.run([str(agentctl), "status"], capture_output=True, check=False)
+    return status.returncode == 0
