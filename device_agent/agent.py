@@ -24,7 +24,6 @@ from device_agent import __version__
 from device_agent.catalog import DrafterCatalog
 from device_agent.health import read_health
 from device_agent.local_api import LocalApi
-from device_agent.models_store import ModelStore
 from device_agent.sessions import SessionBook, SessionError, SessionRequest
 from device_agent.settings import AgentSettings
 
@@ -66,7 +65,6 @@ class Agent:
         self.drafting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specfleet-draft")
         self.sessions = SessionBook(settings, self.catalog, self.publish, self.drafting)
         self.local_api: LocalApi | None = None
-        self.models = ModelStore.from_settings(settings)
 
     def topic(self, channel: DeviceChannel) -> str:
         return device_topic(self.device_id, channel)
@@ -79,7 +77,6 @@ class Agent:
             agent_version=__version__,
             kind=self.settings.kind,
             runtimes=self.runtimes,
-            drafts=tuple(self.models.installed())[:64],
             keepalive_s=self.settings.keepalive_s,
             reason=reason,
         )
@@ -215,7 +212,13 @@ class Agent:
         )
 
     async def _receive(self, client: BusClient) -> None:
+        ours = {self.topic(DeviceChannel.COMMAND), self.topic(DeviceChannel.VERDICT)}
         async for incoming in client.messages():
+            if incoming.topic not in ours:
+                # Not a topic this agent subscribed to: the embedded broker was seen to hand
+                # retained presence messages to a one-shot `ask` connection.
+                log.debug("ignoring a message on %s", incoming.topic)
+                continue
             try:
                 message = m.decode(incoming.payload)
             except m.BusError as exc:
@@ -240,9 +243,6 @@ class Agent:
             sent = self._probes.pop(str(command.args.get("nonce", "")), None)
             if sent is not None:
                 self.rtt_ms = (time.monotonic() - sent) * 1000.0
-            return
-        if command.name is m.CommandName.DEPLOY_MODEL:
-            self.models.start_deploy(client, command, self.device_id)  # acks when done
             return
         if command.name in (m.CommandName.START_SESSION, m.CommandName.CANCEL_SESSION):
             # Opening loads the tokenizer and the drafter: off the receive loop.

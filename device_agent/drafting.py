@@ -33,6 +33,15 @@ _GUESS_STREAM = 2
 
 ProactiveOutcome = Literal["hit", "miss", "none"]
 
+# Drafting ahead costs a window of draft compute, all of it wasted on a miss (and on a device
+# that shares its cores, taken from everything else). A session whose pre-drafted windows keep
+# missing stops drafting ahead, and tries again every so often. Module-level so tests can set them.
+PROACTIVE_MIN_HIT_RATE = 0.15
+PROACTIVE_EWMA_WEIGHT = 0.25
+PROACTIVE_PROBE_EVERY = 16  # rounds between tries while the recent hit rate is below the minimum
+# Drafting ahead that costs less than this (copying drafters: tens of microseconds) always goes on.
+PROACTIVE_FREE_MS = 0.5
+
 
 class OutOfSync(Exception):
     """A verdict that does not fit the round in flight: the agent must ask for the state."""
@@ -133,13 +142,40 @@ class Resync:
 
 @dataclass
 class ProactiveStats:
+    """Pre-drafted windows used (hits) and thrown away (misses), and rounds not drafted ahead."""
+
     hits: int = 0
     misses: int = 0
+    skipped: int = 0
+    recent: float = 0.5  # EWMA of the hit rate
+    cost_ms: float = 0.0  # EWMA of the time one window drafted ahead takes
+    _since_try: int = 0
 
     @property
     def hit_rate(self) -> float | None:
         total = self.hits + self.misses
         return self.hits / total if total else None
+
+    def record(self, hit: bool) -> None:
+        if hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+        self.recent += PROACTIVE_EWMA_WEIGHT * (float(hit) - self.recent)
+
+    def record_cost(self, ms: float) -> None:
+        self.cost_ms += PROACTIVE_EWMA_WEIGHT * (ms - self.cost_ms) if self.cost_ms else ms
+
+    def should_try(self) -> bool:
+        """Whether to draft ahead this round, given how the last pre-drafted windows fared."""
+        if self.recent >= PROACTIVE_MIN_HIT_RATE or self.cost_ms < PROACTIVE_FREE_MS:
+            return True
+        self._since_try += 1
+        if self._since_try >= PROACTIVE_PROBE_EVERY:
+            self._since_try = 0
+            return True
+        self.skipped += 1
+        return False
 
 
 def _slice(candidates: Candidates, k: int) -> Candidates:
@@ -265,10 +301,10 @@ class SessionDrafter:
             candidates = _slice(speculation.candidates, k)
             draft_ms = speculation.draft_ms
             proactive = True
-            self.stats.hits += 1
+            self.stats.record(hit=True)
         else:
             if speculation is not None:
-                self.stats.misses += 1
+                self.stats.record(hit=False)
                 self.proposer.rollback(base_len)
             candidates = self._propose(self.committed, k, self.round)
             draft_ms = (time.perf_counter() - start) * 1e3
@@ -303,7 +339,7 @@ class SessionDrafter:
         start = time.perf_counter()
         n_after = len(self.generated) + len(window.tokens) + 1
         k_next = self._window_size(n_after)
-        if k_next <= 0 or self.eos_id in window.tokens:
+        if k_next <= 0 or self.eos_id in window.tokens or not self.stats.should_try():
             return False
         context = [*self.committed, *window.tokens]
         guess_rng = None
@@ -315,6 +351,8 @@ class SessionDrafter:
             return False
         context.append(int(guess.tokens[0]))
         candidates = self._propose(context, k_next, window.round + 1)
+        draft_ms = (time.perf_counter() - start) * 1e3
+        self.stats.record_cost(draft_ms)
         self._speculation = Speculation(
             round=window.round + 1,
             base_len=len(context),
@@ -322,7 +360,7 @@ class SessionDrafter:
             candidates=candidates,
             k=k_next,
             draft_model=self.draft_model,
-            draft_ms=(time.perf_counter() - start) * 1e3,
+            draft_ms=draft_ms,
         )
         return True
 
@@ -330,7 +368,7 @@ class SessionDrafter:
         if self._speculation is None:
             return "none"
         self._speculation = None
-        self.stats.misses += 1
+        self.stats.record(hit=False)
         return "miss"
 
     def apply_verdict(self, verdict: m.Verdict) -> list[int] | None:

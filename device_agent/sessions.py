@@ -133,6 +133,7 @@ class SessionSummary:
     proactive: bool
     proactive_hits: int
     proactive_misses: int
+    proactive_skipped: int  # rounds not drafted ahead because recent windows kept missing
     verifiers: list[str]
     resyncs: int
     # Per verified round: from publishing the draft to its verdict reaching the agent, and from
@@ -249,6 +250,7 @@ class AgentSession:
             proactive=drafter.proactive,
             proactive_hits=drafter.stats.hits,
             proactive_misses=drafter.stats.misses,
+            proactive_skipped=drafter.stats.skipped,
             verifiers=list(dict.fromkeys(r.verifier_id for r in records if r.verifier_id)),
             resyncs=self.resyncs,
             wait_ms=[round(ms, 3) for ms in self.wait_ms],

@@ -6,6 +6,7 @@ import pytest
 from agent_peer import TargetJudge, prompt_text, reference
 
 from broker import messages as m
+from device_agent import drafting
 from device_agent.catalog import DrafterCatalog
 from device_agent.drafting import OutOfSync, SessionDrafter, SessionSpec
 from inference.onnx_runtime import OnnxRuntime
@@ -239,3 +240,45 @@ def test_a_state_that_is_not_active_ends_the_session(
     )
     assert drafter.finished and drafter.status == status
     assert drafter.generated == [5, 6]
+
+
+def test_drafting_ahead_pauses_while_it_keeps_missing() -> None:
+    stats = drafting.ProactiveStats()
+    stats.record_cost(5.0)  # a neural draft's window
+    tries = []
+    for _ in range(5):
+        tries.append(stats.should_try())
+        stats.record(hit=False)
+    assert tries == [True] * 5 and stats.recent < drafting.PROACTIVE_MIN_HIT_RATE
+    # Paused: it skips, then probes once every PROACTIVE_PROBE_EVERY rounds.
+    decisions = [stats.should_try() for _ in range(drafting.PROACTIVE_PROBE_EVERY)]
+    assert decisions == [False] * (drafting.PROACTIVE_PROBE_EVERY - 1) + [True]
+    assert stats.skipped == drafting.PROACTIVE_PROBE_EVERY - 1
+    # A probe that hits brings drafting ahead back.
+    stats.record(hit=True)
+    assert stats.should_try() and (stats.hits, stats.misses) == (1, 5)
+
+
+def test_a_draft_that_keeps_missing_stops_drafting_ahead(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    runtime, tokenizer = target
+    # The distilled draft-l1 rarely gets a whole window right, so its windows drafted ahead
+    # are wasted; the session stops drafting them and the output stays the target's.
+    if not catalog.has("draft-l1"):
+        pytest.skip("draft-l1 is not built")
+    drafter = make_drafter(tokenizer, catalog, "chat-01", draft="draft-l1", max_tokens=32)
+    run_rounds(drafter, TargetJudge(runtime, tokenizer.eos_id))
+    assert drafter.generated == reference("chat-01", target, 32)
+    stats = drafter.stats
+    assert stats.skipped > 0
+    assert stats.hits + stats.misses + stats.skipped <= len(drafter.records)
+    assert stats.cost_ms >= drafting.PROACTIVE_FREE_MS
+
+
+def test_drafting_ahead_that_costs_nothing_never_pauses() -> None:
+    stats = drafting.ProactiveStats()
+    stats.record_cost(0.05)  # a lookup window
+    for _ in range(20):
+        stats.record(hit=False)
+    assert stats.should_try() and stats.skipped == 0
