@@ -76,15 +76,19 @@ class ChildProcess:
             self.process.kill()
             self.process.wait()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`; the event loop (and an embedded broker in
+        it) keeps running meanwhile, so the child can say goodbye on the bus."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None:
+            if time.monotonic() > deadline:
+                self.process.kill()
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.process.wait)
 
 
 @dataclass
@@ -187,9 +191,9 @@ class LocalFleet:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"agent {device_id} did not come up") from None
 
-    def stop_children(self) -> None:
-        for child in [*self.agents.values(), *self.verifiers.values()]:
-            child.stop()
+    async def stop_children(self) -> None:
+        children = [*self.agents.values(), *self.verifiers.values()]
+        await asyncio.gather(*(child.stop() for child in children))
 
 
 def _provision(registry: DeviceRegistry, spec: AgentSpec) -> str:
@@ -251,7 +255,7 @@ async def local_fleet(
         await fleet.wait_ready()
         yield fleet
     finally:
-        fleet.stop_children()
+        await fleet.stop_children()
         fleet._coordinator_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await fleet._coordinator_task
