@@ -11,6 +11,7 @@ from agent_peer import BusPeer, Faults, TargetJudge, prompt_text, reference, run
 
 from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
+from device_agent import drafting
 from device_agent.sessions import SessionRequest, SessionSummary
 from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
@@ -49,7 +50,9 @@ def test_a_greedy_session_streams_the_target_s_own_answer(
     models_dir: Path,
     target: tuple[OnnxRuntime, ChatTokenizer],
     proactive: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(drafting, "PROACTIVE_MIN_HIT_RATE", 0.0)  # draft ahead every round
     request = SessionRequest(
         prompt=prompt_text("summarize-01"), max_tokens=MAX_TOKENS, proactive=proactive
     )
