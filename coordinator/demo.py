@@ -53,22 +53,12 @@ def read_prompts(path: Path) -> list[Prompt]:
 
 
 async def ask(
-    client: httpx.AsyncClient,
-    port: int,
-    prompt: Prompt,
-    args: argparse.Namespace,
-    label: str,
-    stream: bool,
+    client: httpx.AsyncClient, port: int, request: dict[str, Any], label: str, stream: bool
 ) -> dict[str, Any]:
-    """One session through an agent's local API; text deltas go to the terminal as they come."""
-    request = {
-        "prompt": prompt.prompt,
-        "task_type": prompt.task,
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "seed": args.seed,
-        "k": args.k,
-    }
+    """One session through an agent's local API; text deltas go to the terminal as they come.
+
+    Returns the agent's summary of the session (session_id, token_ids, text, rounds, ...).
+    """
     summary: dict[str, Any] = {}
     line = ""
     event = ""
@@ -142,13 +132,18 @@ async def _answer_all(
         async def serve(spec: AgentSpec) -> None:
             for prompt in queues[spec.device_id]:
                 started = time.perf_counter()
+                request: dict[str, Any] = {
+                    "prompt": prompt.prompt,
+                    "task_type": prompt.task,
+                    "max_tokens": args.max_tokens,
+                    "temperature": args.temperature,
+                    "seed": args.seed,
+                }
+                if args.k is not None:
+                    request["k"] = args.k
+                label = f"{spec.device_id} {prompt.id}"
                 summary = await ask(
-                    client,
-                    fleet.agent_ports[spec.device_id],
-                    prompt,
-                    args,
-                    f"{spec.device_id} {prompt.id}",
-                    stream=not args.quiet,
+                    client, fleet.agent_ports[spec.device_id], request, label, stream=not args.quiet
                 )
                 summary.setdefault("wall_s", time.perf_counter() - started)
                 results.append(
@@ -195,7 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit", type=int, default=None, help="answer the first N prompts only")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--k", type=int, default=4, help="speculation window")
+    parser.add_argument(
+        "--k", type=int, default=None, help="speculation window (default: each drafter's own)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--agents", type=int, default=3, choices=[1, 2, 3])
@@ -228,7 +225,7 @@ def _prompts_path(args: argparse.Namespace) -> Path:
 def run(args: argparse.Namespace) -> int:
     from specfleet.cli import CommandError
 
-    if args.max_tokens < 1 or args.k < 1 or args.temperature < 0:
+    if args.max_tokens < 1 or (args.k is not None and args.k < 1) or args.temperature < 0:
         raise CommandError("--max-tokens and --k must be >= 1, --temperature >= 0")
     path = _prompts_path(args)
     try:
