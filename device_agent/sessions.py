@@ -582,14 +582,17 @@ class SessionBook:
         while len(self._recent) > RECENT_SESSIONS:
             self._recent.pop(next(iter(self._recent)))
         drafter = session.drafter
-        # The drafter goes back only once no proactive draft can still be using it.
-        speculating = session._speculating
         temperature = session.spec.sampling.temperature
 
-        def release(_: object = None) -> None:
-            self.catalog.release(drafter.draft_model, temperature, drafter.proposer)
+        def release() -> None:
+            try:
+                self.catalog.release(drafter.draft_model, temperature, drafter.proposer)
+            except Exception:  # on the drafting thread nobody awaits it: log it here
+                log.exception("could not take back the drafter of %s", session.session_id)
 
-        if speculating is None or speculating.done():
+        # A cancelled session may leave a draft running on the drafting thread; queued behind
+        # it, the drafter goes back only once nothing can still be using it.
+        try:
+            self.executor.submit(release)
+        except RuntimeError:  # the executor has shut down: no draft can be running
             release()
-        else:
-            speculating.add_done_callback(release)
