@@ -236,12 +236,17 @@ def release_archive(
     device = provisioning.read_bundle_device(options.bundle)
     broker_url = options.device_broker_url or str(device["broker_url"])
     has_ca = (options.bundle / provisioning.CA_FILE).is_file()
-    config = provisioning.agent_config(
-        device_id=options.device_id,
-        kind=str(device["kind"]),
-        broker_url=broker_url,
-        directory=Path(release_dir) / "bundle",
-        has_ca=has_ca,
+    # The bundle's own settings (an operator may have added some, e.g. default_draft) with its
+    # relative paths made absolute for this release.
+    config = provisioning.read_bundle_config(options.bundle)
+    config.update(
+        provisioning.agent_config(
+            device_id=options.device_id,
+            kind=str(device["kind"]),
+            broker_url=broker_url,
+            directory=Path(release_dir) / "bundle",
+            has_ca=has_ca,
+        )
     )
     config["home"] = f"{root}/state"
     templates = deploy_dir()

@@ -262,6 +262,25 @@ def write_bundle(
     return Bundle(out_dir, device_id, has_ca)
 
 
+def read_bundle_config(bundle_dir: Path) -> dict[str, TomlValue]:
+    """The flat settings of a bundle's agent.toml."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    try:
+        document = tomllib.loads((bundle_dir / CONFIG_FILE).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ProvisioningError(f"{bundle_dir / CONFIG_FILE}: {exc}") from None
+    values: dict[str, TomlValue] = {}
+    for key, value in document.items():
+        if not isinstance(value, (str, int, float, bool)):
+            raise ProvisioningError(f"{bundle_dir / CONFIG_FILE}: {key} is not a flat value")
+        values[key] = value
+    return values
+
+
 def read_bundle_device(bundle_dir: Path) -> dict[str, object]:
     try:
         document: dict[str, object] = json.loads((bundle_dir / DEVICE_FILE).read_text())

@@ -65,6 +65,8 @@ class Agent:
         self.drafting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specfleet-draft")
         self.sessions = SessionBook(settings, self.catalog, self.publish, self.drafting)
         self.local_api: LocalApi | None = None
+        self.models = ModelStore.from_settings(settings)
+        self.models.on_change = self.catalog.forget  # new sessions load what is installed
 
     def topic(self, channel: DeviceChannel) -> str:
         return device_topic(self.device_id, channel)

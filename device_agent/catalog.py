@@ -138,6 +138,16 @@ class DrafterCatalog:
         except (DrafterError, ImportError, OSError, ValueError) as exc:
             raise CatalogError(f"cannot load drafter {name!r}: {exc}") from exc
 
+    def forget(self, name: str) -> None:
+        """A model's files changed (an OTA install or rollback): list drafts and load it afresh.
+
+        Sessions drafting with the old version keep it until they end; new ones get the new one.
+        """
+        with self._lock:
+            self._drafts = None
+            for key in [k for k in self._idle if k[0] in (name, HYBRID_PREFIX + name)]:
+                del self._idle[key]
+
     def release(self, name: str, temperature: float, proposer: Proposer) -> None:
         """Take a drafter back once its session no longer drafts with it."""
         proposer.rollback(0)
