@@ -24,6 +24,7 @@ from device_agent import __version__
 from device_agent.catalog import DrafterCatalog
 from device_agent.health import read_health
 from device_agent.local_api import LocalApi
+from device_agent.models_store import ModelStore
 from device_agent.sessions import SessionBook, SessionError, SessionRequest
 from device_agent.settings import AgentSettings
 
@@ -79,6 +80,7 @@ class Agent:
             agent_version=__version__,
             kind=self.settings.kind,
             runtimes=self.runtimes,
+            drafts=tuple(self.models.installed())[:64],
             keepalive_s=self.settings.keepalive_s,
             reason=reason,
         )
@@ -245,6 +247,9 @@ class Agent:
             sent = self._probes.pop(str(command.args.get("nonce", "")), None)
             if sent is not None:
                 self.rtt_ms = (time.monotonic() - sent) * 1000.0
+            return
+        if command.name is m.CommandName.DEPLOY_MODEL:
+            self.models.start_deploy(client, command, self.device_id)  # acks when done
             return
         if command.name in (m.CommandName.START_SESSION, m.CommandName.CANCEL_SESSION):
             # Opening loads the tokenizer and the drafter: off the receive loop.
