@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from agent_peer import TargetJudge, prompt_text, reference
 
@@ -9,6 +11,7 @@ from broker import messages as m
 from device_agent import drafting
 from device_agent.catalog import DrafterCatalog
 from device_agent.drafting import OutOfSync, SessionDrafter, SessionSpec
+from device_agent.settings import DraftRuntime
 from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
 
@@ -286,3 +289,37 @@ def test_drafting_ahead_that_costs_nothing_never_pauses() -> None:
     for _ in range(20):
         stats.record(hit=False)
     assert stats.should_try() and stats.skipped == 0
+
+
+@pytest.mark.parametrize("draft", ["draft-l1", "draft-l1-tflite", "hybrid+draft-l1"])
+def test_greedy_rounds_with_neural_drafts_give_the_target_s_own_tokens(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog, draft: str
+) -> None:
+    if not catalog.has(draft):
+        pytest.skip(f"{draft} is not built in {catalog.models_dir}")
+    runtime, tokenizer = target
+    drafter = make_drafter(tokenizer, catalog, "code-01", draft=draft, max_tokens=16)
+    sent = run_rounds(drafter, TargetJudge(runtime, tokenizer.eos_id))
+    assert drafter.generated == reference("code-01", target, 16)
+    assert {d.draft_model for d in sent} == {draft}
+
+
+@pytest.mark.parametrize(
+    ("runtime", "name", "resolved"),
+    [
+        ("onnx", "draft-l1", "draft-l1"),
+        ("tflite", "draft-l1", "draft-l1-tflite"),
+        ("onnx", "draft-l1-tflite", "draft-l1-tflite"),
+        ("tflite", "hybrid+draft-l1", "hybrid+draft-l1-tflite"),
+        ("tflite", "lookup", "lookup"),
+    ],
+)
+def test_a_bare_draft_name_means_the_preferred_runtime(
+    models_dir: Path, runtime: DraftRuntime, name: str, resolved: str
+) -> None:
+    catalog = DrafterCatalog(models_dir, runtime=runtime)
+    if not catalog.has("draft-l1-tflite") or not catalog.has("draft-l1"):
+        pytest.skip("needs both builds of draft-l1")
+    assert catalog.resolve(name) == resolved
+    assert catalog.has(name)
+    assert not catalog.has("draft-l9")
