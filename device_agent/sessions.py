@@ -136,8 +136,8 @@ class SessionSummary:
     proactive_skipped: int  # rounds not drafted ahead because recent windows kept missing
     verifiers: list[str]
     resyncs: int
-    # Per verified round: from publishing the draft to its verdict reaching the agent, and from
-    # that arrival to the next draft leaving (the agent's own share of the round).
+    # Per verified round: from handing the draft to the bus to its verdict reaching the agent,
+    # and from that arrival to the next draft being handed over (the agent's own share).
     wait_ms: list[float]
     turnaround_ms: list[float]
 
@@ -316,10 +316,10 @@ class AgentSession:
         await self._settle()
         window = self.drafter.in_flight
         assert window is not None
+        self._sent_at = time.perf_counter()
         self._published = await self.book.publish(
             DeviceChannel.DRAFT, window.message(self.session_id, time.time())
         )
-        self._sent_at = time.perf_counter()
         # A window sent again keeps the next one already drafted for it.
         if not self._published or not self.drafter.proactive or self.drafter.has_speculation:
             return
