@@ -258,7 +258,7 @@ def _register_devices(subparsers: Subparsers) -> None:
         help="the directory `broker write-config` wrote; its acl and passwords are updated",
     )
     provision.add_argument(
-        "--broker-pid-file", type=Path, metavar="FILE", help="reload mosquitto by SIGHUP to this pid"
+        "--broker-pid-file", type=Path, metavar="FILE", help="reload mosquitto: SIGHUP to this pid"
     )
     provision.add_argument(
         "--broker-reload-command",
@@ -397,9 +397,7 @@ def _devices_provision(args: argparse.Namespace) -> int:
                 credential = registry.rotate_credential(args.device_id, actor="cli")
                 device = registry.get(args.device_id)
             else:
-                device, credential = registry.provision(
-                    args.device_id, kind, args.tag, actor="cli"
-                )
+                device, credential = registry.provision(args.device_id, kind, args.tag, actor="cli")
         except (RegistryError, ValueError) as exc:
             raise CommandError(str(exc)) from exc
         try:
@@ -421,9 +419,7 @@ def _devices_provision(args: argparse.Namespace) -> int:
                     registry.broker_accounts(),
                     [d.id for d in registry.list()],
                 )
-                reload = provisioning.BrokerReload(
-                    args.broker_pid_file, args.broker_reload_command
-                )
+                reload = provisioning.BrokerReload(args.broker_pid_file, args.broker_reload_command)
                 reloaded = reload.run()
         except (provisioning.ProvisioningError, OSError) as exc:
             raise CommandError(
