@@ -108,6 +108,9 @@ def test_provision_registers_updates_and_reloads_the_broker_and_writes_a_bundle(
 
     # The broker took the new device without a restart, and keeps it to its own topics.
     assert asyncio.run(isolation(broker.url, "pi-1", credential, coordinator, "pi-x")) == ISOLATED
+    # The probe does see leaks: the coordinator's own account, which may use every topic.
+    leaky = asyncio.run(isolation(broker.url, "coordinator", coordinator[1], coordinator, "pi-x"))
+    assert b"foreign command" in leaky["read"] and b"forged status" in leaky["written"]
     with pytest.raises(BusAuthError):
         asyncio.run(try_connect(broker.url, "pi-1", "not-the-credential"))
 
