@@ -109,6 +109,7 @@ class LocalFleet:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECFLEET_")}
         env["SPECFLEET_HOME"] = str(self.settings.home)
         env["SPECFLEET_MODELS_DIR"] = str(self.settings.resolved_models_dir)
+        env["SPECFLEET_MQTT_PROTOCOL"] = self.settings.mqtt_protocol
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
@@ -159,7 +160,6 @@ class LocalFleet:
         if spec.runtime != "none":
             argv += ["--draft-runtime", spec.runtime]
         env = self._child_env()
-        env["SPECFLEET_MQTT_PROTOCOL"] = self.settings.mqtt_protocol
         env["SPECFLEET_HOME"] = str(self.workdir / spec.device_id)
         child = ChildProcess(spec.device_id, argv, env, self.workdir / f"{spec.device_id}.log")
         child.start()
