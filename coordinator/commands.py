@@ -791,6 +791,12 @@ def _register_replay(subparsers: Subparsers) -> None:
         "--show-rejected", action="store_true", help="also show rejected drafts, struck through"
     )
     parser.add_argument(
+        "--precision",
+        choices=("fp32", "q4"),
+        default="fp32",
+        help="the target build to verify with: the one the verifiers ran (default: fp32)",
+    )
+    parser.add_argument(
         "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
     )
     _add_database_url(parser)
@@ -852,7 +858,7 @@ def _replay_verify(
     from inference.target_build import load_target
 
     try:
-        target, tokenizer = load_target(models_dir)
+        target, tokenizer = load_target(models_dir, precision=args.precision)
     except (ArtifactError, GgufError, OSError) as exc:
         raise CommandError(f"cannot load the target: {exc}") from exc
     with tqdm(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -13,6 +14,8 @@ from coordinator.live import CoordinatorControl
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.replay import TokenDecoder, target_tokenizer
 from coordinator.settings import Settings
+
+log = logging.getLogger(__name__)
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 CSRF_HEADER = "X-CSRF-Token"
@@ -65,7 +68,12 @@ def get_token_decoder(request: Request) -> TokenDecoder | None:
     state = request.app.state
     if not getattr(state, "token_decoder_loaded", False):
         settings: Settings = state.settings
-        state.token_decoder = target_tokenizer(settings.resolved_models_dir)
+        try:
+            state.token_decoder = target_tokenizer(settings.resolved_models_dir)
+        except Exception as exc:  # the tokenizers library raises bare Exception
+            # Token ids still show; a broken tokenizer file must not take the pages down.
+            log.warning("no token text: the target's tokenizer did not load: %s", exc)
+            state.token_decoder = None
         state.token_decoder_loaded = True
     decoder: TokenDecoder | None = state.token_decoder
     return decoder
