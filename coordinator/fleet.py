@@ -61,7 +61,7 @@ class Fleet:
     async def on_status(self, device_id: str, status: m.Status) -> None:
         now = utcnow()
         if status.state is m.DeviceState.ONLINE:
-            if not await self._known(device_id, status.kind):
+            if not await self.admit(device_id, status.kind):
                 return
             self._keepalive_s[device_id] = status.keepalive_s or self.default_keepalive_s
             detail = {"agent_version": status.agent_version, "runtimes": list(status.runtimes)}
@@ -85,7 +85,7 @@ class Fleet:
                 issued_at=time.time(),
             )
             await self._publish(device_topic(device_id, DeviceChannel.COMMAND), m.encode(echo))
-        if not await self._known(device_id, "other"):
+        if not await self.admit(device_id):
             return
         now = utcnow()
         await self._registry_call(
@@ -162,7 +162,7 @@ class Fleet:
                 # The database may be briefly away; presence resumes with it.
                 log.exception("presence sweep failed")
 
-    async def _known(self, device_id: str, kind: str) -> bool:
+    async def admit(self, device_id: str, kind: str = "other") -> bool:
         """Whether the device is registered; in the quickstart, unknown devices are enrolled."""
         try:
             device = await asyncio.to_thread(self.registry.get, device_id)

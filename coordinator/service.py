@@ -87,7 +87,9 @@ class Coordinator:
             default_keepalive_s=settings.device_keepalive_s,
         )
         self.verifiers = VerifierPool(self.publish)
-        self.book = SessionBook(self.sessions, self.verifiers, self.publish, eos_id=eos_id)
+        self.book = SessionBook(
+            self.sessions, self.verifiers, self.publish, eos_id=eos_id, admit=self.fleet.admit
+        )
         self.device_handlers: dict[type[Any], DeviceHandler] = {
             m.Status: self.fleet.on_status,
             m.Telemetry: self.fleet.on_telemetry,

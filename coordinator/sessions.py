@@ -111,9 +111,11 @@ class SessionBook:
         publish: Publish,
         *,
         eos_id: int,
+        admit: Callable[[str], Awaitable[bool]],
         default_draft: str = "lookup",
     ) -> None:
         self._db = sessions
+        self._admit = admit
         self.pool = pool
         self._publish = publish
         self.eos_id = eos_id
@@ -137,6 +139,11 @@ class SessionBook:
             return
         live = await self.get(request.session_id)
         if live is None:
+            if not await self._admit(device_id):
+                await self._error(
+                    device_id, "session_open", request.session_id, None, "unregistered device"
+                )
+                return
             live = await asyncio.to_thread(self._create, device_id, session_uuid, request)
             self.live[live.id] = live
             log.info(

@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         address,
         username=args.username or settings.broker_username,
         password=args.password or settings.broker_password,
+        protocol=settings.mqtt_protocol,
     )
     log.info(
         "verifier %s: broker %s, max batch %d, window %.1f ms",

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from broker.client import (
     BrokerAddress,
+    Protocol,
     BusClient,
     BusConnectionError,
     ConnectOptions,
@@ -41,7 +42,7 @@ from verifier.core import Verification
 
 log = logging.getLogger(__name__)
 
-# Module-level so tests and the command line can change them.
+# Defaults of WorkerConfig and of the command's flags; the restart constants are read at run time.
 MAX_BATCH = 16
 BATCH_WINDOW_MS = 2.0  # after the first request of a batch, wait this long for more
 HEARTBEAT_S = 1.0
@@ -135,11 +136,13 @@ class VerifierWorker:
         *,
         username: str | None = None,
         password: str | None = None,
+        protocol: Protocol = "auto",
     ) -> None:
         self.config = config
         self.address = address
         self.username = username
         self.password = password
+        self.protocol: Protocol = protocol
         vid = config.verifier_id
         self.work_topic = verifier_topic(vid, VerifierChannel.WORK)
         self.result_topic = verifier_topic(vid, VerifierChannel.RESULT)
@@ -194,6 +197,7 @@ class VerifierWorker:
                 username=self.username,
                 password=self.password,
                 will=Will(self.status_topic, encode(self.status(DeviceState.OFFLINE)), retain=True),
+                protocol=self.protocol,
             )
             async with task_group() as tasks:
                 tasks.create_task(self._serve_batches(), name=f"{self.child.name}-batches")
