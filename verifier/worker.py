@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 from broker.client import (
     BrokerAddress,
-    Protocol,
     BusClient,
     BusConnectionError,
     ConnectOptions,
+    Protocol,
     Will,
     run_with_reconnect,
 )
