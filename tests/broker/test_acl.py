@@ -372,6 +372,7 @@ def test_generated_acl_gives_each_account_exactly_its_rules() -> None:
         "pi-1": [
             "topic write specfleet/v1/dev/pi-1/status",
             "topic write specfleet/v1/dev/pi-1/telemetry",
+            "topic write specfleet/v1/dev/pi-1/session",
             "topic write specfleet/v1/dev/pi-1/draft",
             "topic write specfleet/v1/dev/pi-1/ack",
             "topic read specfleet/v1/dev/pi-1/verdict",
