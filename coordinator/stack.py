@@ -17,6 +17,7 @@ from broker.acl import ServiceRole, ServiceUser, generate_passwords
 from broker.embedded import EmbeddedBroker
 from broker.passwords import hash_credential, new_credential
 from coordinator.api.main import create_app
+from coordinator.control import attach_service
 from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.migrate import upgrade
 from coordinator.registry import DeviceRegistry
@@ -127,7 +128,7 @@ async def run_up(
         print(f"database     {engine.url.render_as_string(hide_password=True)}", flush=True)
         coordinator = Coordinator(settings, engine)
         app = create_app(settings, engine)
-        app.state.coordinator = coordinator
+        attach_service(app, coordinator)
         async with http_api(app, settings.http_host, settings.http_port):
             print(
                 f"http api     http://{settings.http_host}:{settings.http_port}/api/v1", flush=True
