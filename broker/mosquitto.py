@@ -1,4 +1,4 @@
-"""A Mosquitto process of our own, on a free loopback port: for benchmarks, fault tests and demos."""
+"""A Mosquitto process of our own on a free loopback port, for benchmarks, fault tests and demos."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def wait_for_port(host: str, port: int, timeout_s: float = START_TIMEOUT_S) -> N
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise MosquittoError(f"nothing listens on {host}:{port} after {timeout_s}s")
+                message = f"nothing listens on {host}:{port} after {timeout_s}s"
+                raise MosquittoError(message) from None
             time.sleep(0.02)
 
 

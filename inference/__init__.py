@@ -1,1 +1,1 @@
-"""Models for speculative decoding: tokenizer, target and draft runtimes, drafters, verification math."""
+"""Models for speculative decoding: tokenizer, target and draft runtimes, drafters, verifying."""

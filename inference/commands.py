@@ -1,4 +1,4 @@
-"""`specfleet models ...` and `specfleet generate`: wiring only; each command lives in its own module."""
+"""`specfleet models ...` and `specfleet generate`: wiring only; each command has its own module."""
 
 from __future__ import annotations
 
