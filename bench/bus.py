@@ -45,7 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--embedded", action="store_true", help="also measure the embedded amqtt")
     parser.add_argument(
-        "--json", type=Path, nargs="?", const=Path("bench-results/bus.json"), default=None,
+        "--json",
+        type=Path,
+        nargs="?",
+        const=Path("bench-results/bus.json"),
+        default=None,
         help="write the results as JSON (default path bench-results/bus.json)",
     )
 
@@ -84,16 +88,23 @@ class Result:
 
 
 async def measure(
-    label: str, url: str, tcp_nodelay: bool, count: int, warmup: int,
-    username: str | None = None, password: str | None = None,
+    label: str,
+    url: str,
+    tcp_nodelay: bool,
+    count: int,
+    warmup: int,
+    username: str | None = None,
+    password: str | None = None,
 ) -> Result:
     address = BrokerAddress.from_url(url)
     draft_topic = device_topic(DEVICE_ID, DeviceChannel.DRAFT)
     verdict_topic = device_topic(DEVICE_ID, DeviceChannel.VERDICT)
-    agent_opts = ConnectOptions(client_id="bench-agent", username=username, password=password,
-                                tcp_nodelay=tcp_nodelay)
-    coord_opts = ConnectOptions(client_id="bench-coordinator", username=username,
-                                password=password, tcp_nodelay=tcp_nodelay)
+    agent_opts = ConnectOptions(
+        client_id="bench-agent", username=username, password=password, tcp_nodelay=tcp_nodelay
+    )
+    coord_opts = ConnectOptions(
+        client_id="bench-coordinator", username=username, password=password, tcp_nodelay=tcp_nodelay
+    )
     async with connect(address, agent_opts) as agent, connect(address, coord_opts) as coord:
         await coord.subscribe(draft_topic)
         await agent.subscribe(verdict_topic)
@@ -102,8 +113,12 @@ async def measure(
             async for incoming in coord.messages():
                 draft = m.decode_as(incoming.payload, m.Draft)
                 verdict = m.Verdict(
-                    session_id=draft.session_id, round=draft.round, base_len=draft.base_len,
-                    n_accepted=5, next_token=42, committed_len=draft.base_len + 6,
+                    session_id=draft.session_id,
+                    round=draft.round,
+                    base_len=draft.base_len,
+                    n_accepted=5,
+                    next_token=42,
+                    committed_len=draft.base_len + 6,
                     policy=m.Policy(draft_model=draft.draft_model, k=K),
                 )
                 await coord.publish(verdict_topic, m.encode(verdict))
@@ -113,8 +128,9 @@ async def measure(
         rtts: list[float] = []
         payload_bytes = 0
         try:
-            for i in tqdm(range(warmup + count), desc=f"{label} nodelay={tcp_nodelay}",
-                          leave=False):
+            for i in tqdm(
+                range(warmup + count), desc=f"{label} nodelay={tcp_nodelay}", leave=False
+            ):
                 payload = m.encode(sample_draft(i))
                 payload_bytes = len(payload)
                 start = time.perf_counter()
@@ -167,8 +183,15 @@ async def _measure_embedded(args: argparse.Namespace) -> list[Result]:
         broker = EmbeddedBroker(port=free_port(), password_file=passwords, service_users=("bench",))
         async with broker:
             return [
-                await measure("embedded amqtt", broker.url, nodelay, args.count, args.warmup,
-                              username="bench", password=secret)
+                await measure(
+                    "embedded amqtt",
+                    broker.url,
+                    nodelay,
+                    args.count,
+                    args.warmup,
+                    username="bench",
+                    password=secret,
+                )
                 for nodelay in (True, False)
             ]
 
@@ -186,16 +209,31 @@ def run(args: argparse.Namespace) -> int:
     baseline = {r["broker"]: r["p50_ms"] for r in rows if not r["tcp_nodelay"]}
     for r in rows:
         r["p50_vs_nodelay_off"] = r["p50_ms"] / baseline[r["broker"]]
-    print(format_table(
-        ["broker", "TCP_NODELAY", "n", "bytes", "p50 ms", "p99 ms", "mean ms", "p50 / off"],
-        [[r["broker"], "on" if r["tcp_nodelay"] else "off", r["count"], r["payload_bytes"],
-          r["p50_ms"], r["p99_ms"], r["mean_ms"], r["p50_vs_nodelay_off"]] for r in rows],
-    ))
+    print(
+        format_table(
+            ["broker", "TCP_NODELAY", "n", "bytes", "p50 ms", "p99 ms", "mean ms", "p50 / off"],
+            [
+                [
+                    r["broker"],
+                    "on" if r["tcp_nodelay"] else "off",
+                    r["count"],
+                    r["payload_bytes"],
+                    r["p50_ms"],
+                    r["p99_ms"],
+                    r["mean_ms"],
+                    r["p50_vs_nodelay_off"],
+                ]
+                for r in rows
+            ],
+        )
+    )
     goal = [r for r in rows if r["tcp_nodelay"] and r["broker"].startswith("mosquitto")]
     if goal:
         verdict = "met" if goal[0]["p50_ms"] <= 1.0 else "NOT met"
-        print(f"goal p50 <= 1 ms with TCP_NODELAY on Mosquitto: {verdict} "
-              f"({goal[0]['p50_ms']:.3f} ms)")
+        print(
+            f"goal p50 <= 1 ms with TCP_NODELAY on Mosquitto: {verdict} "
+            f"({goal[0]['p50_ms']:.3f} ms)"
+        )
     if args.json is not None:
         write_json(args.json, {"benchmark": "bus", "qos": 1, "results": rows})
         print(f"wrote {args.json}")

@@ -42,8 +42,15 @@ class RawDevice:
 
 
 def _draft(session_id: str, round_index: int, base_len: int, tokens: list[int]) -> bytes:
-    return m.encode(m.Draft(session_id=session_id, round=round_index, base_len=base_len,
-                            tokens=tuple(tokens), draft_model="lookup"))
+    return m.encode(
+        m.Draft(
+            session_id=session_id,
+            round=round_index,
+            base_len=base_len,
+            tokens=tuple(tokens),
+            draft_model="lookup",
+        )
+    )
 
 
 def test_duplicate_out_of_order_unknown_and_malformed_drafts(tmp_path: Path) -> None:
@@ -52,8 +59,9 @@ def test_duplicate_out_of_order_unknown_and_malformed_drafts(tmp_path: Path) -> 
 
     async def main() -> tuple[list[int], list[Round], DecodingSession]:
         settings = Settings(home=tmp_path / "home")
-        async with local_fleet(settings, [], ["idem-verifier"], workdir=tmp_path / "fleet",
-                               eos_id=tokenizer.eos_id) as fleet:
+        async with local_fleet(
+            settings, [], ["idem-verifier"], workdir=tmp_path / "fleet", eos_id=tokenizer.eos_id
+        ) as fleet:
             address = BrokerAddress.from_url(fleet.broker_url)
             options = ConnectOptions(client_id=f"dev-{DEVICE}", protocol="3.1.1")
             async with connect(address, options) as client:
@@ -71,9 +79,19 @@ def test_duplicate_out_of_order_unknown_and_malformed_drafts(tmp_path: Path) -> 
                 refused = await device.reply()
                 assert isinstance(refused, m.ErrorReply) and "JSON" in refused.reason
 
-                await device.send(DeviceChannel.SESSION, m.encode(m.SessionOpen(
-                    session_id=session_id, prompt="Count from one to ten.",
-                    prompt_ids=tuple(prompt_ids), max_tokens=16, draft_model="lookup", k=4)))
+                await device.send(
+                    DeviceChannel.SESSION,
+                    m.encode(
+                        m.SessionOpen(
+                            session_id=session_id,
+                            prompt="Count from one to ten.",
+                            prompt_ids=tuple(prompt_ids),
+                            max_tokens=16,
+                            draft_model="lookup",
+                            k=4,
+                        )
+                    ),
+                )
                 state = await device.reply()
                 assert isinstance(state, m.SessionState) and state.next_round == 0
 
@@ -106,8 +124,13 @@ def test_duplicate_out_of_order_unknown_and_malformed_drafts(tmp_path: Path) -> 
 
             def read() -> tuple[list[Round], DecodingSession]:
                 with fleet.coordinator.sessions() as db:
-                    rounds = list(db.scalars(sa.select(Round).where(
-                        Round.session_id == uuid.UUID(session_id)).order_by(Round.round_index)))
+                    rounds = list(
+                        db.scalars(
+                            sa.select(Round)
+                            .where(Round.session_id == uuid.UUID(session_id))
+                            .order_by(Round.round_index)
+                        )
+                    )
                     row = db.get(DecodingSession, uuid.UUID(session_id))
                     assert row is not None
                     return rounds, row
