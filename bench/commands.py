@@ -9,6 +9,7 @@ import importlib
 BENCHMARKS = (
     ("bus", "bench.bus", "round trip of a draft-sized message through the broker"),
     ("models", "bench.models", "draft and target costs, acceptance and speculative speedup"),
+    ("e2e", "bench.e2e", "DSD over the bus vs target-only: tokens/s, throughput, overhead"),
 )
 
 

@@ -1,0 +1,868 @@
+"""`specfleet bench e2e`: distributed speculative decoding over a real bus against the target alone.
+
+One run starts a private Mosquitto with `set_tcp_nodelay true` (or uses --broker), SQLite in a
+temporary home (or --database-url), the coordinator in this process, ONE verifier process
+(threads=1, so all throughput figures are that verifier's) and --agents agent processes, and
+drives greedy sessions through the agents' local APIs, as `specfleet demo` does.
+
+Baseline: target-only decoding on the same fleet and the same verifier. The agent opens the
+session with k=0, so every round sends an empty draft and commits exactly the target's one
+token. The coordinator turns a requested k of 0 into its default window when it opens a session
+(`request.k or DEFAULT_K`), so the benchmark sets the window back to 0 with `SessionBook.set_k`
+as soon as the open is handled, before any verdict of the session leaves; the run then checks
+that no target-only round carried a draft. DSD and target-only runs alternate level by level,
+and every DSD answer is compared with the target-only answer to the same prompt.
+
+1. Single session: level 1 runs its sessions one after another on one agent. A session's
+   tokens/s is its generated tokens over its wall time from open to end (prefill included), as
+   the agent reports it; the figure is sum(tokens) / sum(time) over the level's sessions.
+2. Verifier throughput: c closed-loop clients (c = --sessions), client i on agent i mod
+   --agents, each runs sessions one after another until the level's work is done (max(--limit, c)
+   sessions, rounded up to a multiple of c). Committed tokens/s is every generated token over the
+   wall time from the first open to the last end; the one verifier batches across sessions.
+3. Per-round overhead beyond model compute: for every verified round, the agent's wait (draft
+   handed to the bus until its verdict is in the session's inbox) minus the verifier's compute
+   (`verify_batch` in its inference process) and its queue (request received until its batch
+   goes to the inference process: the batching window plus any wait behind other batches).
+   Two probes in the in-process coordinator (its Draft handler and `VerifierPool.verify`,
+   wrapped) split the rest into the agent<->coordinator legs (wait - handler), the coordinator's
+   own work (validation, stop rules, persistence, verdict publish: handler - verifier round
+   trip) and the coordinator<->verifier leg (round trip - queue - compute: two broker hops, JSON,
+   the pipe to the inference process). Each term is a difference of durations measured inside
+   one process; no clocks are compared across processes.
+4. Proactive drafting: the DSD levels in --proactive-sessions run again with proactive drafting
+   off (the local API's per-session switch), compared with the same levels' DSD runs (on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from bench.models import BenchPrompt, read_prompts
+from bench.report import format_table, median, percentile, write_json
+
+if TYPE_CHECKING:
+    import httpx
+
+    from broker import messages as m
+    from coordinator.localfleet import LocalFleet
+    from coordinator.service import Coordinator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
+DEFAULT_JSON = Path("bench-results/e2e.json")
+SHARED_BROKER_PORT = 1883
+LEVELS = (1, 4, 16)
+PROACTIVE_LEVELS = (1, 4)
+SESSIONS_PER_AGENT = 4  # concurrent sessions one agent is asked to run at most
+SESSION_TIMEOUT_S = 600.0
+WARMUP_TOKENS = 8
+# Goals of the issue: throughput ratio DSD / target-only per level, and the overhead budget.
+SINGLE_SESSION_GOAL = 1.5
+THROUGHPUT_GOALS = {1: 2.0, 4: 1.5}
+OVERHEAD_P50_GOAL_MS = 1.0
+OVERHEAD_P99_GOAL_MS = 5.0
+
+Mode = Literal["target", "dsd"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=DEFAULT_PROMPTS,
+        metavar="FILE",
+        help="JSONL of {id, task, prompt} (default: ../shared/bench/prompts.jsonl)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=10,
+        help="prompts used, taken in turn from each task type (default: 10)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=48, help="tokens generated per session (default: 48)"
+    )
+    parser.add_argument(
+        "--drafter",
+        default="hybrid",
+        metavar="NAME",
+        help="drafter of the DSD sessions: lookup, ngram, hybrid, a draft, hybrid+DRAFT "
+        "(default: hybrid)",
+    )
+    parser.add_argument(
+        "--k", type=int, default=None, help="DSD window (default: the drafter's own)"
+    )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        nargs="+",
+        default=list(LEVELS),
+        metavar="N",
+        help="concurrent sessions per level (default: 1 4 16)",
+    )
+    parser.add_argument(
+        "--proactive-sessions",
+        type=int,
+        nargs="*",
+        default=list(PROACTIVE_LEVELS),
+        metavar="N",
+        help="levels run again with proactive drafting off; none skips the part (default: 1 4)",
+    )
+    parser.add_argument(
+        "--agents", type=int, default=4, help="agent processes generating the load (default: 4)"
+    )
+    parser.add_argument(
+        "--broker",
+        metavar="URL",
+        default=None,
+        help="an external broker instead of the private Mosquitto",
+    )
+    parser.add_argument("--database-url", metavar="URL", default=None, help="instead of SQLite")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        nargs="?",
+        const=DEFAULT_JSON,
+        default=None,
+        metavar="PATH",
+        help=f"write the results as JSON (default path {DEFAULT_JSON})",
+    )
+
+
+# -- plan ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One measured configuration: a decoding mode at a number of concurrent sessions."""
+
+    mode: Mode
+    sessions: int  # concurrent clients
+    proactive: bool = True
+
+    @property
+    def label(self) -> str:
+        if self.mode == "target":
+            return f"target-only x{self.sessions}"
+        return f"DSD{'' if self.proactive else ' no-proactive'} x{self.sessions}"
+
+
+def interleave_tasks(prompts: Sequence[BenchPrompt], limit: int) -> list[BenchPrompt]:
+    """The first `limit` prompts taking one of each task type in turn, in file order."""
+    by_task: dict[str, deque[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_task.setdefault(prompt.task, deque()).append(prompt)
+    chosen: list[BenchPrompt] = []
+    while len(chosen) < limit and any(by_task.values()):
+        for queue in by_task.values():
+            if queue and len(chosen) < limit:
+                chosen.append(queue.popleft())
+    return chosen
+
+
+def level_work(prompts: Sequence[BenchPrompt], sessions: int) -> list[BenchPrompt]:
+    """max(len(prompts), sessions) sessions rounded up to a multiple of `sessions`, cycling."""
+    count = math.ceil(max(len(prompts), sessions) / sessions) * sessions
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def plan(levels: Sequence[int], proactive_levels: Sequence[int]) -> list[RunConfig]:
+    """Target-only and DSD alternate level by level, so slow drifts of the machine hit both."""
+    configs: list[RunConfig] = []
+    for level in levels:
+        configs += [RunConfig("target", level), RunConfig("dsd", level)]
+        if level in proactive_levels:
+            configs.append(RunConfig("dsd", level, proactive=False))
+    return configs
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad arguments with a one-line reason, before anything starts."""
+    from specfleet.cli import CommandError
+
+    if args.limit < 1:
+        raise CommandError(f"--limit must be >= 1, got {args.limit}")
+    if not 2 <= args.max_tokens <= 8192:
+        raise CommandError(f"--max-tokens must be in 2..8192, got {args.max_tokens}")
+    if args.k is not None and not 1 <= args.k <= 64:
+        raise CommandError(f"--k must be in 1..64, got {args.k}")
+    if not 1 <= args.agents <= 16:
+        raise CommandError(f"--agents must be in 1..16, got {args.agents}")
+    most = args.agents * SESSIONS_PER_AGENT
+    for level in args.sessions:
+        if not 1 <= level <= most:
+            raise CommandError(
+                f"--sessions must be in 1..{most} ({SESSIONS_PER_AGENT} per agent), got {level}"
+            )
+    if len(set(args.sessions)) != len(args.sessions):
+        raise CommandError("--sessions lists a level twice")
+    extra = sorted(set(args.proactive_sessions) - set(args.sessions))
+    if extra:
+        raise CommandError(f"--proactive-sessions {extra} are not among --sessions")
+    if args.broker is not None and not args.broker.startswith(("mqtt://", "mqtts://")):
+        raise CommandError(f"--broker must be an mqtt:// or mqtts:// URL, got {args.broker!r}")
+    if not args.prompts.is_file():
+        raise CommandError(f"no prompts file {args.prompts}")
+
+
+def check_drafter(name: str, models_dir: Path) -> None:
+    from inference.drafters import drafter_names
+    from specfleet.cli import CommandError
+
+    known = drafter_names(models_dir)
+    if name not in known:
+        raise CommandError(f"unknown drafter {name!r}; known: {', '.join(known)}")
+
+
+def is_neural(name: str) -> bool:
+    from inference.drafters import BUILTIN_DRAFTERS
+
+    return name not in BUILTIN_DRAFTERS
+
+
+# -- probes in the coordinator ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifierLeg:
+    round_trip_ms: float  # VerifierPool.verify: request published until its result is back
+    queue_ms: float  # the worker's: received until its batch went to the inference process
+    verify_ms: float  # verify_batch in the inference process
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """One verified round, its agent wait split by where the time went (all in ms)."""
+
+    wait_ms: float  # agent: draft handed to the bus until its verdict arrived
+    handler_ms: float  # coordinator: Draft handler start until the verdict was published
+    leg: VerifierLeg
+
+    @property
+    def overhead_ms(self) -> float:
+        """Beyond model compute and the verifier's queue: bus, scheduling, persistence."""
+        return self.wait_ms - self.leg.verify_ms - self.leg.queue_ms
+
+    @property
+    def beyond_compute_ms(self) -> float:
+        return self.wait_ms - self.leg.verify_ms
+
+    @property
+    def agent_legs_ms(self) -> float:
+        return self.wait_ms - self.handler_ms
+
+    @property
+    def coordinator_ms(self) -> float:
+        return self.handler_ms - self.leg.round_trip_ms
+
+    @property
+    def verifier_leg_ms(self) -> float:
+        return self.leg.round_trip_ms - self.leg.queue_ms - self.leg.verify_ms
+
+
+RoundKey = tuple[str, int]  # (session id, round)
+
+
+class CoordinatorProbes:
+    """Wraps the in-process coordinator's Draft handler and verifier pool to time each round.
+
+    Each wrapper adds two perf_counter reads and a dict store per round. The SessionOpen handler
+    is wrapped too, to keep a window of 0 that an agent asks for (the target-only baseline).
+    """
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        from broker import messages as m
+
+        self.handler_ms: dict[RoundKey, float] = {}
+        self.legs: dict[RoundKey, VerifierLeg] = {}
+        self.zero_window_sessions: set[str] = set()
+        book = coordinator.book
+        pool = coordinator.verifiers
+        handle_draft = coordinator.device_handlers[m.Draft]
+        handle_open = coordinator.device_handlers[m.SessionOpen]
+        pool_verify = pool.verify
+
+        async def timed_verify(request: m.VerifyRequest) -> m.VerifyResult:
+            started = time.perf_counter()
+            result = await pool_verify(request)
+            self.legs[(request.session_id, request.round)] = VerifierLeg(
+                (time.perf_counter() - started) * 1e3,
+                result.queue_ms,
+                result.verify_ms,
+                result.batch_size,
+            )
+            return result
+
+        async def timed_draft(device_id: str, draft: m.Draft) -> None:
+            started = time.perf_counter()
+            await handle_draft(device_id, draft)
+            key = (draft.session_id, draft.round)
+            if key in self.legs and key not in self.handler_ms:
+                self.handler_ms[key] = (time.perf_counter() - started) * 1e3
+
+        async def open_keeping_zero_window(device_id: str, request: m.SessionOpen) -> None:
+            await handle_open(device_id, request)
+            if request.k == 0 and request.session_id in book.live:
+                book.set_k(request.session_id, 0)
+                self.zero_window_sessions.add(request.session_id)
+
+        pool.verify = timed_verify  # type: ignore[method-assign]
+        coordinator.device_handlers[m.Draft] = timed_draft
+        coordinator.device_handlers[m.SessionOpen] = open_keeping_zero_window
+
+    def timings(self, session_id: str, wait_ms: Sequence[float]) -> tuple[list[RoundTiming], int]:
+        """The rounds of a session matched with the agent's waits; and how many did not match."""
+        matched: list[RoundTiming] = []
+        missing = 0
+        for index, wait in enumerate(wait_ms):
+            key = (session_id, index)
+            if key in self.legs and key in self.handler_ms:
+                matched.append(RoundTiming(wait, self.handler_ms[key], self.legs[key]))
+            else:
+                missing += 1
+        return matched, missing
+
+
+# -- running sessions -------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    wall_s: float
+    sessions: list[dict[str, Any]]  # the agents' summaries, with prompt_id, task and device_id
+    timings: list[RoundTiming] = field(default_factory=list)
+    unmatched_rounds: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(s["tokens"]) for s in self.sessions)
+
+    @property
+    def rounds(self) -> int:
+        return sum(int(s["rounds"]) for s in self.sessions)
+
+    @property
+    def throughput(self) -> float:
+        """Committed tokens per second of wall time, all sessions together."""
+        return self.tokens / self.wall_s
+
+    @property
+    def session_tokens_per_s(self) -> float:
+        """sum(tokens) / sum(session time): the rate one session sees."""
+        return self.tokens / sum(float(s["elapsed_s"]) for s in self.sessions)
+
+    @property
+    def alpha(self) -> float | None:
+        drafted = sum(sum(s["drafted"]) for s in self.sessions)
+        accepted = sum(sum(s["accepted"]) for s in self.sessions)
+        return accepted / drafted if drafted else None
+
+    @property
+    def drafted_rounds(self) -> int:
+        return sum(1 for s in self.sessions for d in s["drafted"] if d)
+
+    @property
+    def mean_batch(self) -> float:
+        sizes = [t.leg.batch_size for t in self.timings]
+        return sum(sizes) / len(sizes) if sizes else float("nan")
+
+    def values(self, what: Callable[[RoundTiming], float]) -> list[float]:
+        return [what(t) for t in self.timings]
+
+    def summary(self) -> dict[str, Any]:
+        def stats(what: Callable[[RoundTiming], float]) -> dict[str, float]:
+            values = self.values(what)
+            return {"p50": median(values), "p99": percentile(values, 99)}
+
+        turnaround = [ms for s in self.sessions for ms in s["turnaround_ms"]]
+        return {
+            "mode": self.config.mode,
+            "sessions": self.config.sessions,
+            "proactive": self.config.proactive,
+            "label": self.config.label,
+            "n_sessions": len(self.sessions),
+            "tokens": self.tokens,
+            "rounds": self.rounds,
+            "wall_s": self.wall_s,
+            "throughput_tokens_per_s": self.throughput,
+            "session_tokens_per_s": self.session_tokens_per_s,
+            "tokens_per_round": self.tokens / self.rounds if self.rounds else float("nan"),
+            "alpha": self.alpha,
+            "drafted_rounds": self.drafted_rounds,
+            "mean_batch": self.mean_batch,
+            "proactive_hits": sum(int(s["proactive_hits"]) for s in self.sessions),
+            "proactive_misses": sum(int(s["proactive_misses"]) for s in self.sessions),
+            "proactive_skipped": sum(int(s["proactive_skipped"]) for s in self.sessions),
+            "matched_rounds": len(self.timings),
+            "unmatched_rounds": self.unmatched_rounds,
+            "ms": {
+                "wait": stats(lambda t: t.wait_ms),
+                "verify": stats(lambda t: t.leg.verify_ms),
+                "queue": stats(lambda t: t.leg.queue_ms),
+                "overhead": stats(lambda t: t.overhead_ms),
+                "beyond_compute": stats(lambda t: t.beyond_compute_ms),
+                "agent_legs": stats(lambda t: t.agent_legs_ms),
+                "coordinator": stats(lambda t: t.coordinator_ms),
+                "verifier_leg": stats(lambda t: t.verifier_leg_ms),
+                "turnaround": {"p50": median(turnaround), "p99": percentile(turnaround, 99)},
+            },
+        }
+
+
+def session_request(
+    prompt: BenchPrompt, config: RunConfig, args: argparse.Namespace, max_tokens: int
+) -> dict[str, Any]:
+    request: dict[str, Any] = {
+        "prompt": prompt.prompt,
+        "task_type": prompt.task,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "proactive": config.proactive,
+    }
+    if config.mode == "target":
+        request |= {"draft": "lookup", "k": 0}  # k=0: nothing is ever proposed
+    else:
+        request["draft"] = args.drafter
+        if args.k is not None:
+            request["k"] = args.k
+    return request
+
+
+async def ask_one(
+    client: httpx.AsyncClient, port: int, request: dict[str, Any], label: str
+) -> dict[str, Any]:
+    from coordinator.demo import ask
+
+    summary = await asyncio.wait_for(ask(client, port, request, label, False), SESSION_TIMEOUT_S)
+    if summary.get("status") != "finished":
+        raise RuntimeError(f"{label}: session ended {summary.get('status')}: {summary}")
+    return summary
+
+
+async def run_config(
+    fleet: LocalFleet,
+    probes: CoordinatorProbes,
+    client: httpx.AsyncClient,
+    config: RunConfig,
+    work: list[BenchPrompt],
+    args: argparse.Namespace,
+) -> RunResult:
+    from tqdm import tqdm
+
+    devices = list(fleet.agent_ports)
+    pending = deque(work)
+    sessions: list[dict[str, Any]] = []
+    with tqdm(total=len(work), desc=config.label, unit="session", file=sys.stderr) as bar:
+
+        async def client_loop(index: int) -> None:
+            device_id = devices[index % len(devices)]
+            while pending:
+                prompt = pending.popleft()
+                request = session_request(prompt, config, args, args.max_tokens)
+                label = f"{config.label} {device_id} {prompt.id}"
+                summary = await ask_one(client, fleet.agent_ports[device_id], request, label)
+                sessions.append(
+                    {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
+                )
+                bar.update(1)
+                bar.set_postfix_str(f"{sum(int(s['tokens']) for s in sessions)} tokens")
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(i) for i in range(config.sessions)))
+        wall_s = time.perf_counter() - started
+    result = RunResult(config, wall_s, sessions)
+    for summary in sessions:
+        matched, missing = probes.timings(summary["session_id"], summary["wait_ms"])
+        result.timings += matched
+        result.unmatched_rounds += missing
+    return result
+
+
+async def warm_up(
+    fleet: LocalFleet, client: httpx.AsyncClient, prompt: BenchPrompt, args: argparse.Namespace
+) -> None:
+    """A short session of each mode on every agent: drafters loaded, the target warm."""
+    jobs: list[Awaitable[dict[str, Any]]] = []
+    for device_id, port in fleet.agent_ports.items():
+        for mode in ("target", "dsd"):
+            config = RunConfig(mode, 1)
+            request = session_request(prompt, config, args, WARMUP_TOKENS)
+            jobs.append(ask_one(client, port, request, f"warm-up {device_id} {mode}"))
+    await asyncio.gather(*jobs)
+
+
+@dataclass
+class BenchRun:
+    results: list[RunResult]
+    broker: str
+    database: str
+    workdir: Path
+    zero_window_sessions: int
+
+
+async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> BenchRun:
+    import contextlib
+
+    import httpx
+
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.localfleet import AgentSpec, local_fleet
+    from coordinator.settings import Settings
+    from inference.target_build import ensure_target
+    from inference.tokenizer import ChatTokenizer
+
+    base = Settings()
+    workdir = Path(tempfile.mkdtemp(prefix="specfleet-bench-e2e-"))
+    home = workdir / "home"
+    settings = Settings(
+        home=home,
+        models_dir=base.resolved_models_dir,
+        database_url=args.database_url or f"sqlite:///{home / 'specfleet.db'}",
+        coordinator_id=f"bench-e2e-{uuid.uuid4().hex[:8]}",
+    )
+    target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
+    eos_id = ChatTokenizer.load(target_dir).eos_id
+    runtime = "onnx" if is_neural(args.drafter) else "none"
+    agents = [
+        AgentSpec(f"bench-agent-{i + 1}", "other", args.drafter, runtime)
+        for i in range(args.agents)
+    ]
+    results: list[RunResult] = []
+    with contextlib.ExitStack() as stack:
+        broker_url = args.broker
+        if broker_url is None:
+            broker_url = stack.enter_context(PrivateMosquitto(tcp_nodelay=True)).url
+        print(
+            f"starting 1 verifier and {len(agents)} agents on {broker_url} (logs in {workdir})",
+            file=sys.stderr,
+            flush=True,
+        )
+        async with local_fleet(
+            settings,
+            agents,
+            ["bench-verifier"],
+            workdir=workdir,
+            external_broker=broker_url,
+            eos_id=eos_id,
+        ) as fleet:
+            probes = CoordinatorProbes(fleet.coordinator)
+            async with httpx.AsyncClient() as client:
+                await warm_up(fleet, client, prompts[0], args)
+                for config in plan(args.sessions, args.proactive_sessions):
+                    work = level_work(prompts, config.sessions)
+                    results.append(await run_config(fleet, probes, client, config, work, args))
+            zero = len(probes.zero_window_sessions)
+    return BenchRun(results, broker_url, settings.database_url, workdir, zero)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Goal:
+    what: str
+    goal: float
+    measured: float
+    at_most: bool = False  # a time budget rather than a ratio to reach
+
+    @property
+    def met(self) -> bool:
+        return self.measured <= self.goal if self.at_most else self.measured >= self.goal
+
+    def line(self) -> str:
+        sign = "<=" if self.at_most else ">="
+        verdict = "met" if self.met else "NOT met"
+        return f"{self.what}: {self.measured:.3f} (goal {sign} {self.goal}) {verdict}"
+
+
+def _find(
+    results: Sequence[RunResult], mode: Mode, level: int, proactive: bool = True
+) -> RunResult:
+    return next(
+        r
+        for r in results
+        if r.config.mode == mode and r.config.sessions == level and r.config.proactive == proactive
+    )
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+Table = tuple[Sequence[str], list[list[Any]]]
+
+SINGLE_HEADERS = ("run", "sessions", "tokens", "rounds", "tok/round", "α", "tok/s", "median tok/s")
+THROUGHPUT_HEADERS = (
+    *("sessions", "n", "target tok/s", "DSD tok/s", "DSD/target", "goal"),
+    *("target batch", "DSD batch", "DSD tok/round"),
+)
+OVERHEAD_HEADERS = (
+    *("run", "rounds", "wait p50", "verify p50", "queue p50", "overhead p50", "overhead p99"),
+    *("agent<->coord p50", "coord p50", "coord<->verifier p50", "agent turn p50"),
+)
+PROACTIVE_HEADERS = (
+    *("sessions", "on tok/s", "off tok/s", "on/off", "on session tok/s", "off session tok/s"),
+    *("hits/misses/skipped", "on turn p50", "off turn p50"),
+)
+
+
+def single_session(results: Sequence[RunResult]) -> tuple[Table, Goal]:
+    target, dsd = _find(results, "target", 1), _find(results, "dsd", 1)
+    rows = [
+        [
+            *(r.config.label, len(r.sessions), r.tokens, r.rounds, r.tokens / r.rounds),
+            "-" if r.alpha is None else r.alpha,
+            r.session_tokens_per_s,
+            median([float(s["tokens_per_s"]) for s in r.sessions]),
+        ]
+        for r in (target, dsd)
+    ]
+    ratio = _ratio(dsd.session_tokens_per_s, target.session_tokens_per_s)
+    goal = Goal("single-session tokens/s, DSD / target-only", SINGLE_SESSION_GOAL, ratio)
+    return (SINGLE_HEADERS, rows), goal
+
+
+def throughput(results: Sequence[RunResult], levels: Sequence[int]) -> tuple[Table, list[Goal]]:
+    rows: list[list[Any]] = []
+    goals: list[Goal] = []
+    for level in levels:
+        target, dsd = _find(results, "target", level), _find(results, "dsd", level)
+        ratio = _ratio(dsd.throughput, target.throughput)
+        wanted = THROUGHPUT_GOALS.get(level)
+        verdict = "-"
+        if wanted is not None:
+            goal = Goal(
+                f"verifier throughput at {level} sessions, DSD / target-only", wanted, ratio
+            )
+            goals.append(goal)
+            verdict = f">= {wanted} {'met' if goal.met else 'NOT met'}"
+        rows.append(
+            [
+                *(level, len(dsd.sessions), target.throughput, dsd.throughput, ratio, verdict),
+                *(target.mean_batch, dsd.mean_batch, dsd.tokens / dsd.rounds),
+            ]
+        )
+    return (THROUGHPUT_HEADERS, rows), goals
+
+
+def overhead(results: Sequence[RunResult]) -> tuple[Table, list[Goal]]:
+    rows: list[list[Any]] = []
+    for r in results:
+        if not r.config.proactive:
+            continue
+        ms = r.summary()["ms"]
+        rows.append(
+            [
+                *(r.config.label, len(r.timings), ms["wait"]["p50"], ms["verify"]["p50"]),
+                *(ms["queue"]["p50"], ms["overhead"]["p50"], ms["overhead"]["p99"]),
+                *(ms["agent_legs"]["p50"], ms["coordinator"]["p50"], ms["verifier_leg"]["p50"]),
+                ms["turnaround"]["p50"],
+            ]
+        )
+    goals: list[Goal] = []
+    if any(r.config.mode == "dsd" and r.config.sessions == 1 for r in results):
+        values = _find(results, "dsd", 1).values(lambda t: t.overhead_ms)
+        goals += [
+            Goal("per-round overhead p50, DSD x1, ms", OVERHEAD_P50_GOAL_MS, median(values), True),
+            Goal(
+                "per-round overhead p99, DSD x1, ms",
+                OVERHEAD_P99_GOAL_MS,
+                percentile(values, 99),
+                True,
+            ),
+        ]
+    return (OVERHEAD_HEADERS, rows), goals
+
+
+def proactive(results: Sequence[RunResult], levels: Sequence[int]) -> Table:
+    rows: list[list[Any]] = []
+    for level in levels:
+        on, off = _find(results, "dsd", level), _find(results, "dsd", level, proactive=False)
+        on_s, off_s = on.summary(), off.summary()
+        counts = (on_s["proactive_hits"], on_s["proactive_misses"], on_s["proactive_skipped"])
+        rows.append(
+            [
+                *(level, on.throughput, off.throughput, _ratio(on.throughput, off.throughput)),
+                *(on.session_tokens_per_s, off.session_tokens_per_s),
+                "/".join(str(c) for c in counts),
+                *(on_s["ms"]["turnaround"]["p50"], off_s["ms"]["turnaround"]["p50"]),
+            ]
+        )
+    return PROACTIVE_HEADERS, rows
+
+
+def identity_check(results: Sequence[RunResult]) -> tuple[int, list[str]]:
+    """DSD answers compared with the target-only answer to the same prompt: (checked, differing)."""
+    reference: dict[str, list[int]] = {}
+    for result in results:
+        if result.config.mode == "target":
+            for s in result.sessions:
+                reference.setdefault(s["prompt_id"], s["token_ids"])
+    checked = 0
+    differing: list[str] = []
+    for result in results:
+        if result.config.mode != "dsd":
+            continue
+        for s in result.sessions:
+            expected = reference.get(s["prompt_id"])
+            if expected is None:
+                continue
+            checked += 1
+            if s["token_ids"] != expected:
+                differing.append(f"{result.config.label}:{s['prompt_id']}")
+    return checked, differing
+
+
+def _print_table(title: str, table: Table) -> None:
+    print(f"\n{title}")
+    print(format_table(*table))
+
+
+def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
+    """Print a table per part and the goals; return the JSON document."""
+    results = run.results
+    levels = list(args.sessions)
+    k_text = f"k={args.k}" if args.k is not None else "its own k"
+    print(
+        f"\nbroker {run.broker}; database {run.database}; 1 verifier (threads=1); "
+        f"{args.agents} agents; drafter {args.drafter} ({k_text}); greedy; "
+        f"at most {args.max_tokens} tokens per session"
+    )
+    if args.broker is None:
+        print(
+            "private Mosquitto with set_tcp_nodelay true; the shared one on :1883 lacks "
+            "TCP_NODELAY and adds ~40 ms per hop (see `specfleet bench bus`)"
+        )
+    elif f":{SHARED_BROKER_PORT}" in args.broker:
+        print(
+            "WARNING: the shared Mosquitto on :1883 lacks TCP_NODELAY and adds ~40 ms per hop; "
+            "these figures include that"
+        )
+    print("target-only: the same fleet and verifier, k=0 drafts (one target token per round)")
+    goals: list[Goal] = []
+    if 1 in levels:
+        table, goal = single_session(results)
+        goals.append(goal)
+        _print_table("1. single session (sessions one after another)", table)
+        print(f"DSD / target-only: {goal.measured:.2f}x (goal >= {goal.goal}x)")
+    table, more = throughput(results, levels)
+    goals += more
+    _print_table("2. verifier throughput, committed tokens/s (one verifier, batching)", table)
+    table, more = overhead(results)
+    goals += more
+    _print_table(
+        "3. per-round time, ms; overhead = agent wait - verifier compute - verifier queue", table
+    )
+    unmatched = sum(r.unmatched_rounds for r in results)
+    if unmatched:
+        print(f"({unmatched} rounds had no coordinator record to match and are left out)")
+    if args.proactive_sessions:
+        table = proactive(results, args.proactive_sessions)
+        _print_table(f"4. proactive drafting on vs off (DSD, {args.drafter}; turn in ms)", table)
+
+    checked, differing = identity_check(results)
+    drafted_target_rounds = sum(r.drafted_rounds for r in results if r.config.mode == "target")
+    differ_text = f" (differ: {', '.join(differing[:8])})" if differing else ""
+    print(
+        f"\ngreedy DSD answers equal to target-only: {checked - len(differing)}/{checked}"
+        f"{differ_text}; target-only rounds that carried a draft: {drafted_target_rounds}"
+    )
+    print("goals")
+    for goal in goals:
+        print(f"  {goal.line()}")
+    return {
+        "benchmark": "e2e",
+        "settings": {
+            "drafter": args.drafter,
+            "k": args.k,
+            "max_tokens": args.max_tokens,
+            "limit": args.limit,
+            "sessions": levels,
+            "proactive_sessions": list(args.proactive_sessions),
+            "agents": args.agents,
+            "verifiers": 1,
+            "verifier_threads": 1,
+            "broker": run.broker,
+            "private_mosquitto": args.broker is None,
+            "database": run.database,
+            "workdir": str(run.workdir),
+        },
+        "runs": [r.summary() for r in results],
+        "goals": [
+            {"goal": g.what, "target": g.goal, "measured": g.measured, "met": g.met} for g in goals
+        ],
+        "identity": {"checked": checked, "differing": differing},
+        "target_only_rounds_with_a_draft": drafted_target_rounds,
+        "target_only_sessions_held_at_k0": run.zero_window_sessions,
+        "sessions": [{"run": r.config.label, **s} for r in results for s in r.sessions],
+        "rounds": [
+            {
+                "run": r.config.label,
+                "wait_ms": t.wait_ms,
+                "handler_ms": t.handler_ms,
+                "round_trip_ms": t.leg.round_trip_ms,
+                "queue_ms": t.leg.queue_ms,
+                "verify_ms": t.leg.verify_ms,
+                "batch_size": t.leg.batch_size,
+            }
+            for r in results
+            for t in r.timings
+        ],
+    }
+
+
+@dataclass
+class _QuietLoggers:
+    """The in-process coordinator logs every session at INFO; the progress bars need quiet."""
+
+    names: tuple[str, ...] = ("coordinator", "broker", "httpx", "verifier")
+    saved: dict[str, int] = field(default_factory=dict)
+
+    def __enter__(self) -> None:
+        for name in self.names:
+            logger = logging.getLogger(name)
+            self.saved[name] = logger.level
+            logger.setLevel(logging.WARNING)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, level in self.saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def run(args: argparse.Namespace) -> int:
+    from coordinator.settings import Settings
+    from specfleet.cli import CommandError
+
+    check_arguments(args)
+    check_drafter(args.drafter, Settings().resolved_models_dir)
+    try:
+        prompts = interleave_tasks(read_prompts(args.prompts), args.limit)
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"cannot read prompts: {exc}") from exc
+    tasks = sorted({p.task for p in prompts})
+    print(
+        f"{len(prompts)} prompts ({', '.join(tasks)}); levels {list(args.sessions)}",
+        file=sys.stderr,
+    )
+    with _QuietLoggers():
+        bench_run = asyncio.run(run_bench(args, prompts))
+    document = report(bench_run, args)
+    if args.json is not None:
+        write_json(args.json, document)
+        print(f"wrote {args.json}")
+    return 0
