@@ -24,11 +24,12 @@ and every DSD answer is compared with the target-only answer to the same prompt.
    handed to the bus until its verdict is in the session's inbox) minus the verifier's compute
    (`verify_batch` in its inference process) and its queue (request received until its batch
    goes to the inference process: the batching window plus any wait behind other batches).
-   Two probes in the in-process coordinator (its Draft handler and `VerifierPool.verify`,
-   wrapped) split the rest into the agent<->coordinator legs (wait - handler), the coordinator's
-   own work (validation, stop rules, persistence, verdict publish: handler - verifier round
-   trip) and the coordinator<->verifier leg (round trip - queue - compute: two broker hops, JSON,
-   the pipe to the inference process). Each term is a difference of durations measured inside
+   Probes in the in-process coordinator (its Draft handler, `VerifierPool.verify` and the round
+   writer, wrapped) split the rest into the agent<->coordinator legs (wait - handler), the
+   persistence of the round (its group commit), the rest of the coordinator's work (validation,
+   stop rules, the verdict and its publish: handler - verifier round trip - persistence) and the
+   coordinator<->verifier leg (round trip - queue - compute: two broker hops, JSON, the pipe to
+   the inference process). Each term is a difference of durations measured inside
    one process; no clocks are compared across processes.
 4. Proactive drafting: the DSD levels in --proactive-sessions run again with proactive drafting
    off (the local API's per-session switch), compared with the same levels' DSD runs (on).
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     import httpx
 
     from broker import messages as m
+    from coordinator.db.models import Round, SessionStatus
     from coordinator.localfleet import LocalFleet
     from coordinator.service import Coordinator
 
@@ -250,6 +252,7 @@ class RoundTiming:
 
     wait_ms: float  # agent: draft handed to the bus until its verdict arrived
     handler_ms: float  # coordinator: Draft handler start until the verdict was published
+    persist_ms: float  # coordinator: the round's group commit, queue to the writer included
     leg: VerifierLeg
 
     @property
@@ -270,6 +273,11 @@ class RoundTiming:
         return self.handler_ms - self.leg.round_trip_ms
 
     @property
+    def other_coordinator_ms(self) -> float:
+        """Validation, the request, stop rules, the verdict and its publish: all but persisting."""
+        return self.coordinator_ms - self.persist_ms
+
+    @property
     def verifier_leg_ms(self) -> float:
         return self.leg.round_trip_ms - self.leg.queue_ms - self.leg.verify_ms
 
@@ -278,10 +286,12 @@ RoundKey = tuple[str, int]  # (session id, round)
 
 
 class CoordinatorProbes:
-    """Wraps the in-process coordinator's Draft handler and verifier pool to time each round.
+    """Wraps the in-process coordinator's Draft handler, verifier pool and round writer.
 
     Each wrapper adds two perf_counter reads and a dict store per round. The SessionOpen handler
     is wrapped too, to keep a window of 0 that an agent asks for (the target-only baseline).
+    The round writer is the book's private `_writer`: there is no public handle on persistence,
+    and without it the coordinator's share cannot be split into persisting and the rest.
     """
 
     def __init__(self, coordinator: Coordinator) -> None:
@@ -289,12 +299,15 @@ class CoordinatorProbes:
 
         self.handler_ms: dict[RoundKey, float] = {}
         self.legs: dict[RoundKey, VerifierLeg] = {}
+        self.persist_ms: dict[RoundKey, float] = {}
         self.zero_window_sessions: set[str] = set()
         book = coordinator.book
         pool = coordinator.verifiers
         handle_draft = coordinator.device_handlers[m.Draft]
         handle_open = coordinator.device_handlers[m.SessionOpen]
         pool_verify = pool.verify
+        writer = book._writer
+        write_round = writer.write
 
         async def timed_verify(request: m.VerifyRequest) -> m.VerifyResult:
             started = time.perf_counter()
@@ -306,6 +319,12 @@ class CoordinatorProbes:
                 result.batch_size,
             )
             return result
+
+        async def timed_write(row: Round, generated: list[int], status: SessionStatus) -> None:
+            started = time.perf_counter()
+            await write_round(row, generated, status)
+            key = (str(row.session_id), row.round_index)
+            self.persist_ms[key] = (time.perf_counter() - started) * 1e3
 
         async def timed_draft(device_id: str, draft: m.Draft) -> None:
             started = time.perf_counter()
@@ -321,6 +340,7 @@ class CoordinatorProbes:
                 self.zero_window_sessions.add(request.session_id)
 
         pool.verify = timed_verify  # type: ignore[method-assign]
+        writer.write = timed_write  # type: ignore[method-assign]
         coordinator.device_handlers[m.Draft] = timed_draft
         coordinator.device_handlers[m.SessionOpen] = open_keeping_zero_window
 
@@ -331,7 +351,8 @@ class CoordinatorProbes:
         for index, wait in enumerate(wait_ms):
             key = (session_id, index)
             if key in self.legs and key in self.handler_ms:
-                matched.append(RoundTiming(wait, self.handler_ms[key], self.legs[key]))
+                persist = self.persist_ms.get(key, float("nan"))
+                matched.append(RoundTiming(wait, self.handler_ms[key], persist, self.legs[key]))
             else:
                 missing += 1
         return matched, missing
@@ -418,6 +439,8 @@ class RunResult:
                 "beyond_compute": stats(lambda t: t.beyond_compute_ms),
                 "agent_legs": stats(lambda t: t.agent_legs_ms),
                 "coordinator": stats(lambda t: t.coordinator_ms),
+                "persist": stats(lambda t: t.persist_ms),
+                "other_coordinator": stats(lambda t: t.other_coordinator_ms),
                 "verifier_leg": stats(lambda t: t.verifier_leg_ms),
                 "turnaround": {"p50": median(turnaround), "p99": percentile(turnaround, 99)},
             },
@@ -613,7 +636,8 @@ THROUGHPUT_HEADERS = (
 )
 OVERHEAD_HEADERS = (
     *("run", "rounds", "wait p50", "verify p50", "queue p50", "overhead p50", "overhead p99"),
-    *("agent<->coord p50", "coord p50", "coord<->verifier p50", "agent turn p50"),
+    *("agent<->coord p50", "persist p50", "coord rest p50", "coord<->verifier p50"),
+    "agent turn p50",
 )
 PROACTIVE_HEADERS = (
     *("sessions", "on tok/s", "off tok/s", "on/off", "on session tok/s", "off session tok/s"),
@@ -646,9 +670,7 @@ def throughput(results: Sequence[RunResult], levels: Sequence[int]) -> tuple[Tab
         wanted = THROUGHPUT_GOALS.get(level)
         verdict = "-"
         if wanted is not None:
-            goal = Goal(
-                f"verifier throughput at {level} sessions, DSD / target-only", wanted, ratio
-            )
+            goal = Goal(f"verifier throughput x{level}, DSD / target-only", wanted, ratio)
             goals.append(goal)
             verdict = f">= {wanted} {'met' if goal.met else 'NOT met'}"
         rows.append(
@@ -670,7 +692,8 @@ def overhead(results: Sequence[RunResult]) -> tuple[Table, list[Goal]]:
             [
                 *(r.config.label, len(r.timings), ms["wait"]["p50"], ms["verify"]["p50"]),
                 *(ms["queue"]["p50"], ms["overhead"]["p50"], ms["overhead"]["p99"]),
-                *(ms["agent_legs"]["p50"], ms["coordinator"]["p50"], ms["verifier_leg"]["p50"]),
+                *(ms["agent_legs"]["p50"], ms["persist"]["p50"], ms["other_coordinator"]["p50"]),
+                ms["verifier_leg"]["p50"],
                 ms["turnaround"]["p50"],
             ]
         )
@@ -815,6 +838,7 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
                 "run": r.config.label,
                 "wait_ms": t.wait_ms,
                 "handler_ms": t.handler_ms,
+                "persist_ms": t.persist_ms,
                 "round_trip_ms": t.leg.round_trip_ms,
                 "queue_ms": t.leg.queue_ms,
                 "verify_ms": t.leg.verify_ms,
