@@ -206,14 +206,14 @@ class VerifierCore:
             return f"context plus draft is {total} positions; the target holds {self.max_positions}"
         return ""
 
-    def _session(self, session_id: str) -> _Session:
+    def _session(self, session_id: str) -> tuple[_Session, bool]:
+        """The session's cache, most recent from now on; True when it was cached already."""
         session = self._sessions.get(session_id)
         if session is None:
-            session = _Session(self.runtime.new_cache())
-            self._sessions[session_id] = session
-        else:
-            self._sessions.move_to_end(session_id)
-        return session
+            session = self._sessions[session_id] = _Session(self.runtime.new_cache())
+            return session, False
+        self._sessions.move_to_end(session_id)
+        return session, True
 
     def _missing_tail(self, session: _Session, prefix: list[int]) -> list[int]:
         """Trim the cache to what it shares with `prefix`; return the part of `prefix` it lacks."""
@@ -239,7 +239,7 @@ class VerifierCore:
         for index in indices:
             request = requests[index]
             context = list(request.context_ids)
-            session = self._session(request.session_id)
+            session, cached = self._session(request.session_id)
             try:
                 tail = self._missing_tail(session, context[:-1])
                 prefilled = len(tail)
@@ -252,7 +252,7 @@ class VerifierCore:
                 self._sessions.pop(request.session_id, None)
                 done.append((index, _failed(request, f"prefill failed: {exc}")))
                 continue
-            if prefilled:
+            if prefilled or not cached:
                 self._misses += 1
                 self._prefilled += prefilled
             else:

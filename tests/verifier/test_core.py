@@ -15,7 +15,7 @@ from broker.messages import SamplingSpec, VerifyRequest
 from inference.onnx_runtime import OnnxRuntime
 from inference.sampling import SamplingParams, SparseDraftProbs, rejection_sample, round_rng
 from inference.tokenizer import ChatTokenizer
-from verifier.core import INLINE_PREFILL_MAX, Verification, VerifierCore
+from verifier.core import INLINE_PREFILL_MAX, Verification, VerifierCore, sparse_q
 
 Target = tuple[OnnxRuntime, ChatTokenizer]
 K = 4
@@ -211,3 +211,20 @@ def test_refused_request_and_duplicate_session_in_one_batch(target: Target) -> N
     assert results[0].ok and verdict(results[0]) == verdict(results[2])
     assert results[2].prefilled == 0  # the resend ran after the first, on its cache
     assert "vocabulary" in results[1].error
+
+
+def test_sparse_q_pads_ragged_rows_with_zero_probability() -> None:
+    request = make_request(
+        "q",
+        0,
+        [1, 2],
+        [5, 6],
+        SamplingSpec(temperature=1.0),
+        [[5, 9, 3], [6]],
+        [[0.5, 0.3, 0.2], [1.0]],
+    )
+    q = sparse_q(request)
+    assert q is not None and q.ids.shape == q.probs.shape == (2, 3)
+    assert q.prob_of(0, 5) == 0.5 and q.prob_of(1, 6) == 1.0 and q.prob_of(1, 9) == 0.0
+    np.testing.assert_allclose(q.dense(1, 10)[6], 1.0)
+    assert sparse_q(make_request("g", 0, [1, 2], [5])) is None
