@@ -6,6 +6,7 @@ cancelled from the API."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 import uuid
@@ -51,6 +52,30 @@ async def _wait_for_status(
             return body
         assert time.monotonic() < deadline, f"session {session_id}: {response.text[:300]}"
         await asyncio.sleep(0.2)
+
+
+async def _read_text_stream(client: httpx.AsyncClient, session_id: str) -> dict[str, Any]:
+    """The coordinator's SSE text stream of a session, read as a client would."""
+    for _ in range(100):  # the agent opens the session a moment after the API accepts it
+        async with client.stream("GET", f"/api/v1/sessions/{session_id}/stream") as response:
+            if response.status_code == 404:
+                await asyncio.sleep(0.1)
+                continue
+            assert response.status_code == 200, await response.aread()
+            deltas: list[str] = []
+            done: dict[str, Any] = {}
+            event = ""
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:])
+                    if event == "text":
+                        deltas.append(data["delta"])
+                    elif event == "done":
+                        done = data
+            return {"deltas": deltas, "done": done}
+    raise AssertionError(f"session {session_id} never appeared")
 
 
 async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -109,10 +134,12 @@ async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], d
                     },
                 )
                 assert started.status_code == 202, started.text
+                streamed = asyncio.create_task(_read_text_stream(client, started.json()["id"]))
                 finished = await _wait_for_status(
                     client, started.json()["id"], {"finished", "failed", "cancelled"}, 90
                 )
                 finished["metrics"] = (await client.get("/metrics")).text
+                finished["streamed"] = await asyncio.wait_for(streamed, 30)
 
                 long_one = await client.post(
                     "/api/v1/sessions",
@@ -154,6 +181,9 @@ def test_a_session_started_from_the_api_completes_on_an_agent(
     )
     assert generated == reference.tokens
     assert finished["text"] == tokenizer.decode(reference.tokens)
+    # The coordinator's stream gave the same text, as it was committed, then the end.
+    assert "".join(finished["streamed"]["deltas"]) == finished["text"]
+    assert finished["streamed"]["done"] == {"status": "finished", "tokens": len(generated)}
     # Every persisted round reached /metrics through the service's round observer.
     samples = {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value

@@ -3,13 +3,19 @@ coordinator service (see coordinator.live)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 import uuid
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Annotated
 
 import sqlalchemy as sa
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi import status as http
+from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
 from broker.topics import DEVICE_ID_PATTERN
@@ -341,3 +347,66 @@ async def cancel_session(
         )
     )
     return SessionStarted(id=session_id)
+
+
+# The text stream polls the session row this often; the committed tokens only ever grow.
+TEXT_POLL_INTERVAL_S = 0.05
+TEXT_STREAM_IDLE_S = 600.0
+
+
+def _committed(
+    sessions: sessionmaker[Session], session_id: uuid.UUID
+) -> tuple[list[int], SessionStatus] | None:
+    with sessions() as db:
+        row = db.get(DecodingSession, session_id)
+        return None if row is None else (list(row.committed_ids), row.status)
+
+
+@router.get("/{session_id}/stream", response_class=StreamingResponse)
+async def stream_session_text(
+    request: Request, decoder: TokenDecoderDep, session_id: uuid.UUID
+) -> StreamingResponse:
+    """Server-sent events: the session's text as it is committed (`text` events with `delta`
+    and `committed`), then one `done` event with the final status. Reading a finished session
+    gives its whole text at once."""
+    if decoder is None:
+        raise HTTPException(http.HTTP_503_SERVICE_UNAVAILABLE, "no target tokenizer is built")
+    sessions: sessionmaker[Session] = request.app.state.sessions
+    first = await asyncio.to_thread(_committed, sessions, session_id)
+    if first is None:
+        raise HTTPException(http.HTTP_404_NOT_FOUND, f"no session {session_id}")
+    active = (SessionStatus.ACTIVE, SessionStatus.SUSPENDED)
+
+    async def frames() -> AsyncIterator[str]:
+        detokenizer = decoder.detokenizer()
+        sent = 0
+        last_change = time.monotonic()
+        snapshot: tuple[list[int], SessionStatus] | None = first
+        while snapshot is not None:
+            ids, status = snapshot
+            if len(ids) > sent:
+                delta = detokenizer.push(ids[sent:])
+                sent = len(ids)
+                last_change = time.monotonic()
+                payload = json.dumps({"delta": delta, "committed": sent})
+                yield f"event: text\ndata: {payload}\n\n"
+            if status not in active:
+                tail = detokenizer.flush()
+                if tail:
+                    yield f"event: text\ndata: {json.dumps({'delta': tail, 'committed': sent})}\n\n"
+                done = json.dumps({"status": status.value, "tokens": sent})
+                yield f"event: done\ndata: {done}\n\n"
+                return
+            if await request.is_disconnected():
+                return
+            if time.monotonic() - last_change > TEXT_STREAM_IDLE_S:
+                yield 'event: done\ndata: {"status": "idle"}\n\n'
+                return
+            await asyncio.sleep(TEXT_POLL_INTERVAL_S)
+            snapshot = await asyncio.to_thread(_committed, sessions, session_id)
+
+    return StreamingResponse(
+        frames(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
