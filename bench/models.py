@@ -21,12 +21,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.report import format_table, median, write_json
-
-if TYPE_CHECKING:
-    from inference.runtime import Runtime
+from inference.runtime import KVCache, Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
@@ -84,22 +82,57 @@ def solve_alpha(tokens_per_pass: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def forward_cost_ms(runtime: Runtime, n_new: int, batch: int = 1) -> float:
-    """One pass over `n_new` new positions per sequence, `batch` sequences, COST_CONTEXT deep."""
-    caches = []
-    for _ in range(batch):
-        cache = runtime.new_cache()
-        runtime.forward([1 + i % 100 for i in range(COST_CONTEXT)], cache)
-        caches.append(cache)
-    new = [7] * n_new
-    samples = []
-    for _ in range(COST_REPEATS + 1):  # the first pass warms up
-        start = time.perf_counter()
-        runtime.forward_batch([(new, cache) for cache in caches])
-        samples.append((time.perf_counter() - start) * 1e3)
-        for cache in caches:
-            cache.trim(COST_CONTEXT)
-    return median(samples[1:])
+@dataclass(frozen=True)
+class PassShape:
+    """One kind of pass to time: `n_new` positions for each of `batch` sequences."""
+
+    label: str
+    runtime: Runtime
+    n_new: int
+    batch: int = 1
+
+
+def measure_pass_costs(
+    shapes: Sequence[PassShape], repeats: int = COST_REPEATS
+) -> dict[str, float]:
+    """Median milliseconds of each pass shape, COST_CONTEXT positions deep.
+
+    The shapes take turns, one pass each per repeat, so that load from other processes drifting
+    during the measurement touches every shape alike and their ratios stay meaningful.
+    """
+    caches: dict[str, list[KVCache]] = {}
+    for shape in shapes:
+        caches[shape.label] = []
+        for _ in range(shape.batch):
+            cache = shape.runtime.new_cache()
+            shape.runtime.forward([1 + i % 100 for i in range(COST_CONTEXT)], cache)
+            caches[shape.label].append(cache)
+    samples: dict[str, list[float]] = {shape.label: [] for shape in shapes}
+    for repeat in range(repeats + 1):  # the first round warms up
+        for shape in shapes:
+            new = [7] * shape.n_new
+            start = time.perf_counter()
+            shape.runtime.forward_batch([(new, cache) for cache in caches[shape.label]])
+            if repeat:
+                samples[shape.label].append((time.perf_counter() - start) * 1e3)
+            for cache in caches[shape.label]:
+                cache.trim(COST_CONTEXT)
+    return {label: median(values) for label, values in samples.items()}
+
+
+@dataclass
+class RunTotals:
+    """What one decoding configuration produced over all prompts."""
+
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    tokens: int = 0
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    exact: bool = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,59 +215,44 @@ def run(args: argparse.Namespace) -> int:
     eos = tokenizer.eos_id
     prompt_ids = [tokenizer.apply_chat_template(p.prompt) for p in prompts]
 
-    # Costs of single passes.
-    costs: dict[str, Any] = {}
-    with tqdm(total=1 + len(VERIFY_KS) + len(BATCHES), desc="target costs") as bar:
-        decode_ms = forward_cost_ms(target, 1)
-        bar.update()
-        verify_ms = {}
-        for k in VERIFY_KS:
-            verify_ms[k] = forward_cost_ms(target, k + 1)
-            bar.update()
-        batch_ms = {}
-        for batch in BATCHES:
-            batch_ms[batch] = forward_cost_ms(target, 1, batch)
-            bar.update()
-    costs["target"] = {
-        "decode_ms": decode_ms,
-        "verify_ms": {str(k): v for k, v in verify_ms.items()},
-        "batch_ms": {str(b): v for b, v in batch_ms.items()},
-    }
-    draft_costs = {}
-    for draft in tqdm(list_drafts(models_dir), desc="draft costs"):
-        name = draft.manifest.name
+    drafts = list_drafts(models_dir)
+    draft_runtimes: dict[str, Runtime] = {}
+    draft_errors: dict[str, str] = {}
+    for draft in drafts:
         try:
-            runtime = load_draft_runtime(models_dir, name, args.threads)
+            draft_runtimes[draft.manifest.name] = load_draft_runtime(
+                models_dir, draft.manifest.name, args.threads
+            )
         except (DrafterError, ImportError) as exc:
             # A runtime that cannot load here (no LiteRT wheel, say) is reported, not fatal.
-            draft_costs[name] = {"format": draft.format, "error": str(exc)}
-            continue
-        ms = forward_cost_ms(runtime, 1)
-        draft_costs[name] = {
-            "format": draft.format,
-            "head_size": runtime.vocab_size,
-            "ms_per_token": ms,
-            "fraction_of_target_decode": ms / decode_ms,
-        }
-    costs["drafts"] = draft_costs
-
-    # The target alone: the baseline of the speedups and the greedy path alpha is measured on.
-    baseline_tokens: list[list[int]] = []
-    baseline_decode_ms = 0.0
-    baseline_total_ms = 0.0
-    for ids in tqdm(prompt_ids, desc="target alone", unit="prompt"):
-        result = decode_target(target, ids, args.max_tokens, greedy, eos)
-        baseline_tokens.append(result.tokens)
-        baseline_decode_ms += result.decode_ms
-        baseline_total_ms += result.total_ms
-    n_baseline = sum(len(t) for t in baseline_tokens)
-    baseline = {
-        "tokens": n_baseline,
-        "decode_s": baseline_decode_ms / 1e3,
-        "total_s": baseline_total_ms / 1e3,
-        "tokens_per_s": n_baseline / (baseline_decode_ms / 1e3),
-        "decode_ms_per_token": baseline_decode_ms / n_baseline,
+            draft_errors[draft.manifest.name] = str(exc)
+    shapes = [PassShape("decode", target, 1)]
+    shapes += [PassShape(f"verify-{k}", target, k + 1) for k in VERIFY_KS]
+    shapes += [PassShape(f"batch-{b}", target, 1, b) for b in BATCHES]
+    shapes += [PassShape(f"draft-{name}", rt, 1) for name, rt in draft_runtimes.items()]
+    print(f"timing {len(shapes)} pass shapes, {COST_REPEATS} turns each ...")
+    cost_ms = measure_pass_costs(shapes)
+    decode_ms = cost_ms["decode"]
+    costs: dict[str, Any] = {
+        "target": {
+            "decode_ms": decode_ms,
+            "verify_ms": {str(k): cost_ms[f"verify-{k}"] for k in VERIFY_KS},
+            "batch_ms": {str(b): cost_ms[f"batch-{b}"] for b in BATCHES},
+        },
+        "drafts": {},
     }
+    for draft in drafts:
+        name = draft.manifest.name
+        if name in draft_errors:
+            costs["drafts"][name] = {"format": draft.format, "error": draft_errors[name]}
+        else:
+            ms = cost_ms[f"draft-{name}"]
+            costs["drafts"][name] = {
+                "format": draft.format,
+                "head_size": draft_runtimes[name].vocab_size,
+                "ms_per_token": ms,
+                "fraction_of_target_decode": ms / decode_ms,
+            }
 
     def proposer(name: str) -> Any:
         try:
@@ -242,8 +260,48 @@ def run(args: argparse.Namespace) -> int:
         except DrafterError as exc:
             raise CommandError(str(exc)) from exc
 
+    # Decoding: the target alone and every (drafter, k) take turns on each prompt, the order
+    # rotating from prompt to prompt, so that drifting load affects the baseline like the rest.
+    configs: list[tuple[str, int]] = [("", 0)]
+    configs += [(name, k) for name in names for k in (windows or [default_k(name)])]
+    drafters = {config: proposer(config[0]) for config in configs[1:]}
+    totals = {config: RunTotals() for config in configs}
+    baseline_tokens: list[list[int]] = []
+    for index, ids in enumerate(tqdm(prompt_ids, desc="decoding", unit="prompt")):
+        turn = configs[index % len(configs) :] + configs[: index % len(configs)]
+        outputs: dict[tuple[str, int], list[int]] = {}
+        for config in turn:
+            if config == ("", 0):
+                result = decode_target(target, ids, args.max_tokens, greedy, eos)
+            else:
+                result = decode_speculative(
+                    target, drafters[config], ids, config[1], args.max_tokens, greedy, eos
+                )
+            outputs[config] = result.tokens
+            t = totals[config]
+            t.decode_ms += result.decode_ms
+            t.total_ms += result.total_ms
+            t.draft_ms += result.draft_ms
+            t.verify_ms += result.verify_ms
+            t.tokens += len(result.tokens)
+            t.passes += result.target_passes
+            t.drafted += result.n_drafted
+            t.accepted += result.n_accepted
+        baseline_tokens.append(outputs[("", 0)])
+        for config in configs[1:]:
+            totals[config].exact &= outputs[config] == outputs[("", 0)]
+
+    base = totals[("", 0)]
+    baseline = {
+        "tokens": base.tokens,
+        "decode_s": base.decode_ms / 1e3,
+        "total_s": base.total_ms / 1e3,
+        "tokens_per_s": base.tokens / (base.decode_ms / 1e3),
+        "decode_ms_per_token": base.decode_ms / base.tokens,
+    }
+
+    # Acceptance along the target's greedy path (no timing, so it needs no interleaving).
     acceptance: dict[str, dict[str, float]] = {}
-    alpha_all: dict[str, float] = {}
     for name in names:
         drafter = proposer(name)
         per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -256,58 +314,38 @@ def run(args: argparse.Namespace) -> int:
             per_task[prompt.task][0] += matches
             per_task[prompt.task][1] += positions
         acceptance[name] = {task: m / n for task, (m, n) in sorted(per_task.items()) if n}
-        total_m = sum(m for m, _ in per_task.values())
-        total_n = sum(n for _, n in per_task.values())
-        alpha_all[name] = total_m / total_n if total_n else 0.0
-        acceptance[name]["all"] = alpha_all[name]
+        all_m = sum(m for m, _ in per_task.values())
+        all_n = sum(n for _, n in per_task.values())
+        acceptance[name]["all"] = all_m / all_n if all_n else 0.0
 
     speculative: list[dict[str, Any]] = []
-    for name in names:
-        for k in windows or [default_k(name)]:
-            drafter = proposer(name)
-            decode_total = draft_total = verify_total = 0.0
-            total_ms = 0.0
-            tokens = passes = drafted = accepted = 0
-            exact = True
-            for ids, reference in tqdm(
-                list(zip(prompt_ids, baseline_tokens, strict=True)),
-                desc=f"speculative {name} k={k}",
-                unit="prompt",
-            ):
-                result = decode_speculative(target, drafter, ids, k, args.max_tokens, greedy, eos)
-                exact &= result.tokens == reference
-                decode_total += result.decode_ms
-                total_ms += result.total_ms
-                draft_total += result.draft_ms
-                verify_total += result.verify_ms
-                tokens += len(result.tokens)
-                passes += result.target_passes
-                drafted += result.n_drafted
-                accepted += result.n_accepted
-            tokens_per_pass = tokens / passes
-            draft_ms_per_token = draft_total / drafted if drafted else float("nan")
-            speculative.append(
-                {
-                    "drafter": name,
-                    "k": k,
-                    "exact": exact,
-                    "alpha": alpha_all[name],
-                    "tokens_per_pass": tokens_per_pass,
-                    "predicted_tokens_per_pass": leviathan_expected_tokens(alpha_all[name], k),
-                    "alpha_eff": solve_alpha(tokens_per_pass, k),
-                    "drafted": drafted,
-                    "accepted": accepted,
-                    "acceptance_of_drafted": accepted / drafted if drafted else 0.0,
-                    "draft_ms_per_token": draft_ms_per_token,
-                    "draft_cost_fraction": draft_ms_per_token / baseline["decode_ms_per_token"],
-                    "verify_ms_per_pass": verify_total / passes,
-                    "decode_s": decode_total / 1e3,
-                    "total_s": total_ms / 1e3,
-                    "tokens_per_s": tokens / (decode_total / 1e3),
-                    "speedup": baseline_decode_ms / decode_total,
-                    "speedup_with_prefill": baseline_total_ms / total_ms,
-                }
-            )
+    for (name, k), t in ((c, totals[c]) for c in configs[1:]):
+        alpha = acceptance[name]["all"]
+        tokens_per_pass = t.tokens / t.passes
+        draft_ms_per_token = t.draft_ms / t.drafted if t.drafted else float("nan")
+        speculative.append(
+            {
+                "drafter": name,
+                "k": k,
+                "exact": t.exact,
+                "alpha": alpha,
+                "tokens_per_pass": tokens_per_pass,
+                "predicted_tokens_per_pass": leviathan_expected_tokens(alpha, k),
+                "alpha_eff": solve_alpha(tokens_per_pass, k),
+                "drafted_per_pass": t.drafted / t.passes,
+                "drafted": t.drafted,
+                "accepted": t.accepted,
+                "acceptance_of_drafted": t.accepted / t.drafted if t.drafted else 0.0,
+                "draft_ms_per_token": draft_ms_per_token,
+                "draft_cost_fraction": draft_ms_per_token / baseline["decode_ms_per_token"],
+                "verify_ms_per_pass": t.verify_ms / t.passes,
+                "decode_s": t.decode_ms / 1e3,
+                "total_s": t.total_ms / 1e3,
+                "tokens_per_s": t.tokens / (t.decode_ms / 1e3),
+                "speedup": base.decode_ms / t.decode_ms,
+                "speedup_with_prefill": base.total_ms / t.total_ms,
+            }
+        )
 
     document = {
         "target": target.name,
@@ -358,12 +396,15 @@ def report(document: dict[str, Any]) -> str:
         for name, row in document["acceptance"].items()
     ]
     base = document["baseline"]
-    spec_rows = [("target alone", "-", "-", 1.0, "-", "-", "-", base["tokens_per_s"], 1.0, "yes")]
+    spec_rows = [
+        ("target alone", "-", "-", "-", 1.0, "-", "-", "-", base["tokens_per_s"], 1.0, "yes")
+    ]
     spec_rows += [
         (
             row["drafter"],
             row["k"],
             row["alpha"],
+            row["drafted_per_pass"],
             row["tokens_per_pass"],
             row["predicted_tokens_per_pass"],
             row["alpha_eff"],
@@ -381,12 +422,14 @@ def report(document: dict[str, Any]) -> str:
             format_table(("pass", "ms", "x decode"), cost_rows),
             "greedy acceptance alpha (draft top-1 == target top-1 along the target's path)\n"
             + format_table(("drafter", *tasks, "all"), acceptance_rows),
-            "speculative decoding, greedy, against the target alone in the same run\n"
+            "speculative decoding, greedy, against the target alone in the same run (draft cost:\n"
+            "ms per drafted token / ms per target decode step; speedup: decode wall clock)\n"
             + format_table(
                 (
                     "drafter",
                     "k",
                     "alpha",
+                    "drafted/pass",
                     "tok/pass",
                     "E(alpha,k)",
                     "alpha_eff",
