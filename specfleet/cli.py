@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "inference.commands",
     "bench.commands",
     "verifier.commands",
+    "netem.commands",
 )
 
 
