@@ -24,15 +24,22 @@ and every DSD answer is compared with the target-only answer to the same prompt.
    handed to the bus until its verdict is in the session's inbox) minus the verifier's compute
    (`verify_batch` in its inference process) and its queue (request received until its batch
    goes to the inference process: the batching window plus any wait behind other batches).
-   Probes in the in-process coordinator (its Draft handler, `VerifierPool.verify` and the round
-   writer, wrapped) split the rest into the agent<->coordinator legs (wait - handler), the
-   persistence of the round (its group commit), the rest of the coordinator's work (validation,
-   stop rules, the verdict and its publish: handler - verifier round trip - persistence) and the
-   coordinator<->verifier leg (round trip - queue - compute: two broker hops, JSON, the pipe to
-   the inference process). Each term is a difference of durations measured inside
-   one process; no clocks are compared across processes.
-4. Proactive drafting: the DSD levels in --proactive-sessions run again with proactive drafting
-   off (the local API's per-session switch), compared with the same levels' DSD runs (on).
+   Probes in the in-process coordinator (its Draft handler, `VerifierPool.verify`, the round
+   writer and the book's publish function, wrapped) split the rest into: the agent<->coordinator
+   legs (wait - handler, where the handler's time ends as the verdict's publish begins: the draft
+   up, the verdict down, both agents' and the coordinator's dispatch), the persistence of the
+   round (its group commit), the rest of the coordinator's work (validation, the verify request,
+   stop rules, building the verdict) and the coordinator<->verifier leg (round trip - queue -
+   compute: two broker hops, JSON both ways, the pipe to the inference process and back). Each
+   term is a difference of durations measured inside one process; no clocks are compared across
+   processes. The goal is judged on the DSD single-session rounds.
+4. Proactive drafting: for --proactive-drafters (by default --drafter, plus a neural drafter
+   where one is installed, since copying drafters cost too little for drafting ahead to hide
+   anything) the levels in --proactive-sessions run with proactive drafting on and off (the local
+   API's per-session switch).
+
+The default run (10 prompts, 48 tokens, levels 1/4/16, part 4 at 1 and 4) takes 3-6 minutes on
+a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -68,6 +76,9 @@ DEFAULT_JSON = Path("bench-results/e2e.json")
 SHARED_BROKER_PORT = 1883
 LEVELS = (1, 4, 16)
 PROACTIVE_LEVELS = (1, 4)
+# Copying drafters cost next to nothing, so drafting ahead has little to hide with them; part 4
+# also runs this neural one by default where it is installed.
+NEURAL_PROACTIVE_DRAFTER = "hybrid+draft-l1"
 SESSIONS_PER_AGENT = 4  # concurrent sessions one agent is asked to run at most
 SESSION_TIMEOUT_S = 600.0
 WARMUP_TOKENS = 8
@@ -124,6 +135,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="levels run again with proactive drafting off; none skips the part (default: 1 4)",
     )
     parser.add_argument(
+        "--proactive-drafters",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help=f"drafters of part 4 (default: --drafter, and {NEURAL_PROACTIVE_DRAFTER} where "
+        "it is installed)",
+    )
+    parser.add_argument(
         "--agents", type=int, default=4, help="agent processes generating the load (default: 4)"
     )
     parser.add_argument(
@@ -149,17 +168,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One measured configuration: a decoding mode at a number of concurrent sessions."""
+    """One measured configuration: target-only or a drafter, at a number of concurrent sessions."""
 
-    mode: Mode
     sessions: int  # concurrent clients
+    drafter: str | None = None  # None: target-only (k=0 drafts)
     proactive: bool = True
 
     @property
+    def mode(self) -> Mode:
+        return "target" if self.drafter is None else "dsd"
+
+    @property
     def label(self) -> str:
-        if self.mode == "target":
+        if self.drafter is None:
             return f"target-only x{self.sessions}"
-        return f"DSD{'' if self.proactive else ' no-proactive'} x{self.sessions}"
+        return f"{self.drafter}{'' if self.proactive else ' no-proactive'} x{self.sessions}"
 
 
 def interleave_tasks(prompts: Sequence[BenchPrompt], limit: int) -> list[BenchPrompt]:
@@ -181,13 +204,22 @@ def level_work(prompts: Sequence[BenchPrompt], sessions: int) -> list[BenchPromp
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def plan(levels: Sequence[int], proactive_levels: Sequence[int]) -> list[RunConfig]:
+def plan(
+    levels: Sequence[int],
+    drafter: str,
+    proactive_levels: Sequence[int],
+    proactive_drafters: Sequence[str],
+) -> list[RunConfig]:
     """Target-only and DSD alternate level by level, so slow drifts of the machine hit both."""
     configs: list[RunConfig] = []
     for level in levels:
-        configs += [RunConfig("target", level), RunConfig("dsd", level)]
-        if level in proactive_levels:
-            configs.append(RunConfig("dsd", level, proactive=False))
+        configs += [RunConfig(level), RunConfig(level, drafter)]
+        if level not in proactive_levels:
+            continue
+        for name in proactive_drafters:
+            if name != drafter:
+                configs.append(RunConfig(level, name))
+            configs.append(RunConfig(level, name, proactive=False))
     return configs
 
 
@@ -220,13 +252,21 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"no prompts file {args.prompts}")
 
 
-def check_drafter(name: str, models_dir: Path) -> None:
+def resolve_drafters(args: argparse.Namespace, models_dir: Path) -> list[str]:
+    """Check the drafters named; return those of part 4 (the default adds a neural one)."""
     from inference.drafters import drafter_names
     from specfleet.cli import CommandError
 
     known = drafter_names(models_dir)
-    if name not in known:
-        raise CommandError(f"unknown drafter {name!r}; known: {', '.join(known)}")
+    named = args.proactive_drafters
+    if named is None:
+        named = [args.drafter]
+        if NEURAL_PROACTIVE_DRAFTER in known and args.drafter != NEURAL_PROACTIVE_DRAFTER:
+            named.append(NEURAL_PROACTIVE_DRAFTER)
+    for name in [args.drafter, *named]:
+        if name not in known:
+            raise CommandError(f"unknown drafter {name!r}; known: {', '.join(known)}")
+    return list(dict.fromkeys(named))
 
 
 def is_neural(name: str) -> bool:
@@ -250,9 +290,12 @@ class VerifierLeg:
 class RoundTiming:
     """One verified round, its agent wait split by where the time went (all in ms)."""
 
+    session_id: str
+    round: int
     wait_ms: float  # agent: draft handed to the bus until its verdict arrived
-    handler_ms: float  # coordinator: Draft handler start until the verdict was published
+    handler_ms: float  # coordinator: Draft handler start until the verdict's publish began
     persist_ms: float  # coordinator: the round's group commit, queue to the writer included
+    puback_ms: float  # coordinator: the verdict's publish until the broker's PUBACK (off-path)
     leg: VerifierLeg
 
     @property
@@ -266,6 +309,7 @@ class RoundTiming:
 
     @property
     def agent_legs_ms(self) -> float:
+        """Draft to the coordinator's handler, verdict back to the agent's session."""
         return self.wait_ms - self.handler_ms
 
     @property
@@ -274,7 +318,7 @@ class RoundTiming:
 
     @property
     def other_coordinator_ms(self) -> float:
-        """Validation, the request, stop rules, the verdict and its publish: all but persisting."""
+        """Validation, the verify request, stop rules, the verdict: all but persisting."""
         return self.coordinator_ms - self.persist_ms
 
     @property
@@ -286,21 +330,27 @@ RoundKey = tuple[str, int]  # (session id, round)
 
 
 class CoordinatorProbes:
-    """Wraps the in-process coordinator's Draft handler, verifier pool and round writer.
+    """Wraps parts of the in-process coordinator to time each round where it spends it.
 
-    Each wrapper adds two perf_counter reads and a dict store per round. The SessionOpen handler
-    is wrapped too, to keep a window of 0 that an agent asks for (the target-only baseline).
-    The round writer is the book's private `_writer`: there is no public handle on persistence,
-    and without it the coordinator's share cannot be split into persisting and the rest.
+    Wrapped: the Draft handler, `VerifierPool.verify`, and the book's round writer and publish
+    function; each wrapper adds two perf_counter reads and a dict store per round. The writer
+    and publish function are private attributes of the `SessionBook`: there is no public handle
+    on persistence or on the moment a verdict leaves. The SessionOpen handler is wrapped too, to
+    keep a window of 0 that an agent asks for (the target-only baseline).
     """
 
     def __init__(self, coordinator: Coordinator) -> None:
         from broker import messages as m
 
         self.handler_ms: dict[RoundKey, float] = {}
+        self.puback_ms: dict[RoundKey, float] = {}
         self.legs: dict[RoundKey, VerifierLeg] = {}
         self.persist_ms: dict[RoundKey, float] = {}
         self.zero_window_sessions: set[str] = set()
+        # The round whose Draft handler runs in this task; its last publish is the verdict.
+        current: ContextVar[tuple[RoundKey, list[float]] | None] = ContextVar(
+            "bench_e2e_round", default=None
+        )
         book = coordinator.book
         pool = coordinator.verifiers
         handle_draft = coordinator.device_handlers[m.Draft]
@@ -308,6 +358,7 @@ class CoordinatorProbes:
         pool_verify = pool.verify
         writer = book._writer
         write_round = writer.write
+        publish = book._publish
 
         async def timed_verify(request: m.VerifyRequest) -> m.VerifyResult:
             started = time.perf_counter()
@@ -326,12 +377,25 @@ class CoordinatorProbes:
             key = (str(row.session_id), row.round_index)
             self.persist_ms[key] = (time.perf_counter() - started) * 1e3
 
+        async def timed_publish(topic: str, payload: bytes) -> None:
+            round_in_task = current.get()
+            if round_in_task is not None:
+                round_in_task[1].append(time.perf_counter())
+            await publish(topic, payload)
+
         async def timed_draft(device_id: str, draft: m.Draft) -> None:
-            started = time.perf_counter()
-            await handle_draft(device_id, draft)
             key = (draft.session_id, draft.round)
-            if key in self.legs and key not in self.handler_ms:
-                self.handler_ms[key] = (time.perf_counter() - started) * 1e3
+            publishes: list[float] = []
+            token = current.set((key, publishes))
+            started = time.perf_counter()
+            try:
+                await handle_draft(device_id, draft)
+            finally:
+                current.reset(token)
+            ended = time.perf_counter()
+            if key in self.legs and key not in self.handler_ms and publishes:
+                self.handler_ms[key] = (publishes[-1] - started) * 1e3
+                self.puback_ms[key] = (ended - publishes[-1]) * 1e3
 
         async def open_keeping_zero_window(device_id: str, request: m.SessionOpen) -> None:
             await handle_open(device_id, request)
@@ -341,6 +405,7 @@ class CoordinatorProbes:
 
         pool.verify = timed_verify  # type: ignore[method-assign]
         writer.write = timed_write  # type: ignore[method-assign]
+        book._publish = timed_publish
         coordinator.device_handlers[m.Draft] = timed_draft
         coordinator.device_handlers[m.SessionOpen] = open_keeping_zero_window
 
@@ -351,8 +416,17 @@ class CoordinatorProbes:
         for index, wait in enumerate(wait_ms):
             key = (session_id, index)
             if key in self.legs and key in self.handler_ms:
-                persist = self.persist_ms.get(key, float("nan"))
-                matched.append(RoundTiming(wait, self.handler_ms[key], persist, self.legs[key]))
+                matched.append(
+                    RoundTiming(
+                        session_id,
+                        index,
+                        wait,
+                        self.handler_ms[key],
+                        self.persist_ms.get(key, float("nan")),
+                        self.puback_ms[key],
+                        self.legs[key],
+                    )
+                )
             else:
                 missing += 1
         return matched, missing
@@ -442,6 +516,7 @@ class RunResult:
                 "persist": stats(lambda t: t.persist_ms),
                 "other_coordinator": stats(lambda t: t.other_coordinator_ms),
                 "verifier_leg": stats(lambda t: t.verifier_leg_ms),
+                "verdict_puback": stats(lambda t: t.puback_ms),
                 "turnaround": {"p50": median(turnaround), "p99": percentile(turnaround, 99)},
             },
         }
@@ -457,10 +532,10 @@ def session_request(
         "temperature": 0.0,
         "proactive": config.proactive,
     }
-    if config.mode == "target":
+    if config.drafter is None:
         request |= {"draft": "lookup", "k": 0}  # k=0: nothing is ever proposed
     else:
-        request["draft"] = args.drafter
+        request["draft"] = config.drafter
         if args.k is not None:
             request["k"] = args.k
     return request
@@ -519,13 +594,13 @@ async def run_config(
 async def warm_up(
     fleet: LocalFleet, client: httpx.AsyncClient, prompt: BenchPrompt, args: argparse.Namespace
 ) -> None:
-    """A short session of each mode on every agent: drafters loaded, the target warm."""
+    """A short session per drafter on every agent: drafters loaded, the target warm."""
     jobs: list[Awaitable[dict[str, Any]]] = []
     for device_id, port in fleet.agent_ports.items():
-        for mode in ("target", "dsd"):
-            config = RunConfig(mode, 1)
+        for drafter in (None, *dict.fromkeys([args.drafter, *args.proactive_drafters])):
+            config = RunConfig(1, drafter)
             request = session_request(prompt, config, args, WARMUP_TOKENS)
-            jobs.append(ask_one(client, port, request, f"warm-up {device_id} {mode}"))
+            jobs.append(ask_one(client, port, request, f"warm-up {device_id} {config.label}"))
     await asyncio.gather(*jobs)
 
 
@@ -560,7 +635,8 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
     )
     target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
     eos_id = ChatTokenizer.load(target_dir).eos_id
-    runtime = "onnx" if is_neural(args.drafter) else "none"
+    neural = any(is_neural(name) for name in [args.drafter, *args.proactive_drafters])
+    runtime = "onnx" if neural else "none"
     agents = [
         AgentSpec(f"bench-agent-{i + 1}", "other", args.drafter, runtime)
         for i in range(args.agents)
@@ -586,7 +662,10 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
             probes = CoordinatorProbes(fleet.coordinator)
             async with httpx.AsyncClient() as client:
                 await warm_up(fleet, client, prompts[0], args)
-                for config in plan(args.sessions, args.proactive_sessions):
+                configs = plan(
+                    args.sessions, args.drafter, args.proactive_sessions, args.proactive_drafters
+                )
+                for config in configs:
                     work = level_work(prompts, config.sessions)
                     results.append(await run_config(fleet, probes, client, config, work, args))
             zero = len(probes.zero_window_sessions)
@@ -614,13 +693,10 @@ class Goal:
 
 
 def _find(
-    results: Sequence[RunResult], mode: Mode, level: int, proactive: bool = True
+    results: Sequence[RunResult], level: int, drafter: str | None, proactive: bool = True
 ) -> RunResult:
-    return next(
-        r
-        for r in results
-        if r.config.mode == mode and r.config.sessions == level and r.config.proactive == proactive
-    )
+    """The run at `level` with `drafter` (None: target-only)."""
+    return next(r for r in results if r.config == RunConfig(level, drafter, proactive))
 
 
 def _ratio(a: float, b: float) -> float:
@@ -640,13 +716,13 @@ OVERHEAD_HEADERS = (
     "agent turn p50",
 )
 PROACTIVE_HEADERS = (
-    *("sessions", "on tok/s", "off tok/s", "on/off", "on session tok/s", "off session tok/s"),
-    *("hits/misses/skipped", "on turn p50", "off turn p50"),
+    *("drafter", "sessions", "on tok/s", "off tok/s", "on/off"),
+    *("on session tok/s", "off session tok/s", "hits/misses/skipped", "on turn", "off turn"),
 )
 
 
-def single_session(results: Sequence[RunResult]) -> tuple[Table, Goal]:
-    target, dsd = _find(results, "target", 1), _find(results, "dsd", 1)
+def single_session(results: Sequence[RunResult], drafter: str) -> tuple[Table, Goal]:
+    target, dsd = _find(results, 1, None), _find(results, 1, drafter)
     rows = [
         [
             *(r.config.label, len(r.sessions), r.tokens, r.rounds, r.tokens / r.rounds),
@@ -661,11 +737,13 @@ def single_session(results: Sequence[RunResult]) -> tuple[Table, Goal]:
     return (SINGLE_HEADERS, rows), goal
 
 
-def throughput(results: Sequence[RunResult], levels: Sequence[int]) -> tuple[Table, list[Goal]]:
+def throughput(
+    results: Sequence[RunResult], levels: Sequence[int], drafter: str
+) -> tuple[Table, list[Goal]]:
     rows: list[list[Any]] = []
     goals: list[Goal] = []
     for level in levels:
-        target, dsd = _find(results, "target", level), _find(results, "dsd", level)
+        target, dsd = _find(results, level, None), _find(results, level, drafter)
         ratio = _ratio(dsd.throughput, target.throughput)
         wanted = THROUGHPUT_GOALS.get(level)
         verdict = "-"
@@ -682,7 +760,7 @@ def throughput(results: Sequence[RunResult], levels: Sequence[int]) -> tuple[Tab
     return (THROUGHPUT_HEADERS, rows), goals
 
 
-def overhead(results: Sequence[RunResult]) -> tuple[Table, list[Goal]]:
+def overhead(results: Sequence[RunResult], drafter: str) -> tuple[Table, list[Goal]]:
     rows: list[list[Any]] = []
     for r in results:
         if not r.config.proactive:
@@ -698,8 +776,8 @@ def overhead(results: Sequence[RunResult]) -> tuple[Table, list[Goal]]:
             ]
         )
     goals: list[Goal] = []
-    if any(r.config.mode == "dsd" and r.config.sessions == 1 for r in results):
-        values = _find(results, "dsd", 1).values(lambda t: t.overhead_ms)
+    if any(r.config == RunConfig(1, drafter) for r in results):
+        values = _find(results, 1, drafter).values(lambda t: t.overhead_ms)
         goals += [
             Goal("per-round overhead p50, DSD x1, ms", OVERHEAD_P50_GOAL_MS, median(values), True),
             Goal(
@@ -712,21 +790,26 @@ def overhead(results: Sequence[RunResult]) -> tuple[Table, list[Goal]]:
     return (OVERHEAD_HEADERS, rows), goals
 
 
-def proactive(results: Sequence[RunResult], levels: Sequence[int]) -> Table:
+def proactive(
+    results: Sequence[RunResult], levels: Sequence[int], drafters: Sequence[str]
+) -> Table:
     rows: list[list[Any]] = []
-    for level in levels:
-        on, off = _find(results, "dsd", level), _find(results, "dsd", level, proactive=False)
-        on_s, off_s = on.summary(), off.summary()
-        counts = (on_s["proactive_hits"], on_s["proactive_misses"], on_s["proactive_skipped"])
-        rows.append(
-            [
-                *(level, on.throughput, off.throughput, _ratio(on.throughput, off.throughput)),
-                *(on.session_tokens_per_s, off.session_tokens_per_s),
-                "/".join(str(c) for c in counts),
-                *(on_s["ms"]["turnaround"]["p50"], off_s["ms"]["turnaround"]["p50"]),
-            ]
-        )
+    for drafter in drafters:
+        for level in levels:
+            rows.append(_proactive_row(results, level, drafter))
     return PROACTIVE_HEADERS, rows
+
+
+def _proactive_row(results: Sequence[RunResult], level: int, drafter: str) -> list[Any]:
+    on, off = _find(results, level, drafter), _find(results, level, drafter, proactive=False)
+    on_s, off_s = on.summary(), off.summary()
+    counts = (on_s["proactive_hits"], on_s["proactive_misses"], on_s["proactive_skipped"])
+    return [
+        *(drafter, level, on.throughput, off.throughput, _ratio(on.throughput, off.throughput)),
+        *(on.session_tokens_per_s, off.session_tokens_per_s),
+        "/".join(str(c) for c in counts),
+        *(on_s["ms"]["turnaround"]["p50"], off_s["ms"]["turnaround"]["p50"]),
+    ]
 
 
 def identity_check(results: Sequence[RunResult]) -> tuple[int, list[str]]:
@@ -779,14 +862,14 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
     print("target-only: the same fleet and verifier, k=0 drafts (one target token per round)")
     goals: list[Goal] = []
     if 1 in levels:
-        table, goal = single_session(results)
+        table, goal = single_session(results, args.drafter)
         goals.append(goal)
         _print_table("1. single session (sessions one after another)", table)
         print(f"DSD / target-only: {goal.measured:.2f}x (goal >= {goal.goal}x)")
-    table, more = throughput(results, levels)
+    table, more = throughput(results, levels, args.drafter)
     goals += more
     _print_table("2. verifier throughput, committed tokens/s (one verifier, batching)", table)
-    table, more = overhead(results)
+    table, more = overhead(results, args.drafter)
     goals += more
     _print_table(
         "3. per-round time, ms; overhead = agent wait - verifier compute - verifier queue", table
@@ -795,8 +878,8 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
     if unmatched:
         print(f"({unmatched} rounds had no coordinator record to match and are left out)")
     if args.proactive_sessions:
-        table = proactive(results, args.proactive_sessions)
-        _print_table(f"4. proactive drafting on vs off (DSD, {args.drafter}; turn in ms)", table)
+        table = proactive(results, args.proactive_sessions, args.proactive_drafters)
+        _print_table("4. proactive drafting on vs off (turn: agent turnaround p50, ms)", table)
 
     checked, differing = identity_check(results)
     drafted_target_rounds = sum(r.drafted_rounds for r in results if r.config.mode == "target")
@@ -817,6 +900,7 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
             "limit": args.limit,
             "sessions": levels,
             "proactive_sessions": list(args.proactive_sessions),
+            "proactive_drafters": list(args.proactive_drafters),
             "agents": args.agents,
             "verifiers": 1,
             "verifier_threads": 1,
@@ -836,9 +920,12 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
         "rounds": [
             {
                 "run": r.config.label,
+                "session_id": t.session_id,
+                "round": t.round,
                 "wait_ms": t.wait_ms,
                 "handler_ms": t.handler_ms,
                 "persist_ms": t.persist_ms,
+                "puback_ms": t.puback_ms,
                 "round_trip_ms": t.leg.round_trip_ms,
                 "queue_ms": t.leg.queue_ms,
                 "verify_ms": t.leg.verify_ms,
@@ -873,7 +960,7 @@ def run(args: argparse.Namespace) -> int:
     from specfleet.cli import CommandError
 
     check_arguments(args)
-    check_drafter(args.drafter, Settings().resolved_models_dir)
+    args.proactive_drafters = resolve_drafters(args, Settings().resolved_models_dir)
     try:
         prompts = interleave_tasks(read_prompts(args.prompts), args.limit)
     except (OSError, ValueError) as exc:

@@ -24,6 +24,7 @@ from specfleet.cli import main
         (["--broker", "http://127.0.0.1:1883"], "--broker must be an mqtt://"),
         (["--prompts", "/nonexistent/prompts.jsonl"], "no prompts file"),
         (["--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'"),
+        (["--proactive-drafters", "hybrid", "nope"], "unknown drafter 'nope'"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(
@@ -61,4 +62,5 @@ def test_help_names_every_part(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for flag in ("--prompts", "--limit", "--max-tokens", "--drafter", "--sessions", "--json"):
         assert flag in out
-    assert "--proactive-sessions" in out and "--database-url" in out
+    for flag in ("--proactive-sessions", "--proactive-drafters", "--database-url", "--broker"):
+        assert flag in out
