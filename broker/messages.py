@@ -183,6 +183,8 @@ class Policy(BaseModel):
     mode: Mode = Mode.DISTRIBUTED
     draft_model: Name
     k: int = Field(ge=0, le=64)
+    # Stop the window early once the draft's own top probability falls below this.
+    min_confidence: Probability | None = None
 
 
 class Verdict(_Message):
