@@ -48,7 +48,8 @@ PRIOR_DRAFT_MS_PER_TOKEN = {"lookup": 0.05, "ngram": 0.1, "hybrid": 0.2}
 PRIOR_NEURAL_DRAFT_MS_PER_TOKEN = 8.0
 PRIOR_RTT_MS = 20.0
 PRIOR_QUEUE_MS = 1.0
-# t_verify = a + b k + c load + d k load, in ms; a CPU verifier of the 135M target (bench e2e).
+# t_verify = a + b k + c load + d k load, in ms: a rough guess for a CPU verifier of the 135M
+# target, not a measurement; measured rounds replace it within a few rounds.
 PRIOR_VERIFY = (25.0, 2.0, 5.0, 2.0)
 VERIFY_PRIOR_ROUNDS = 4.0  # how many rounds' worth of belief the prior holds
 # Typical sizes of k, load and k * load; the intercept is held only lightly (0.05), since every

@@ -23,6 +23,7 @@ from broker import messages as m
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
 from coordinator.events import append_event
+from coordinator.policy import AdaptivePolicy, RoundObservation, resolve_task, verifier_load
 from coordinator.verifiers import NoVerifierError, VerificationFailed, VerifierPool
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class LiveSession:
     in_flight_round: int | None = None
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
 
     @property
     def committed_len(self) -> int:
@@ -123,6 +125,7 @@ class SessionBook:
         self.live: dict[str, LiveSession] = {}
         self.round_observers: list[RoundObserver] = []
         self._writer = RoundWriter(sessions)
+        self.policy = AdaptivePolicy()
 
     async def run_writer(self) -> None:
         await self._writer.run()
@@ -145,6 +148,8 @@ class SessionBook:
                 )
                 return
             live = await asyncio.to_thread(self._create, device_id, session_uuid, request)
+            if request.k == 0:  # no window asked for: the coordinator chooses, round by round
+                live.policy_task = resolve_task(request.task_type, request.prompt)
             self.live[live.id] = live
             log.info(
                 "session %s opened on %s (k=%d, draft %s)",
@@ -291,6 +296,8 @@ class SessionBook:
             t_verify_ms=result.verify_ms,
             t_downlink_ms=None,
         )
+        if live.policy_task is not None:
+            live.policy, row.policy = self._adapt(live, row)
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
         await self._writer.write(row, generated, status)
@@ -319,6 +326,34 @@ class SessionBook:
                 len(live.generated),
                 live.next_round,
             )
+
+    def _adapt(self, live: LiveSession, row: Round) -> tuple[m.Policy, dict[str, Any]]:
+        """Learn from this round, choose the next; the decision and its inputs go on the round."""
+        assert live.policy_task is not None
+        load = verifier_load(v.load for v in self.pool.live())
+        self.policy.observe(
+            RoundObservation(
+                session_id=live.id,
+                device_id=live.device_id,
+                draft_model=row.draft_model or live.policy.draft_model,
+                task_type=live.policy_task,
+                k=row.k,
+                n_accepted=row.n_accepted,
+                t_draft_ms=row.t_draft_ms or 0.0,
+                t_uplink_ms=row.t_uplink_ms,
+                t_queue_ms=row.t_queue_ms or 0.0,
+                t_verify_ms=row.t_verify_ms or 0.0,
+                verifier_load=load,
+            )
+        )
+        decision = self.policy.decide(
+            live.id,
+            live.device_id,
+            live.policy_task,
+            row.draft_model or live.policy.draft_model,
+            load,
+        )
+        return decision.policy, decision.to_json()
 
     async def _resend_verdict(self, live: LiveSession, draft: m.Draft) -> None:
         """A draft for a round already verified: the stored verdict, never a second commit."""
