@@ -487,6 +487,7 @@ class RunResult:
         turnaround = [ms for s in self.sessions for ms in s["turnaround_ms"]]
         return {
             "mode": self.config.mode,
+            "drafter": self.config.drafter,
             "sessions": self.config.sessions,
             "proactive": self.config.proactive,
             "label": self.config.label,
