@@ -6,11 +6,12 @@ temporary home (or --database-url), the coordinator in this process, ONE verifie
 drives greedy sessions through the agents' local APIs, as `specfleet demo` does.
 
 Baseline: target-only decoding on the same fleet and the same verifier. The agent opens the
-session with k=0, so every round sends an empty draft and commits exactly the target's one
-token. The coordinator turns a requested k of 0 into its default window when it opens a session
-(`request.k or DEFAULT_K`), so the benchmark sets the window back to 0 with `SessionBook.set_k`
-as soon as the open is handled, before any verdict of the session leaves; the run then checks
-that no target-only round carried a draft. DSD and target-only runs alternate level by level,
+session with k=0, so its first round sends an empty draft. The coordinator reads an opening k
+of 0 as "choose for me" (its adaptive policy, and its default window until then), so as soon as
+the open is handled, before any verdict of the session leaves, the benchmark takes the session
+off the adaptive policy and fixes its window at 0 (`SessionBook.set_k`): every round then
+commits exactly the target's one token. The run checks that no target-only round carried a
+draft. DSD and target-only runs alternate level by level,
 and every DSD answer is compared with the target-only answer to the same prompt.
 
 1. Single session: level 1 runs its sessions one after another on one agent. A session's
@@ -336,7 +337,7 @@ class CoordinatorProbes:
     function; each wrapper adds two perf_counter reads and a dict store per round. The writer
     and publish function are private attributes of the `SessionBook`: there is no public handle
     on persistence or on the moment a verdict leaves. The SessionOpen handler is wrapped too, to
-    keep a window of 0 that an agent asks for (the target-only baseline).
+    fix at 0 the window of sessions opened with k=0 (the target-only baseline).
     """
 
     def __init__(self, coordinator: Coordinator) -> None:
@@ -399,7 +400,9 @@ class CoordinatorProbes:
 
         async def open_keeping_zero_window(device_id: str, request: m.SessionOpen) -> None:
             await handle_open(device_id, request)
-            if request.k == 0 and request.session_id in book.live:
+            live = book.live.get(request.session_id)
+            if request.k == 0 and live is not None:
+                live.policy_task = None  # no adaptive policy: the window stays fixed, at 0
                 book.set_k(request.session_id, 0)
                 self.zero_window_sessions.add(request.session_id)
 
