@@ -10,6 +10,8 @@ for deps in scripts/install-browser-test-deps.sh scripts/install-flash-test-deps
         PYTHON="$repo_root/.venv/bin/python" bash "$deps"
     fi
 done
-# The target model is built once into the models directory and reused (a second build is instant).
+# The target and the drafts are built once into the models directory and reused (a second build
+# is instant): the drafts from the committed weights in models/drafts/.
 .venv/bin/specfleet models build-target
+.venv/bin/specfleet models distill --export-only
 exec .venv/bin/python -m pytest -q "$@"
