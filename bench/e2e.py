@@ -14,13 +14,17 @@ commits exactly the target's one token. The run checks that no target-only round
 draft. DSD and target-only runs alternate level by level,
 and every DSD answer is compared with the target-only answer to the same prompt.
 
-1. Single session: level 1 runs its sessions one after another on one agent. A session's
+1. Single session: level 1 runs one session at a time on one agent, every configuration of the
+   level (target-only, DSD, the part 4 runs) taking its turn on each prompt, in an order reversed
+   every other prompt, so that the host's drifting load falls on all of them alike. A session's
    tokens/s is its generated tokens over its wall time from open to end (prefill included), as
-   the agent reports it; the figure is sum(tokens) / sum(time) over the level's sessions.
+   the agent reports it; the figure is sum(tokens) / sum(time) over the configuration's sessions.
 2. Verifier throughput: c closed-loop clients (c = --sessions), client i on agent i mod
    --agents, each runs sessions one after another until the level's work is done (max(--limit, c)
    sessions, rounded up to a multiple of c). Committed tokens/s is every generated token over the
-   wall time from the first open to the last end; the one verifier batches across sessions.
+   wall time from the first open to the last end (at level 1: the sum of the configuration's
+   session times); the one verifier batches across sessions. Above level 1 the configurations
+   run one after another, so a change of the host's load between them shows in their ratio.
 3. Per-round overhead beyond model compute: for every verified round, the agent's wait (draft
    handed to the bus until its verdict is in the session's inbox) minus the verifier's compute
    (`verify_batch` in its inference process) and its queue (request received until its batch
@@ -210,18 +214,18 @@ def plan(
     drafter: str,
     proactive_levels: Sequence[int],
     proactive_drafters: Sequence[str],
-) -> list[RunConfig]:
-    """Target-only and DSD alternate level by level, so slow drifts of the machine hit both."""
-    configs: list[RunConfig] = []
+) -> list[list[RunConfig]]:
+    """The configurations of each level; target-only and DSD runs stay next to each other."""
+    plans: list[list[RunConfig]] = []
     for level in levels:
-        configs += [RunConfig(level), RunConfig(level, drafter)]
-        if level not in proactive_levels:
-            continue
-        for name in proactive_drafters:
-            if name != drafter:
-                configs.append(RunConfig(level, name))
-            configs.append(RunConfig(level, name, proactive=False))
-    return configs
+        configs = [RunConfig(level), RunConfig(level, drafter)]
+        if level in proactive_levels:
+            for name in proactive_drafters:
+                if name != drafter:
+                    configs.append(RunConfig(level, name))
+                configs.append(RunConfig(level, name, proactive=False))
+        plans.append(configs)
+    return plans
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -587,8 +591,47 @@ async def run_config(
         started = time.perf_counter()
         await asyncio.gather(*(client_loop(i) for i in range(config.sessions)))
         wall_s = time.perf_counter() - started
-    result = RunResult(config, wall_s, sessions)
-    for summary in sessions:
+    return _with_timings(RunResult(config, wall_s, sessions), probes)
+
+
+async def run_one_at_a_time(
+    fleet: LocalFleet,
+    probes: CoordinatorProbes,
+    client: httpx.AsyncClient,
+    configs: list[RunConfig],
+    work: list[BenchPrompt],
+    args: argparse.Namespace,
+) -> list[RunResult]:
+    """Level 1: one session at a time, the configurations taking turns prompt by prompt.
+
+    The order is reversed every other prompt, so that the machine's load, which drifts over
+    minutes on a shared host, falls on every configuration alike. A configuration's wall time
+    is the sum of its own sessions' times, as if it had run alone.
+    """
+    from tqdm import tqdm
+
+    device_id = next(iter(fleet.agent_ports))
+    port = fleet.agent_ports[device_id]
+    sessions: dict[RunConfig, list[dict[str, Any]]] = {c: [] for c in configs}
+    wall_s = dict.fromkeys(configs, 0.0)
+    desc = f"{len(configs)} runs x1, in turns"
+    with tqdm(total=len(work) * len(configs), desc=desc, unit="session", file=sys.stderr) as bar:
+        for index, prompt in enumerate(work):
+            for config in configs if index % 2 == 0 else configs[::-1]:
+                request = session_request(prompt, config, args, args.max_tokens)
+                label = f"{config.label} {device_id} {prompt.id}"
+                started = time.perf_counter()
+                summary = await ask_one(client, port, request, label)
+                wall_s[config] += time.perf_counter() - started
+                sessions[config].append(
+                    {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
+                )
+                bar.update(1)
+    return [_with_timings(RunResult(c, wall_s[c], sessions[c]), probes) for c in configs]
+
+
+def _with_timings(result: RunResult, probes: CoordinatorProbes) -> RunResult:
+    for summary in result.sessions:
         matched, missing = probes.timings(summary["session_id"], summary["wait_ms"])
         result.timings += matched
         result.unmatched_rounds += missing
@@ -666,12 +709,19 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
             probes = CoordinatorProbes(fleet.coordinator)
             async with httpx.AsyncClient() as client:
                 await warm_up(fleet, client, prompts[0], args)
-                configs = plan(
+                plans = plan(
                     args.sessions, args.drafter, args.proactive_sessions, args.proactive_drafters
                 )
-                for config in configs:
-                    work = level_work(prompts, config.sessions)
-                    results.append(await run_config(fleet, probes, client, config, work, args))
+                for configs in plans:
+                    level = configs[0].sessions
+                    work = level_work(prompts, level)
+                    if level == 1:
+                        results += await run_one_at_a_time(
+                            fleet, probes, client, configs, work, args
+                        )
+                        continue
+                    for config in configs:
+                        results.append(await run_config(fleet, probes, client, config, work, args))
             zero = len(probes.zero_window_sessions)
     return BenchRun(results, broker_url, settings.database_url, workdir, zero)
 
@@ -868,7 +918,7 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
     if 1 in levels:
         table, goal = single_session(results, args.drafter)
         goals.append(goal)
-        _print_table("1. single session (sessions one after another)", table)
+        _print_table("1. single session (one at a time, configurations taking turns)", table)
         print(f"DSD / target-only: {goal.measured:.2f}x (goal >= {goal.goal}x)")
     table, more = throughput(results, levels, args.drafter)
     goals += more
