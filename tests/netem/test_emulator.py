@@ -67,10 +67,17 @@ def test_added_round_trip_matches_the_profile(mosquitto: PrivateMosquitto, profi
             shaped = await _median_ping_ms(em.port)
         return direct, shaped
 
-    direct, shaped = asyncio.run(scenario())
     expected = PROFILES[profile].rtt_ms
-    added = shaped - direct
-    assert abs(added - expected) <= 3.0 + 0.2 * expected, (direct, shaped, expected)
+    tolerance = 3.0 + 0.2 * expected
+    # Other work on the machine can only add delay, never remove it: a measurement above the
+    # band is taken again (up to 3 times), one below it fails at once.
+    for _ in range(3):
+        direct, shaped = asyncio.run(scenario())
+        added = shaped - direct
+        assert added >= expected - tolerance, (direct, shaped, expected)
+        if added <= expected + tolerance:
+            break
+    assert added <= expected + tolerance, (direct, shaped, expected)
 
 
 def test_rate_limit_paces_a_large_message(mosquitto: PrivateMosquitto) -> None:
@@ -135,8 +142,9 @@ def test_cut_drops_connections_and_clients_reconnect_after(
         got_after_cut = asyncio.get_running_loop().create_future()
 
         async def session(client: bus.BusClient) -> None:
-            connected.append(time.monotonic())
             await client.subscribe(topic, qos=0)
+            # Counted once subscribed: a cut during SUBSCRIBE is noticed only at its timeout.
+            connected.append(time.monotonic())
             async for message in client.messages():
                 if message.payload == b"after":
                     got_after_cut.set_result(time.monotonic())
