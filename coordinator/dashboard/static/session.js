@@ -84,9 +84,13 @@
     problems.replaceChildren(...detail.problems.map((p) => el("li", {}, p)));
   }
 
+  // The decision itself (mode, draft, k); an adaptive round's inputs live under `decision`.
   function policyText(policy) {
     if (!policy) return null;
-    return Object.entries(policy).map(([k, v]) => `${k} ${v}`).join(" · ");
+    return ["mode", "draft_model", "k"]
+      .filter((key) => policy[key] !== undefined)
+      .map((key) => `${key} ${policy[key]}`)
+      .join(" · ");
   }
 
   function renderTimeline() {
