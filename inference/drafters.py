@@ -7,7 +7,7 @@ models directory by its manifest name, and `hybrid+NAME` (lookup, the table, the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from inference.proposers import (
     HybridProposer,
@@ -38,7 +38,9 @@ LOOKUP_MIN_NGRAM = 1
 NGRAM_MIN_CONTEXT = 1
 NEURAL_TOP_K = 8  # K of the sparse q' a sampling draft sends
 DEFAULT_K = {LOOKUP: 2, NGRAM: 2, HYBRID: 8}
-DEFAULT_NEURAL_K = 4
+DEFAULT_NEURAL_K = 2
+HYBRID_NEURAL_MIN_CONFIDENCE = 0.3
+HYBRID_NEURAL_MAX_TOKENS = 2
 
 
 class DrafterError(Exception):
@@ -59,6 +61,9 @@ def drafter_names(models_dir: Path) -> list[str]:
 
 
 def default_k(name: str) -> int:
+    """The window a drafter runs best at (hybrids cap each tier themselves, so they take 8)."""
+    if name.startswith(HYBRID_PREFIX):
+        return DEFAULT_K[HYBRID]
     return DEFAULT_K.get(name, DEFAULT_NEURAL_K)
 
 
@@ -100,9 +105,9 @@ def make_proposer(
     def ngram() -> Proposer:
         return NGramTableProposer(load_ngram_table(ngram_path), min_context=NGRAM_MIN_CONTEXT)
 
-    def neural(draft_name: str) -> Proposer:
+    def neural(draft_name: str, **options: Any) -> NeuralProposer:
         runtime = load_draft_runtime(models_dir, draft_name, threads)
-        return NeuralProposer(runtime, temperature=temperature, top_k=NEURAL_TOP_K)
+        return NeuralProposer(runtime, temperature=temperature, top_k=NEURAL_TOP_K, **options)
 
     if name == LOOKUP:
         return lookup()
@@ -111,29 +116,32 @@ def make_proposer(
     if name == HYBRID:
         return HybridProposer(tiered_copying(load_ngram_table(ngram_path)), name=HYBRID)
     if name.startswith(HYBRID_PREFIX):
-        draft = neural(name[len(HYBRID_PREFIX) :])
-        return HybridProposer([*tiered_copying(None), draft], name=name)
+        # The draft steps in where copying has only weak evidence: after the 1-token match, for
+        # at most two tokens, and only when it is itself fairly sure of them.
+        tiers = tiered_copying(load_ngram_table(ngram_path))
+        draft = neural(
+            name[len(HYBRID_PREFIX) :],
+            min_confidence=HYBRID_NEURAL_MIN_CONFIDENCE,
+            min_tokens=0,
+            max_tokens=HYBRID_NEURAL_MAX_TOKENS,
+        )
+        return HybridProposer([*tiers[:4], draft, *tiers[4:]], name=name)
     return neural(name)
 
 
-def tiered_copying(table: NGramTable | None) -> list[Proposer]:
+def tiered_copying(table: NGramTable) -> list[Proposer]:
     """Copying drafters from the most to the least reliable evidence, each capped accordingly.
 
     A long match in the context predicts far ahead; a 3-token table context a little; a single
-    token of either only the next one or two. Without a table, only the context matches.
+    token of either only the next one or two.
     Measured on the tuning prompts, the precision of the first proposed token falls from about
     0.75 (a 3-4 token match) to 0.65 (2 tokens), 0.4 (a 3-token table context or a 1-token
     match) and 0.2 (a 1-token table context), while verifying one or two more positions costs
     the target only a few percent more than a decode step.
     """
-    matches: list[Proposer] = [
+    return [
         PromptLookupProposer(4, 3, name="lookup-long"),
         PromptLookupProposer(2, 2, max_tokens=5, name="lookup-2"),
-    ]
-    if table is None:
-        return matches
-    return [
-        *matches,
         NGramTableProposer(table, min_context=3, max_tokens=2, name="ngram-3"),
         PromptLookupProposer(1, 1, max_tokens=2, name="lookup-1"),
         NGramTableProposer(table, min_context=2, max_tokens=2, name="ngram-2"),

@@ -283,6 +283,7 @@ class NeuralProposer:
         min_confidence: float = 0.0,
         min_tokens: int = 1,
         adaptive: bool = False,
+        max_tokens: int | None = None,
         name: str | None = None,
     ) -> None:
         if temperature < 0.0:
@@ -294,6 +295,7 @@ class NeuralProposer:
         self.min_confidence = min_confidence
         self.min_tokens = min_tokens
         self.adaptive = adaptive
+        self.max_tokens = max_tokens
         self.window: int | None = None
         self.output_ids = head_token_ids(runtime)
         self._cache: KVCache = runtime.new_cache()
@@ -307,6 +309,8 @@ class NeuralProposer:
             raise ValueError("the draft needs at least one context token")
         if self.temperature > 0.0 and rng is None:
             raise ValueError("a sampling draft needs the round's draft rng")
+        if self.max_tokens is not None:
+            k = min(k, self.max_tokens)
         if self.adaptive:
             self.window = k if self.window is None else min(self.window, k)
             k = self.window
