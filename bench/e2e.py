@@ -11,20 +11,20 @@ of 0 as "choose for me" (its adaptive policy, and its default window until then)
 the open is handled, before any verdict of the session leaves, the benchmark takes the session
 off the adaptive policy and fixes its window at 0 (`SessionBook.set_k`): every round then
 commits exactly the target's one token. The run checks that no target-only round carried a
-draft. DSD and target-only runs alternate level by level,
-and every DSD answer is compared with the target-only answer to the same prompt.
+draft, and compares every DSD answer with the target-only answer to the same prompt.
 
-1. Single session: level 1 runs one session at a time on one agent, every configuration of the
-   level (target-only, DSD, the part 4 runs) taking its turn on each prompt, in an order reversed
-   every other prompt, so that the host's drifting load falls on all of them alike. A session's
-   tokens/s is its generated tokens over its wall time from open to end (prefill included), as
-   the agent reports it; the figure is sum(tokens) / sum(time) over the configuration's sessions.
-2. Verifier throughput: c closed-loop clients (c = --sessions), client i on agent i mod
-   --agents, each runs sessions one after another until the level's work is done (max(--limit, c)
-   sessions, rounded up to a multiple of c). Committed tokens/s is every generated token over the
-   wall time from the first open to the last end (at level 1: the sum of the configuration's
-   session times); the one verifier batches across sessions. Above level 1 the configurations
-   run one after another, so a change of the host's load between them shows in their ratio.
+1. Single session: level 1 runs one session at a time on one agent. A session's tokens/s is its
+   generated tokens over its wall time from open to end (prefill included), as the agent reports
+   it; the figure is sum(tokens) / sum(time) over the configuration's sessions.
+2. Verifier throughput at c concurrent sessions (c = --sessions): a level's work (max(--limit, c)
+   sessions, rounded up to a multiple of c) runs in waves of c sessions started together, session
+   i of a wave on agent i mod --agents. Committed tokens/s is every generated token over the sum
+   of the configuration's wave times (first open to last end); the one verifier batches across
+   the sessions. A wave's last sessions run with fewer beside them, as any finite run does.
+   In every level the configurations (target-only, DSD, the part 4 runs) take turns wave by
+   wave, in an order reversed every other wave, so that the host's drifting load falls on all
+   of them alike (on the shared 2-core host this was written on, the target's compute time per
+   round differed by up to 1.5x between runs minutes apart).
 3. Per-round overhead beyond model compute: for every verified round, the agent's wait (draft
    handed to the bus until its verdict is in the session's inbox) minus the verifier's compute
    (`verify_batch` in its inference process) and its queue (request received until its batch
@@ -215,7 +215,7 @@ def plan(
     proactive_levels: Sequence[int],
     proactive_drafters: Sequence[str],
 ) -> list[list[RunConfig]]:
-    """The configurations of each level; target-only and DSD runs stay next to each other."""
+    """The configurations of each level: target-only, DSD, then the part 4 runs."""
     plans: list[list[RunConfig]] = []
     for level in levels:
         configs = [RunConfig(level), RunConfig(level, drafter)]
@@ -560,41 +560,7 @@ async def ask_one(
     return summary
 
 
-async def run_config(
-    fleet: LocalFleet,
-    probes: CoordinatorProbes,
-    client: httpx.AsyncClient,
-    config: RunConfig,
-    work: list[BenchPrompt],
-    args: argparse.Namespace,
-) -> RunResult:
-    from tqdm import tqdm
-
-    devices = list(fleet.agent_ports)
-    pending = deque(work)
-    sessions: list[dict[str, Any]] = []
-    with tqdm(total=len(work), desc=config.label, unit="session", file=sys.stderr) as bar:
-
-        async def client_loop(index: int) -> None:
-            device_id = devices[index % len(devices)]
-            while pending:
-                prompt = pending.popleft()
-                request = session_request(prompt, config, args, args.max_tokens)
-                label = f"{config.label} {device_id} {prompt.id}"
-                summary = await ask_one(client, fleet.agent_ports[device_id], request, label)
-                sessions.append(
-                    {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
-                )
-                bar.update(1)
-                bar.set_postfix_str(f"{sum(int(s['tokens']) for s in sessions)} tokens")
-
-        started = time.perf_counter()
-        await asyncio.gather(*(client_loop(i) for i in range(config.sessions)))
-        wall_s = time.perf_counter() - started
-    return _with_timings(RunResult(config, wall_s, sessions), probes)
-
-
-async def run_one_at_a_time(
+async def run_level(
     fleet: LocalFleet,
     probes: CoordinatorProbes,
     client: httpx.AsyncClient,
@@ -602,31 +568,37 @@ async def run_one_at_a_time(
     work: list[BenchPrompt],
     args: argparse.Namespace,
 ) -> list[RunResult]:
-    """Level 1: one session at a time, the configurations taking turns prompt by prompt.
+    """One level in waves of c sessions at once, the configurations taking turns wave by wave.
 
-    The order is reversed every other prompt, so that the machine's load, which drifts over
-    minutes on a shared host, falls on every configuration alike. A configuration's wall time
-    is the sum of its own sessions' times, as if it had run alone.
+    Session i of a wave runs on agent i mod the agents. The order of the configurations is
+    reversed every other wave, so that the host's load, which drifts over minutes on a shared
+    machine, falls on every configuration alike. A configuration's wall time is the sum of its
+    own waves' times, first open to last end, as if it had run alone.
     """
     from tqdm import tqdm
 
-    device_id = next(iter(fleet.agent_ports))
-    port = fleet.agent_ports[device_id]
+    level = configs[0].sessions
+    devices = list(fleet.agent_ports)
     sessions: dict[RunConfig, list[dict[str, Any]]] = {c: [] for c in configs}
     wall_s = dict.fromkeys(configs, 0.0)
-    desc = f"{len(configs)} runs x1, in turns"
+    waves = [work[i : i + level] for i in range(0, len(work), level)]
+    desc = f"x{level}: {len(configs)} runs in turns"
     with tqdm(total=len(work) * len(configs), desc=desc, unit="session", file=sys.stderr) as bar:
-        for index, prompt in enumerate(work):
-            for config in configs if index % 2 == 0 else configs[::-1]:
-                request = session_request(prompt, config, args, args.max_tokens)
-                label = f"{config.label} {device_id} {prompt.id}"
+
+        async def one(config: RunConfig, index: int, prompt: BenchPrompt) -> dict[str, Any]:
+            device_id = devices[index % len(devices)]
+            request = session_request(prompt, config, args, args.max_tokens)
+            label = f"{config.label} {device_id} {prompt.id}"
+            summary = await ask_one(client, fleet.agent_ports[device_id], request, label)
+            bar.update(1)
+            return {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
+
+        for number, wave in enumerate(waves):
+            for config in configs if number % 2 == 0 else configs[::-1]:
                 started = time.perf_counter()
-                summary = await ask_one(client, port, request, label)
+                done = await asyncio.gather(*(one(config, i, p) for i, p in enumerate(wave)))
                 wall_s[config] += time.perf_counter() - started
-                sessions[config].append(
-                    {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
-                )
-                bar.update(1)
+                sessions[config] += done
     return [_with_timings(RunResult(c, wall_s[c], sessions[c]), probes) for c in configs]
 
 
@@ -713,15 +685,8 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
                     args.sessions, args.drafter, args.proactive_sessions, args.proactive_drafters
                 )
                 for configs in plans:
-                    level = configs[0].sessions
-                    work = level_work(prompts, level)
-                    if level == 1:
-                        results += await run_one_at_a_time(
-                            fleet, probes, client, configs, work, args
-                        )
-                        continue
-                    for config in configs:
-                        results.append(await run_config(fleet, probes, client, config, work, args))
+                    work = level_work(prompts, configs[0].sessions)
+                    results += await run_level(fleet, probes, client, configs, work, args)
             zero = len(probes.zero_window_sessions)
     return BenchRun(results, broker_url, settings.database_url, workdir, zero)
 
@@ -918,11 +883,13 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
     if 1 in levels:
         table, goal = single_session(results, args.drafter)
         goals.append(goal)
-        _print_table("1. single session (one at a time, configurations taking turns)", table)
+        _print_table("1. single session (one at a time; configurations take turns)", table)
         print(f"DSD / target-only: {goal.measured:.2f}x (goal >= {goal.goal}x)")
     table, more = throughput(results, levels, args.drafter)
     goals += more
-    _print_table("2. verifier throughput, committed tokens/s (one verifier, batching)", table)
+    _print_table(
+        "2. verifier throughput, committed tokens/s (one verifier; waves of c sessions)", table
+    )
     table, more = overhead(results, args.drafter)
     goals += more
     _print_table(
