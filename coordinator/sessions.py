@@ -292,7 +292,9 @@ class SessionBook:
             policy=live.policy.model_dump(mode="json"),
             t_draft_ms=draft.timings.draft_ms,
             t_uplink_ms=uplink_ms if draft.timings.sent_at else None,
-            t_queue_ms=max(0.0, round_trip_ms - result.verify_ms) + result.queue_ms,
+            # Everything between handing the draft to the pool and the verifier's compute:
+            # transport both ways and the verifier's own queue.
+            t_queue_ms=max(0.0, round_trip_ms - result.verify_ms),
             t_verify_ms=result.verify_ms,
             t_downlink_ms=None,
         )
