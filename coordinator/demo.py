@@ -20,10 +20,12 @@ from bench.report import format_table, write_json
 from coordinator.localfleet import AgentSpec, LocalFleet, local_fleet
 
 DEFAULT_PROMPTS = Path("../shared/bench/prompts.jsonl")
+# Three devices, three drafters: prompt lookup and a 4-gram table in front of the distilled
+# 1-layer draft on LiteRT; that draft alone on ONNX Runtime; lookup and the table alone.
 DEMO_AGENTS = (
-    AgentSpec("demo-pi", "pi", "hybrid", "tflite"),
-    AgentSpec("demo-jetson", "jetson", "hybrid", "onnx"),
-    AgentSpec("demo-phone", "phone", "lookup", "none"),
+    AgentSpec("demo-pi", "pi", "hybrid+draft-l1", "tflite"),
+    AgentSpec("demo-jetson", "jetson", "draft-l1", "onnx"),
+    AgentSpec("demo-phone", "phone", "hybrid", "none"),
 )
 DEMO_VERIFIERS = ("demo-verifier-1", "demo-verifier-2")
 
@@ -89,6 +91,7 @@ async def ask(
 
 async def run_demo(args: argparse.Namespace, prompts: list[Prompt]) -> list[dict[str, Any]]:
     from coordinator.settings import Settings
+    from inference.distill import ensure_drafts
     from inference.target_build import ensure_target
     from inference.tokenizer import ChatTokenizer
 
@@ -101,6 +104,8 @@ async def run_demo(args: argparse.Namespace, prompts: list[Prompt]) -> list[dict
         overrides["home"] = settings.home
     settings = settings.model_copy(update=overrides)
     target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
+    # The drafts are built from the weights committed in models/drafts/ (once; then cached).
+    await asyncio.to_thread(ensure_drafts, settings.resolved_models_dir, target_dir)
     tokenizer = ChatTokenizer.load(target_dir)
     agents = list(DEMO_AGENTS[: args.agents])
     verifiers = list(DEMO_VERIFIERS[: args.verifiers])
