@@ -10,6 +10,7 @@ import pytest
 from goodness_of_fit import chi_square, chi_square_critical, total_variation
 from synthetic_lm import SyntheticLM
 
+from inference.drafters import make_proposer
 from inference.proposers import (
     HybridProposer,
     NeuralProposer,
@@ -189,7 +190,6 @@ REAL_MAX_TOKENS = 48
 
 def real_drafter(name: str) -> Proposer:
     from inference.artifacts import default_models_dir
-    from inference.drafters import make_proposer
 
     return make_proposer(name, default_models_dir())
 
@@ -254,19 +254,25 @@ def test_real_target_greedy_identity_full_matrix() -> None:
 
 
 def test_real_target_sampling_is_reproducible() -> None:
+    """The hybrid, and a neural draft sampling its own q' when one is built."""
     from real_target import one_prompt_per_task, prompt_ids, target_pair
+
+    from inference.artifacts import default_models_dir
+    from inference.drafters import draft_model_names
 
     target, tokenizer = target_pair()
     ids = prompt_ids(one_prompt_per_task()[0].id)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
 
-    def run(seed: int) -> list[int]:
-        params = SamplingParams(temperature=0.8, top_p=0.9, seed=seed)
-        drafter = real_drafter("hybrid")
-        return decode_speculative(target, drafter, ids, 4, 24, params, tokenizer.eos_id).tokens
+    def run(name: str, seed: int) -> list[int]:
+        seeded = SamplingParams(params.temperature, params.top_p, seed=seed)
+        drafter = make_proposer(name, default_models_dir(), temperature=params.temperature)
+        return decode_speculative(target, drafter, ids, 4, 24, seeded, tokenizer.eos_id).tokens
 
-    first = run(11)
-    assert run(11) == first
-    assert run(12) != first
+    for name in ["hybrid", *draft_model_names(default_models_dir())[:1]]:
+        first = run(name, 11)
+        assert run(name, 11) == first, name
+        assert run(name, 12) != first, name
 
 
 REAL_TRIALS = 240
