@@ -317,8 +317,8 @@ def train_draft(
     import torch
     from tqdm import tqdm
 
-    from inference.draft_torch import EMBED, HEAD, NORM, DraftModel, cosine_lr, distill_loss
-    from inference.gguf_source import GgufModel
+    from inference.draft_torch import DraftModel, cosine_lr, distill_loss
+    from inference.gguf_source import EMBED, HEAD, NORM, GgufModel
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -528,7 +528,7 @@ def export_onnx(
     """The draft through the project's ONNX builder: q8_0 embedding, fp16 matrices, trimmed head."""
     import onnx
 
-    from inference.draft_torch import EMBED
+    from inference.gguf_source import EMBED
     from inference.onnx_graph import DecoderSpec, build_decoder
 
     spec = DecoderSpec(n_layers=config.n_layers, head_ids=tuple(int(i) for i in head_ids))
@@ -561,9 +561,8 @@ def export_draft(models_dir: Path, weights_path: Path, target_dir: Path) -> list
     import shutil
 
     from inference.artifacts import describe_model, load_manifest, sha256_file, write_manifest
-    from inference.draft_torch import EMBED
     from inference.drafts import OUTPUT_IDS_FILE, TFLITE_SUFFIX
-    from inference.gguf_source import GgufModel
+    from inference.gguf_source import EMBED, GgufModel
     from inference.tflite_export import export_tflite
     from inference.tokenizer import CHAT_FORMAT_FILE, TOKENIZER_FILE
 

@@ -10,11 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.gguf_source import F32, LlamaConfig
-
-EMBED = "model.embed_tokens.weight"
-NORM = "model.norm.weight"
-HEAD = "lm_head.weight"
+from inference.gguf_source import F32, HEAD, NORM, LlamaConfig
 
 
 class RmsNorm(nn.Module):
