@@ -59,15 +59,19 @@ def read_prompts(path: Path) -> list[BenchPrompt]:
     return prompts
 
 
-def leviathan_expected_tokens(alpha: float, k: int) -> float:
+def leviathan_expected_tokens(alpha: float, k: float) -> float:
     """E = (1 - alpha^(k+1)) / (1 - alpha): tokens per target pass for acceptance rate alpha."""
     if alpha >= 1.0:
         return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return (1.0 - float(alpha ** (k + 1))) / (1.0 - alpha)
 
 
-def solve_alpha(tokens_per_pass: float, k: int) -> float:
-    """The alpha whose E(alpha, k) equals the measured tokens per pass (bisection; E rises)."""
+def solve_alpha(tokens_per_pass: float, k: float) -> float:
+    """The alpha whose E(alpha, k) equals the measured tokens per pass (bisection; E rises).
+
+    k may be fractional: a drafter that proposes fewer than k tokens when unsure is also
+    judged at its mean proposal length.
+    """
     if tokens_per_pass <= 1.0:
         return 0.0
     if tokens_per_pass >= k + 1:
@@ -332,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_pass": tokens_per_pass,
                 "predicted_tokens_per_pass": leviathan_expected_tokens(alpha, k),
                 "alpha_eff": solve_alpha(tokens_per_pass, k),
+                "alpha_eff_at_mean_draft": solve_alpha(tokens_per_pass, t.drafted / t.passes),
                 "drafted_per_pass": t.drafted / t.passes,
                 "drafted": t.drafted,
                 "accepted": t.accepted,
@@ -397,7 +402,7 @@ def report(document: dict[str, Any]) -> str:
     ]
     base = document["baseline"]
     spec_rows = [
-        ("target alone", "-", "-", "-", 1.0, "-", "-", "-", base["tokens_per_s"], 1.0, "yes")
+        ("target alone", "-", "-", "-", 1.0, "-", "-", "-", "-", base["tokens_per_s"], 1.0, "yes")
     ]
     spec_rows += [
         (
@@ -408,6 +413,7 @@ def report(document: dict[str, Any]) -> str:
             row["tokens_per_pass"],
             row["predicted_tokens_per_pass"],
             row["alpha_eff"],
+            row["alpha_eff_at_mean_draft"],
             row["draft_cost_fraction"],
             row["tokens_per_s"],
             row["speedup"],
@@ -433,6 +439,7 @@ def report(document: dict[str, Any]) -> str:
                     "tok/pass",
                     "E(alpha,k)",
                     "alpha_eff",
+                    "(at drafted/pass)",
                     "draft cost",
                     "tok/s",
                     "speedup",
