@@ -50,7 +50,9 @@ def current_device(
 CurrentDevice = Annotated[str, Depends(current_device)]
 
 
-@router.api_route("/{sha256}", methods=["GET", "HEAD"], response_class=FileResponse)
+@router.get("/{sha256}", response_class=FileResponse)
+# HEAD serves the same response without a body; one operation in the OpenAPI document is enough.
+@router.head("/{sha256}", response_class=FileResponse, include_in_schema=False)
 def download_artifact(
     sha256: Sha256, device_id: CurrentDevice, settings: SettingsDep
 ) -> FileResponse:
