@@ -10,16 +10,15 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.models import DEFAULT_PROMPTS, BenchPrompt, read_prompts
 from bench.report import format_table, write_json
 from coordinator.localfleet import AgentSpec, LocalFleet, local_fleet
 
-DEFAULT_PROMPTS = Path("../shared/bench/prompts.jsonl")
 # Three devices, three drafters: prompt lookup and a 4-gram table in front of the distilled
 # 1-layer draft on LiteRT; that draft alone on ONNX Runtime; lookup and the table alone.
 DEMO_AGENTS = (
@@ -28,30 +27,6 @@ DEMO_AGENTS = (
     AgentSpec("demo-phone", "phone", "hybrid", "none"),
 )
 DEMO_VERIFIERS = ("demo-verifier-1", "demo-verifier-2")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    id: str
-    task: str
-    prompt: str
-
-
-def read_prompts(path: Path) -> list[Prompt]:
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            document = json.loads(line)
-            prompts.append(
-                Prompt(str(document["id"]), str(document["task"]), str(document["prompt"]))
-            )
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: not a prompt line ({exc})") from None
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
 
 
 async def ask(
@@ -89,7 +64,7 @@ async def ask(
     return summary
 
 
-async def run_demo(args: argparse.Namespace, prompts: list[Prompt]) -> list[dict[str, Any]]:
+async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list[dict[str, Any]]:
     from coordinator.settings import Settings
     from inference.distill import ensure_drafts
     from inference.target_build import ensure_target
@@ -126,9 +101,9 @@ async def run_demo(args: argparse.Namespace, prompts: list[Prompt]) -> list[dict
 
 
 async def _answer_all(
-    fleet: LocalFleet, agents: list[AgentSpec], prompts: list[Prompt], args: argparse.Namespace
+    fleet: LocalFleet, agents: list[AgentSpec], prompts: list[BenchPrompt], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    queues: dict[str, list[Prompt]] = {spec.device_id: [] for spec in agents}
+    queues: dict[str, list[BenchPrompt]] = {spec.device_id: [] for spec in agents}
     for index, prompt in enumerate(prompts):
         queues[agents[index % len(agents)].device_id].append(prompt)
     results: list[dict[str, Any]] = []
