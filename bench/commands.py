@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from specfleet.cli import add_module_command
 
 # (name, module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 BENCHMARKS = (
@@ -17,7 +18,4 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     bench = subparsers.add_parser("bench", help="run a benchmark; prints a table, writes JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for name, module_name, help_text in BENCHMARKS:
-        module = importlib.import_module(module_name)
-        parser = bench_sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(parser)
-        parser.set_defaults(func=module.run)
+        add_module_command(bench_sub, name, module_name, help_text)

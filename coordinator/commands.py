@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from specfleet.cli import CommandError
+from specfleet.cli import CommandError, add_module_command
 
 # Heavy imports (SQLAlchemy, Alembic) happen inside the handlers, so `specfleet --help` stays fast.
 if TYPE_CHECKING:
@@ -463,12 +463,12 @@ def _devices_rotate(args: argparse.Namespace) -> int:
 
 
 def _register_flash(subparsers: Subparsers) -> None:
-    from coordinator import flash
-
-    help_text = "install or upgrade the agent on a device over SSH, or into a directory"
-    parser = subparsers.add_parser("flash", help=help_text, description=help_text)
-    flash.add_arguments(parser)
-    parser.set_defaults(func=flash.run)
+    add_module_command(
+        subparsers,
+        "flash",
+        "coordinator.flash",
+        "install or upgrade the agent on a device over SSH, or into a directory",
+    )
 
 
 # --- specfleet broker --------------------------------------------------------------------------
@@ -636,12 +636,12 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _register_demo(subparsers: Subparsers) -> None:
-    from coordinator import demo
-
-    help_text = "run a whole fleet on this machine and answer the benchmark prompts"
-    parser = subparsers.add_parser("demo", help=help_text, description=help_text)
-    demo.add_arguments(parser)
-    parser.set_defaults(func=demo.run)
+    add_module_command(
+        subparsers,
+        "demo",
+        "coordinator.demo",
+        "run a whole fleet on this machine and answer the benchmark prompts",
+    )
 
 
 # --- specfleet admin ---------------------------------------------------------------------------

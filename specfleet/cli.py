@@ -22,6 +22,23 @@ class CommandError(Exception):
     """A bad argument or a failed precondition: printed as one line, exit status 2."""
 
 
+def add_module_command(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    module_name: str,
+    help_text: str,
+) -> None:
+    """Add a command implemented by a module with `add_arguments(parser)` and `run(args)`.
+
+    Such modules keep their top-level imports cheap (no torch, no onnxruntime), so `--help`
+    stays fast.
+    """
+    module = importlib.import_module(module_name)
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specfleet",
