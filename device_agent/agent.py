@@ -111,7 +111,13 @@ class Agent:
     async def run(self) -> None:
         address = BrokerAddress.from_url(self.settings.broker_url, self.settings.ca_file)
         if self.announce and self.settings.local_api:
-            api = LocalApi(self.sessions, self.health, self.settings.local_api_port)
+            api = LocalApi(
+                self.sessions,
+                self.health,
+                self.settings.local_api_port,
+                connected=self.connected,
+                connect_wait_s=self.settings.connect_wait_s,
+            )
             try:
                 await api.start()
                 self.local_api = api

@@ -134,9 +134,14 @@ class LocalApi:
         health: Callable[[], dict[str, Any]],
         port: int,
         host: str = HOST,
+        *,
+        connected: asyncio.Event | None = None,
+        connect_wait_s: float = 0.0,
     ) -> None:
         self.book = book
         self.health = health
+        self.connected = connected
+        self.connect_wait_s = connect_wait_s
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
@@ -239,12 +244,25 @@ class LocalApi:
             body = SessionRequest.parse_json(request.body)
         except SessionError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-        if not self.health()["connected"]:
+        if not await self._bus_ready():
             raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, "the agent is not connected to the bus")
         try:
             return await self.book.start(body)
         except SessionError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+
+    async def _bus_ready(self) -> bool:
+        """Connected now, or within `connect_wait_s`: a reconnect in progress (a broker
+        take-over, a short drop) delays a new session instead of refusing it."""
+        if self.health()["connected"]:
+            return True
+        if self.connected is None:
+            return False
+        try:
+            await asyncio.wait_for(self.connected.wait(), self.connect_wait_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def _stream(
         self,

@@ -77,6 +77,8 @@ class AgentSettings(LocalSettings):
     keepalive_s: int = Field(default=10, ge=1, le=3600)
     telemetry_interval_s: float = Field(default=5.0, gt=0)
     mqtt_protocol: str = Field(default="auto", pattern=r"^(auto|5|3\.1\.1)$")
+    # A new local session waits this long for a reconnecting bus before it is refused.
+    connect_wait_s: float = Field(default=15.0, ge=0, le=3600)
     # The coordinator's Ed25519 public key (PEM): model releases must carry its signature.
     release_key_file: Path | None = None
     # An HTTP proxy for artifact downloads (a site's caching proxy); the environment's is not used.

@@ -194,6 +194,7 @@ def test_a_disconnected_agent_answers_503(models_dir: Path) -> None:
                 broker_url=dead_broker,
                 models_dir=models_dir,
                 local_api_port=0,
+                connect_wait_s=0.2,
             )
         )
         run = asyncio.create_task(agent.run())
@@ -217,6 +218,57 @@ def test_a_disconnected_agent_answers_503(models_dir: Path) -> None:
     health_status, health, status, refusal = asyncio.run(scenario())
     assert health_status == 200 and health["connected"] is False
     assert status == 503 and "not connected" in refusal["error"]
+
+
+def test_a_session_asked_for_while_the_bus_reconnects_waits_for_it(
+    models_dir: Path, target: tuple[OnnxRuntime, ChatTokenizer]
+) -> None:
+    """A broker that comes up while the request waits (a reconnect, a take-over) delays the
+    session instead of refusing it."""
+    runtime, tokenizer = target
+    port = free_port()
+    body = {"prompt": prompt_text("math-01"), "max_tokens": 12, "draft": "lookup", "k": 3}
+
+    async def scenario() -> dict[str, Any]:
+        from device_agent.settings import load_agent_settings
+
+        agent = Agent(
+            load_agent_settings(
+                None,
+                device_id=f"late-{secrets.token_hex(3)}",
+                broker_url=f"mqtt://127.0.0.1:{port}",
+                models_dir=models_dir,
+                local_api_port=0,
+                connect_wait_s=TIMEOUT_S,
+            )
+        )
+        run = asyncio.create_task(agent.run())
+        try:
+            while agent.local_api is None:
+                await asyncio.sleep(0.02)
+
+            async def collect() -> list[Any]:
+                stream = stream_session(HOST, api_port(agent), body, TIMEOUT_S)
+                return [event async for event in stream]
+
+            asking = asyncio.create_task(collect())
+            await asyncio.sleep(0.3)
+            assert not asking.done()  # waiting for the bus, not refused
+            with PrivateMosquitto(port=port) as mosquitto:
+                peer = BusPeer(mosquitto.url, TargetJudge(runtime, tokenizer.eos_id))
+                async with peer.running():
+                    events = await asyncio.wait_for(asking, TIMEOUT_S)
+                    assert events[-1].event == "done", events[-1]
+                    return dict(events[-1].data)
+        finally:
+            await agent.stop()
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+
+    summary = asyncio.run(scenario())
+    assert summary["status"] == "finished"
+    assert summary["token_ids"] == reference("math-01", (runtime, tokenizer), 12)
 
 
 def test_sessions_can_be_listed_watched_cancelled_and_hung_up_on(
