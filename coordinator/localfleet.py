@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,19 +91,20 @@ class ChildProcess:
         await asyncio.to_thread(self.process.wait)
 
 
-@dataclass
-class LocalFleet:
+@dataclass(kw_only=True)
+class FleetProcesses:
+    """The child processes of a fleet on one machine: verifiers, agents, and, for faults that
+    need one, the coordinator itself (`specfleet up` against the same broker and database)."""
+
     settings: Settings
-    coordinator: Coordinator
     broker_url: str
     credentials: dict[str, str]  # username -> plaintext, devices and services
     workdir: Path
-    eos_id: int
     verifiers: dict[str, ChildProcess] = field(default_factory=dict)
     agents: dict[str, ChildProcess] = field(default_factory=dict)
     agent_ports: dict[str, int] = field(default_factory=dict)
-    quick: QuickstartBroker | None = None
-    _coordinator_task: asyncio.Task[None] | None = None
+    coordinator_child: ChildProcess | None = None
+    coordinator_http_port: int = 0
 
     def _child_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECFLEET_")}
@@ -112,6 +113,33 @@ class LocalFleet:
         env["SPECFLEET_MQTT_PROTOCOL"] = self.settings.mqtt_protocol
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+    def start_coordinator(self) -> ChildProcess:
+        """`specfleet up` against this fleet's broker and database, under the same client id
+        every time, so a restarted coordinator takes over its persistent MQTT session."""
+        self.coordinator_http_port = self.coordinator_http_port or free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "specfleet",
+            "up",
+            "--broker",
+            self.broker_url,
+            "--database-url",
+            self.settings.database_url,
+            "--http-port",
+            str(self.coordinator_http_port),
+        ]
+        env = self._child_env()
+        env["SPECFLEET_COORDINATOR_ID"] = self.settings.coordinator_id
+        if self.settings.broker_username:
+            env["SPECFLEET_BROKER_USERNAME"] = self.settings.broker_username
+        if self.settings.broker_password:
+            env["SPECFLEET_BROKER_PASSWORD"] = self.settings.broker_password
+        child = ChildProcess("coordinator", argv, env, self.workdir / "coordinator.log")
+        child.start()
+        self.coordinator_child = child
+        return child
 
     def start_verifier(self, verifier_id: str, *, threads: int = 1) -> ChildProcess:
         argv = [
@@ -136,7 +164,12 @@ class LocalFleet:
         self.verifiers[verifier_id] = child
         return child
 
-    def start_agent(self, spec: AgentSpec) -> ChildProcess:
+    def start_agent(
+        self, spec: AgentSpec, *, broker_url: str | None = None, extra: Sequence[str] = ()
+    ) -> ChildProcess:
+        """An agent process; `broker_url` overrides the fleet's (an emulated link in front of
+        the broker), `extra` adds flags of `specfleet-agent run`. A restarted agent keeps its
+        home directory and its local API port."""
         port = self.agent_ports.setdefault(spec.device_id, free_port())
         argv = [
             sys.executable,
@@ -147,13 +180,14 @@ class LocalFleet:
             spec.device_id,
             f"--credential={self.credentials[spec.device_id]}",
             "--broker-url",
-            self.broker_url,
+            broker_url or self.broker_url,
             "--kind",
             spec.kind,
             "--draft",
             spec.draft,
             "--local-api-port",
             str(port),
+            *extra,
         ]
         if spec.runtime != "none":
             argv += ["--draft-runtime", spec.runtime]
@@ -164,19 +198,8 @@ class LocalFleet:
         self.agents[spec.device_id] = child
         return child
 
-    async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Until every verifier has announced itself and every agent's local API answers."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            live = {v.verifier_id for v in self.coordinator.verifiers.live()}
-            if set(self.verifiers) <= live:
-                break
-            for child in self.verifiers.values():
-                if not child.alive():
-                    raise RuntimeError(f"verifier {child.name} exited: see {child.log_path}")
-            await asyncio.sleep(0.1)
-        else:
-            raise TimeoutError("verifiers did not come up; see their logs in " + str(self.workdir))
+    async def wait_agents(self, deadline: float) -> None:
+        """Until every agent's local API answers."""
         for device_id, port in self.agent_ports.items():
             child = self.agents[device_id]
             while True:
@@ -191,7 +214,34 @@ class LocalFleet:
 
     async def stop_children(self) -> None:
         children = [*self.agents.values(), *self.verifiers.values()]
+        if self.coordinator_child is not None:
+            children.append(self.coordinator_child)
         await asyncio.gather(*(child.stop() for child in children))
+
+
+@dataclass(kw_only=True)
+class LocalFleet(FleetProcesses):
+    """A fleet whose coordinator runs in this process (the demo, most tests, the benchmarks)."""
+
+    coordinator: Coordinator
+    eos_id: int
+    quick: QuickstartBroker | None = None
+    _coordinator_task: asyncio.Task[None] | None = None
+
+    async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until every verifier has announced itself and every agent's local API answers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = {v.verifier_id for v in self.coordinator.verifiers.live()}
+            if set(self.verifiers) <= live:
+                break
+            for child in self.verifiers.values():
+                if not child.alive():
+                    raise RuntimeError(f"verifier {child.name} exited: see {child.log_path}")
+            await asyncio.sleep(0.1)
+        else:
+            raise TimeoutError("verifiers did not come up; see their logs in " + str(self.workdir))
+        await self.wait_agents(deadline)
 
 
 def _provision(registry: DeviceRegistry, spec: AgentSpec) -> str:
@@ -242,7 +292,15 @@ async def local_fleet(
         broker_url = external_broker
         settings = settings.model_copy(update={"broker_url": broker_url})
     coordinator = Coordinator(settings, engine, eos_id=eos_id)
-    fleet = LocalFleet(settings, coordinator, broker_url, credentials, workdir, eos_id, quick=quick)
+    fleet = LocalFleet(
+        settings=settings,
+        coordinator=coordinator,
+        broker_url=broker_url,
+        credentials=credentials,
+        workdir=workdir,
+        eos_id=eos_id,
+        quick=quick,
+    )
     fleet._coordinator_task = asyncio.create_task(coordinator.run(), name="coordinator")
     try:
         await asyncio.wait_for(coordinator.connected.wait(), 30)

@@ -31,7 +31,7 @@ from coordinator.db.engine import make_sessionmaker
 from coordinator.events import EventLog
 from coordinator.fleet import Fleet
 from coordinator.registry import DeviceRegistry
-from coordinator.sessions import SessionBook
+from coordinator.sessions import LiveSession, SessionBook
 from coordinator.settings import Settings
 from coordinator.verifiers import VerifierPool
 
@@ -110,6 +110,7 @@ class Coordinator:
             self.book.run_writer,
         ]
         self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._rebuilt: list[LiveSession] = []
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         client = self._client
@@ -130,6 +131,17 @@ class Coordinator:
 
     async def run(self) -> None:
         address = BrokerAddress.from_url(self.settings.broker_url)
+        # A restart: the database holds every session that was running; they resume here.
+        self._rebuilt = await self.book.rebuild()
+        if self._rebuilt:
+            await asyncio.to_thread(
+                self.events.append,
+                "coordinator.sessions_rebuilt",
+                detail={
+                    "sessions": len(self._rebuilt),
+                    "session_ids": [live.id for live in self._rebuilt[:100]],
+                },
+            )
         async with task_group() as tasks:
             for job in self.background:
                 tasks.create_task(job(), name=f"coordinator-{getattr(job, '__name__', 'job')}")
@@ -151,6 +163,11 @@ class Coordinator:
             await client.subscribe(verifier_subscription(vchannel))
         self._client = client
         self.connected.set()
+        if self._rebuilt:  # their devices may wait on a verdict lost with the old process
+            rebuilt, self._rebuilt = self._rebuilt, []
+            task = asyncio.create_task(self.book.announce(rebuilt), name="announce-rebuilt")
+            self._handler_tasks.add(task)
+            task.add_done_callback(self._handler_tasks.discard)
         async for incoming in client.messages():
             await self.dispatch(incoming.topic, incoming.payload)
 

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import messages as m
+from broker.client import BusConnectionError
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
 from coordinator.events import append_event
@@ -196,6 +197,24 @@ class SessionBook:
         if live is not None:
             self.live[session_id] = live
         return live
+
+    async def rebuild(self) -> list[LiveSession]:
+        """After a coordinator restart: every active session back in memory from the database,
+        each device told its session's state (a draft lost with the old process is re-sent)."""
+        rebuilt = await asyncio.to_thread(self._load_active)
+        for live in rebuilt:
+            self.live.setdefault(live.id, live)
+        if rebuilt:
+            log.info("rebuilt %d active sessions from the database", len(rebuilt))
+        return rebuilt
+
+    async def announce(self, sessions: list[LiveSession]) -> None:
+        """Send each session's state to its device; a failed send is retried by the device."""
+        for live in sessions:
+            try:
+                await self._send_state(live)
+            except (ConnectionError, BusConnectionError, m.BusError) as exc:
+                log.warning("could not send the state of session %s: %s", live.id, exc)
 
     def set_k(self, session_id: str, k: int) -> None:
         """The settable, fixed window of a session; the next verdict carries it."""
@@ -436,12 +455,14 @@ class SessionBook:
             return None
         with self._db() as db:
             row = db.get(DecodingSession, session_uuid)
-            if row is None:
-                return None
-            last = db.scalar(
-                sa.select(sa.func.max(Round.round_index)).where(Round.session_id == session_uuid)
-            )
-            return LiveSession.from_row(row, next_round=0 if last is None else last + 1)
+            return None if row is None else _restore(db, row)
+
+    def _load_active(self) -> list[LiveSession]:
+        with self._db() as db:
+            rows = db.scalars(
+                sa.select(DecodingSession).where(DecodingSession.status == SessionStatus.ACTIVE)
+            ).all()
+            return [_restore(db, row) for row in rows]
 
     def _stored_verdict(self, live: LiveSession, round_index: int) -> m.Verdict | None:
         with self._db() as db:
@@ -484,6 +505,28 @@ class SessionBook:
             append_event(
                 db, kind, device_id=live.device_id, session_id=uuid.UUID(live.id), detail=detail
             )
+
+
+def _restore(db: Session, row: DecodingSession) -> LiveSession:
+    """A session as it stood at its last persisted round: the committed tokens, the next round,
+    and the policy that round chose. An adaptive session's rounds carry the decision, and with
+    it the task type the policy learns under; it stays adaptive after a coordinator restart."""
+    last = db.scalar(
+        sa.select(Round)
+        .where(Round.session_id == row.id)
+        .order_by(Round.round_index.desc())
+        .limit(1)
+    )
+    live = LiveSession.from_row(row, next_round=0 if last is None else last.round_index + 1)
+    if last is not None and last.policy:
+        try:
+            live.policy = m.Policy.model_validate(last.policy)
+        except ValueError:
+            log.warning("session %s: round %d has an unreadable policy", live.id, last.round_index)
+        decision = last.policy.get("decision")
+        if isinstance(decision, dict) and isinstance(decision.get("task_type"), str):
+            live.policy_task = decision["task_type"]
+    return live
 
 
 @dataclass

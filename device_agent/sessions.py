@@ -407,8 +407,8 @@ class AgentSession:
         if self.drafter.finished:
             return
         if outcome.in_sync and window is not None:
-            if self._published and self._refusals == 0:
-                return  # the window in flight stands; its verdict will come
+            # The window may have been lost with a coordinator that restarted, or with our own
+            # link: send it again. A round is idempotent, so at worst its verdict comes twice.
             await self._send_window()
             return
         await self._next_round()
