@@ -1,0 +1,204 @@
+"""The round writer on both databases: group commit, one failure failing one round, the downlink
+of the round before, and the finished session's end and event."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from coordinator.db.engine import make_sessionmaker
+from coordinator.db.models import DecodingSession, Event, Round, SessionMode, SessionStatus
+from coordinator.registry import DeviceRegistry
+from coordinator.sessions import RoundWriter
+
+DEVICE = "writer-pi"
+PROMPT_IDS = [1, 2, 3, 4]
+T = TypeVar("T")
+
+
+@pytest.fixture
+def sessions(db_engine: Engine) -> sessionmaker[Session]:
+    sessions = make_sessionmaker(db_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    return sessions
+
+
+def open_session(sessions: sessionmaker[Session]) -> uuid.UUID:
+    session_id = uuid.uuid4()
+    with sessions.begin() as db:
+        db.add(
+            DecodingSession(
+                id=session_id,
+                device_id=DEVICE,
+                task_type="chat",
+                prompt="p",
+                prompt_ids=PROMPT_IDS,
+                temperature=0.0,
+                top_p=1.0,
+                seed=0,
+                max_tokens=64,
+                mode=SessionMode.DISTRIBUTED,
+                draft_model="lookup",
+                k=2,
+                status=SessionStatus.ACTIVE,
+                committed_ids=[],
+                committed_len=len(PROMPT_IDS),
+            )
+        )
+    return session_id
+
+
+def round_row(session_id: uuid.UUID, index: int, committed: int) -> Round:
+    """Round `index` of a session that had `committed` generated tokens; it commits two more."""
+    base_len = len(PROMPT_IDS) + committed
+    return Round(
+        session_id=session_id,
+        round_index=index,
+        base_len=base_len,
+        draft_tokens=[7, 8],
+        draft_model="lookup",
+        k=2,
+        n_accepted=1,
+        next_token=9,
+        committed_len=base_len + 2,
+        verifier_id="v1",
+        t_draft_ms=0.5,
+        t_verify_ms=3.0,
+    )
+
+
+def run_writer(
+    sessions: sessionmaker[Session], body: Callable[[RoundWriter], Awaitable[T]]
+) -> tuple[T, int]:
+    """Run `body` against a running writer; its result and the writer's batch count."""
+    engine = sessions.kw["bind"]
+    batches = 0
+
+    async def main() -> T:
+        nonlocal batches
+        writer = RoundWriter(engine)
+        running = asyncio.create_task(writer.run(), name="test-round-writer")
+        try:
+            return await asyncio.wait_for(body(writer), 30)
+        finally:
+            batches = writer.batches
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+
+    result = asyncio.run(main())
+    return result, batches
+
+
+def test_rounds_queued_together_commit_in_one_transaction(
+    sessions: sessionmaker[Session],
+) -> None:
+    session_ids = [open_session(sessions) for _ in range(8)]
+
+    async def body(writer: RoundWriter) -> None:
+        await asyncio.sleep(0)  # the writer waits for its first round
+        await asyncio.gather(
+            *(
+                writer.write(round_row(s, 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE)
+                for s in session_ids
+            )
+        )
+
+    _, batches = run_writer(sessions, body)
+    # Every write was queued before the writer ran again: one transaction took them all.
+    assert batches == 1
+    with sessions() as db:
+        for session_id in session_ids:
+            row = db.get(DecodingSession, session_id)
+            assert row is not None
+            assert (row.committed_ids, row.committed_len) == ([7, 9], len(PROMPT_IDS) + 2)
+            stored = db.scalars(sa.select(Round).where(Round.session_id == session_id)).one()
+            assert (stored.round_index, stored.next_token, stored.provisional) == (0, 9, False)
+            assert stored.created_at is not None and stored.t_downlink_ms is None
+
+
+def test_a_round_that_cannot_be_stored_fails_alone(sessions: sessionmaker[Session]) -> None:
+    good = open_session(sessions)
+    stored_twice = open_session(sessions)
+
+    async def body(writer: RoundWriter) -> list[BaseException | None]:
+        await writer.write(
+            round_row(stored_twice, 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE
+        )
+        outcomes = await asyncio.gather(
+            writer.write(round_row(good, 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE),
+            # Round 0 again: the unique (session, round) refuses it.
+            writer.write(
+                round_row(stored_twice, 0, 2), [7, 9, 7, 9], SessionStatus.ACTIVE, device_id=DEVICE
+            ),
+            # A session nobody opened: the foreign key refuses it.
+            writer.write(
+                round_row(uuid.uuid4(), 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE
+            ),
+            return_exceptions=True,
+        )
+        return [o if isinstance(o, BaseException) else None for o in outcomes]
+
+    outcomes, _ = run_writer(sessions, body)
+    assert outcomes[0] is None
+    assert isinstance(outcomes[1], sa.exc.IntegrityError)
+    assert isinstance(outcomes[2], sa.exc.IntegrityError)
+    with sessions() as db:
+        good_row = db.get(DecodingSession, good)
+        twice_row = db.get(DecodingSession, stored_twice)
+        assert good_row is not None and twice_row is not None
+        assert good_row.committed_ids == [7, 9]
+        assert twice_row.committed_ids == [7, 9]  # the refused round changed nothing
+        assert db.scalar(sa.select(sa.func.count()).select_from(Round)) == 2
+
+
+def test_the_next_round_records_the_downlink_of_the_one_before(
+    sessions: sessionmaker[Session],
+) -> None:
+    session_id = open_session(sessions)
+
+    async def body(writer: RoundWriter) -> None:
+        await writer.write(
+            round_row(session_id, 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE
+        )
+        await writer.write(
+            round_row(session_id, 1, 2),
+            [7, 9, 7, 9],
+            SessionStatus.ACTIVE,
+            device_id=DEVICE,
+            downlink_ms=1.25,
+        )
+
+    run_writer(sessions, body)
+    with sessions() as db:
+        rounds = db.scalars(
+            sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
+        ).all()
+        assert [r.t_downlink_ms for r in rounds] == [1.25, None]
+
+
+def test_a_finished_session_gets_its_end_and_event_with_its_last_round(
+    sessions: sessionmaker[Session],
+) -> None:
+    session_id = open_session(sessions)
+
+    async def body(writer: RoundWriter) -> None:
+        await writer.write(
+            round_row(session_id, 0, 0), [7, 9], SessionStatus.FINISHED, device_id=DEVICE
+        )
+
+    run_writer(sessions, body)
+    with sessions() as db:
+        row = db.get(DecodingSession, session_id)
+        assert row is not None
+        assert row.status is SessionStatus.FINISHED and row.finished_at is not None
+        event = db.scalars(sa.select(Event).where(Event.session_id == session_id)).one()
+        assert (event.kind, event.device_id) == ("session.finished", DEVICE)
+        assert event.detail == {"tokens": 2, "rounds": 1}
