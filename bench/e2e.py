@@ -376,9 +376,11 @@ class CoordinatorProbes:
             )
             return result
 
-        async def timed_write(row: Round, generated: list[int], status: SessionStatus) -> None:
+        async def timed_write(
+            row: Round, generated: list[int], status: SessionStatus, **details: Any
+        ) -> None:
             started = time.perf_counter()
-            await write_round(row, generated, status)
+            await write_round(row, generated, status, **details)
             key = (str(row.session_id), row.round_index)
             self.persist_ms[key] = (time.perf_counter() - started) * 1e3
 
