@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-window-ms",
         type=_non_negative_float,
         default=worker.BATCH_WINDOW_MS,
-        help="after a batch's first request, wait this long for more "
-        f"(default: {worker.BATCH_WINDOW_MS})",
+        help="after a batch's first request, wait at most this long for more, and only while "
+        f"another session is due back within it (default: {worker.BATCH_WINDOW_MS})",
     )
     parser.add_argument(
         "--heartbeat-s",

@@ -14,7 +14,8 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from broker.client import (
@@ -44,13 +45,16 @@ log = logging.getLogger(__name__)
 
 # Defaults of WorkerConfig and of the command's flags; the restart constants are read at run time.
 MAX_BATCH = 16
-BATCH_WINDOW_MS = 2.0  # after the first request of a batch, wait this long for more
+# After the first request of a batch, wait at most this long for more, and only while another
+# session is due back within it (see ReturnTimes).
+BATCH_WINDOW_MS = 2.0
 HEARTBEAT_S = 1.0
 BATCH_TIMEOUT_S = 300.0  # a child that takes longer on one batch is taken for hung and killed
 RESTART_ATTEMPTS = 5
 RESTART_BACKOFF_S = 0.5
 STATUS_ON_EXIT_TIMEOUT_S = 2.0
 TIMINGS_KEPT = 1024
+RETURN_TIMES_KEPT = 4096  # sessions whose pace a worker remembers; the longest idle go first
 
 
 class VerifierError(Exception):
@@ -92,27 +96,76 @@ class _Pending:
 
 
 class _Outbox:
-    """Results waiting for the bus; an item leaves only once published, so a drop loses none."""
+    """Results waiting for the bus, numbered in order. One leaves only once its publish is
+    acknowledged, so a dropped connection loses none: the next one sends what is left again (the
+    coordinator takes a result it already has for a late one and drops it)."""
 
     def __init__(self) -> None:
-        self._items: deque[tuple[str, bytes]] = deque()
+        self._items: dict[int, tuple[str, bytes]] = {}  # by number, in order
+        self._next = 0  # the number of the next item put
         self._ready = asyncio.Event()
 
     def put(self, topic: str, payload: bytes) -> None:
-        self._items.append((topic, payload))
+        self._items[self._next] = (topic, payload)
+        self._next += 1
         self._ready.set()
 
-    async def peek(self) -> tuple[str, bytes]:
-        while not self._items:
+    @property
+    def first(self) -> int:
+        """The number of the oldest item still waiting (the next one put, when none waits)."""
+        return next(iter(self._items), self._next)
+
+    async def since(self, number: int) -> tuple[list[tuple[int, str, bytes]], int]:
+        """The waiting items numbered `number` on, once there is one; and the number after."""
+        while self._next <= number:
             self._ready.clear()
             await self._ready.wait()
-        return self._items[0]
+        items = [(n, *self._items[n]) for n in range(number, self._next) if n in self._items]
+        return items, self._next
 
-    def pop(self) -> None:
-        self._items.popleft()
+    def sent(self, number: int) -> None:
+        self._items.pop(number, None)
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+class ReturnTimes:
+    """When each session is due back: its last result left at `answered`, and it came back
+    `gap` after the result before. The batch window is waited only while a session is due
+    within it, so a lone session is never held back, and a window that could bring no other
+    session costs nothing. Times are `time.perf_counter()` of this process."""
+
+    def __init__(self, kept: int = RETURN_TIMES_KEPT) -> None:
+        self.kept = kept
+        self._answered: OrderedDict[str, float] = OrderedDict()  # least recent first
+        self._gap: dict[str, float] = {}
+
+    def answered(self, session_id: str, at: float) -> None:
+        self._answered[session_id] = at
+        self._answered.move_to_end(session_id)
+        while len(self._answered) > self.kept:
+            oldest, _ = self._answered.popitem(last=False)
+            self._gap.pop(oldest, None)
+
+    def arrived(self, session_id: str, at: float) -> None:
+        answered = self._answered.pop(session_id, None)
+        if answered is not None:
+            self._gap[session_id] = max(0.0, at - answered)
+
+    def due(self, start: float, end: float, excluding: Container[str]) -> bool:
+        """Whether a session not in `excluding` is due back between `start` and `end`.
+
+        A session due before `start` is taken to have ended or gone to another verifier; one
+        that has not come back yet has no gap, and is not waited for.
+        """
+        for session_id, answered in self._answered.items():
+            gap = self._gap.get(session_id)
+            if gap is None or session_id in excluding:
+                continue
+            if start <= answered + gap <= end:
+                return True
+        return False
 
 
 @dataclass
@@ -152,6 +205,7 @@ class VerifierWorker:
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._in_flight: list[_Pending] = []
         self._outbox = _Outbox()
+        self._returns = ReturnTimes()
         self._sessions_cached = 0
         self._target = ""
 
@@ -245,14 +299,29 @@ class VerifierWorker:
                 if reply is not None:
                     self._outbox.put(self.result_topic, encode(reply))
                 continue
-            self._queue.put_nowait(_Pending(request, time.perf_counter()))
+            received_at = time.perf_counter()
+            self._returns.arrived(request.session_id, received_at)
+            self._queue.put_nowait(_Pending(request, received_at))
         raise BusConnectionError("the broker ended the message stream")
 
     async def _publish_results(self, client: BusClient) -> None:
-        while True:
-            topic, payload = await self._outbox.peek()
-            await client.publish(topic, payload)
-            self._outbox.pop()
+        """Each result goes out as soon as it is ready, never behind the PUBACKs of the ones
+        before it; those a lost connection left unacknowledged go out again first."""
+        number = self._outbox.first
+        async with task_group() as publishing:
+            while True:
+                items, number = await self._outbox.since(number)
+                for item, topic, payload in items:
+                    publishing.create_task(
+                        self._publish_result(client, item, topic, payload),
+                        name=f"verifier-{self.config.verifier_id}-result-{item}",
+                    )
+
+    async def _publish_result(
+        self, client: BusClient, item: int, topic: str, payload: bytes
+    ) -> None:
+        await client.publish(topic, payload)
+        self._outbox.sent(item)
 
     async def _heartbeat(self, client: BusClient) -> None:
         while True:
@@ -264,16 +333,23 @@ class VerifierWorker:
     # -- batching and the child --------------------------------------------------------------
 
     async def _collect(self) -> list[_Pending]:
-        """Up to max_batch requests: the first, and whatever arrives within the batch window."""
+        """Up to max_batch requests: the first, whatever else is queued, and what arrives within
+        the batch window while another session is due back within it."""
         first = await self._queue.get()
         batch = [first]
-        deadline = first.received_at + self.config.batch_window_ms / 1e3
+        window_s = self.config.batch_window_ms / 1e3
+        deadline = first.received_at + window_s
         while len(batch) < self.config.max_batch:
             if not self._queue.empty():
                 batch.append(self._queue.get_nowait())
                 continue
-            remaining = deadline - time.perf_counter()
+            now = time.perf_counter()
+            remaining = deadline - now
             if remaining <= 0:
+                break
+            sessions = {pending.request.session_id for pending in batch}
+            # Due back but late by more than a window: taken to be gone, not waited for.
+            if not self._returns.due(now - window_s, deadline, excluding=sessions):
                 break
             try:
                 async with timeout(remaining):
@@ -343,6 +419,7 @@ class VerifierWorker:
         else:
             self.counters.served += 1
         self._outbox.put(self.result_topic, encode(result))
+        self._returns.answered(request.session_id, time.perf_counter())
 
     async def _restart_child(self) -> None:
         self._sessions_cached = 0

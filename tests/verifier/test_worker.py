@@ -33,6 +33,7 @@ from verifier.worker import VerifierWorker, WorkerConfig
 
 K = 4
 SCENARIO_WATCHDOG_S = 100.0
+LONG_WINDOW_MS = 120_000.0  # longer than a result is waited for
 Body = Callable[[VerifierWorker, BusListener], Awaitable[None]]
 
 
@@ -157,6 +158,8 @@ def test_killed_child_fails_its_batch_and_a_new_child_serves_the_next(
     async def body(worker: VerifierWorker, listener: BusListener) -> None:
         first_pid = worker.child.pid
         assert first_pid is not None
+        # Two requests queued behind a busy child go to it as one batch.
+        await keep_child_busy(worker, listener)
         # A long context keeps the child busy prefilling, so the kill lands mid-batch.
         long_context = (prompt_ids(0) * 40)[:900]
         slow = make_request("victim", 0, long_context, [13, 14, 15])
@@ -181,7 +184,53 @@ def test_killed_child_fails_its_batch_and_a_new_child_serves_the_next(
         assert worker.counters.child_restarts == 1
         assert worker.child.pid not in (None, first_pid)
 
-    run_with_worker(mosquitto, body, batch_window_ms=100)
+    run_with_worker(mosquitto, body)
+
+
+async def keep_child_busy(worker: VerifierWorker, listener: BusListener) -> VerifyRequest:
+    """A request that keeps the child prefilling for a while; returns once it is in flight."""
+    blocker = make_request(f"blocker-{uuid.uuid4().hex[:6]}", 0, (prompt_ids(2) * 40)[:900], [13])
+    await publish(worker, listener, encode(blocker))
+    async with timeout(30):
+        while worker.in_flight < 1:
+            await asyncio.sleep(0.002)
+    return blocker
+
+
+def test_results_of_a_batch_go_out_together_each_delivered_exactly_once(
+    mosquitto: PrivateMosquitto,
+) -> None:
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        blocker = await keep_child_busy(worker, listener)
+        requests = [greedy_case(f"together-{i}", i % 4, i % 3, None) for i in range(8)]
+        for request in requests:
+            await publish(worker, listener, encode(request))
+        for request in requests:
+            result = await listener.result(request.request_id)
+            assert not result.error and result.batch_size == len(requests)
+        await listener.result(blocker.request_id)
+        await listener.status(lambda s: s.sessions_cached == len(requests) + 1)
+        # Published side by side, acknowledged one by one: none twice, none lost.
+        assert all(listener.deliveries[r.request_id] == 1 for r in [blocker, *requests])
+        assert worker.counters.served == len(requests) + 1
+
+    run_with_worker(mosquitto, body)
+
+
+def test_a_lone_session_is_not_held_back_by_the_batch_window(
+    mosquitto: PrivateMosquitto,
+) -> None:
+    """No other session is due back, so the batch closes at once, however long the window."""
+
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        for start in (0, 1, 2):
+            request = greedy_case("alone", 5, start, None)
+            await publish(worker, listener, encode(request))
+            result = await listener.result(request.request_id, timeout_s=60)
+            # Were the window waited, this result would come long after the test gave up.
+            assert not result.error and result.batch_size == 1
+
+    run_with_worker(mosquitto, body, batch_window_ms=LONG_WINDOW_MS)
 
 
 def spawned_children(pid: int) -> list[int]:

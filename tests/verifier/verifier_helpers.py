@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class BusListener:
     def __init__(self, client: BusClient) -> None:
         self.client = client
         self.results: dict[str, VerifyResult] = {}
+        self.deliveries: Counter[str] = Counter()  # results received, by request id
         self.statuses: list[tuple[VerifierStatus, bool]] = []  # with the retain flag
         self._changed = asyncio.Condition()
 
@@ -100,6 +102,7 @@ class BusListener:
             async with self._changed:
                 if isinstance(message, VerifyResult):
                     self.results[message.request_id] = message
+                    self.deliveries[message.request_id] += 1
                 elif isinstance(message, VerifierStatus):
                     self.statuses.append((message, incoming.retain))
                 self._changed.notify_all()
