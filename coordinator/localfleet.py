@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker.mosquitto import free_port, wait_for_port
+from broker.mosquitto import MosquittoError, free_port, wait_for_port
 from coordinator.registry import DeviceExistsError, DeviceRegistry
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
@@ -208,7 +208,7 @@ class FleetProcesses:
                 try:
                     await asyncio.to_thread(wait_for_port, "127.0.0.1", port, 0.5)
                     break
-                except OSError:
+                except (OSError, MosquittoError):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"agent {device_id} did not come up") from None
 

@@ -166,6 +166,20 @@ class VerifierPool:
             except asyncio.TimeoutError:
                 continue
 
+    def reroute_all(self, why: str) -> int:
+        """Send every request in flight again: after a drop of our own bus connection, any work
+        message or result may have been lost with it. A result that still comes is ignored."""
+        moved = 0
+        for info in self.verifiers.values():
+            for pending in list(info.in_flight.values()):
+                if not pending.future.done():
+                    pending.future.set_exception(_Reroute(why))
+                    moved += 1
+            info.in_flight.clear()
+        if moved:
+            log.warning("%s; resending %d verifications", why, moved)
+        return moved
+
     # --- liveness -----------------------------------------------------------------------------
 
     async def watch(self) -> None:
