@@ -143,6 +143,9 @@ class DraftTimings(BaseModel):
 
     draft_ms: Milliseconds = 0.0
     sent_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)  # unix seconds, device clock
+    # The downlink of the verdict of round - 1: its arrival at the device minus its `sent_at`
+    # (two clocks, so as exact as they agree). Absent on a first round, or when not known.
+    downlink_ms: Milliseconds | None = None
 
 
 class Draft(_Message):
@@ -200,6 +203,8 @@ class Verdict(_Message):
     finished: bool = False
     policy: Policy | None = None
     verifier_id: str = Field(default="", max_length=128)
+    # Unix seconds, coordinator clock, as it leaves (the agent reports the downlink from it).
+    sent_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _lengths_add_up(self) -> Verdict:

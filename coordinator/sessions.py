@@ -326,7 +326,9 @@ class SessionBook:
             live.policy, row.policy = self._adapt(live, row)
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
-        await self._writer.write(row, generated, status, device_id=live.device_id)
+        await self._writer.write(
+            row, generated, status, device_id=live.device_id, downlink_ms=draft.timings.downlink_ms
+        )
         live.generated = generated
         live.next_round = draft.round + 1
         live.status = status
@@ -342,7 +344,7 @@ class SessionBook:
             verifier_id=result.verifier_id,
         )
         live.last_verdict = verdict
-        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(verdict))
+        await self._send_verdict(live, verdict)
         for observe in self.round_observers:
             observe(live, row)
         if finished:
@@ -390,9 +392,14 @@ class SessionBook:
             await self._error(live.device_id, "draft", live.id, draft.round, "unknown round")
             return
         log.info("re-sent the verdict of round %d of %s", draft.round, live.id)
-        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(verdict))
+        await self._send_verdict(live, verdict)
 
     # --- replies ------------------------------------------------------------------------------
+
+    async def _send_verdict(self, live: LiveSession, verdict: m.Verdict) -> None:
+        """Publish a verdict stamped as it leaves; the agent's next draft reports its downlink."""
+        stamped = verdict.model_copy(update={"sent_at": time.time()})
+        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(stamped))
 
     async def _send_state(self, live: LiveSession) -> None:
         await self._publish(

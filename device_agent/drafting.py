@@ -85,7 +85,7 @@ class DraftWindow:
     draft_ms: float  # spent drafting it (for a pre-drafted window: while the last verdict flew)
     proactive: bool  # True when it was drafted before the previous verdict came
 
-    def message(self, session_id: str, sent_at: float) -> m.Draft:
+    def message(self, session_id: str, sent_at: float, downlink_ms: float | None = None) -> m.Draft:
         q_ids = q_probs = None
         if self.q is not None:
             q_ids = tuple(tuple(int(t) for t in row) for row in self.q.ids.tolist())
@@ -98,7 +98,9 @@ class DraftWindow:
             q_ids=q_ids,
             q_probs=q_probs,
             draft_model=self.draft_model,
-            timings=m.DraftTimings(draft_ms=self.draft_ms, sent_at=sent_at),
+            timings=m.DraftTimings(
+                draft_ms=self.draft_ms, sent_at=sent_at, downlink_ms=downlink_ms
+            ),
         )
 
 

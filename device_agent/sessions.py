@@ -182,6 +182,7 @@ class AgentSession:
         self._speculating: asyncio.Future[bool] | None = None
         self._published = False  # whether the window in flight went out
         self._sent_at = 0.0  # perf_counter when the window in flight went out
+        self._downlink: tuple[int, float] | None = None  # (round, ms) of the last verdict applied
         self.wait_ms: list[float] = []
         self.turnaround_ms: list[float] = []
         self._refusals = 0
@@ -316,9 +317,12 @@ class AgentSession:
         await self._settle()
         window = self.drafter.in_flight
         assert window is not None
+        # The coordinator records the downlink of the round before on that round.
+        downlink = self._downlink
+        downlink_ms = downlink[1] if downlink and downlink[0] == window.round - 1 else None
         self._sent_at = time.perf_counter()
         self._published = await self.book.publish(
-            DeviceChannel.DRAFT, window.message(self.session_id, time.time())
+            DeviceChannel.DRAFT, window.message(self.session_id, time.time(), downlink_ms)
         )
         # A window sent again keeps the next one already drafted for it.
         if not self._published or not self.drafter.proactive or self.drafter.has_speculation:
@@ -425,6 +429,9 @@ class AgentSession:
         if new_tokens is None:
             log.debug("session %s: stale verdict of round %d", self.session_id, verdict.round)
             return True
+        if verdict.sent_at:
+            arrived_at = time.time() - (time.perf_counter() - arrived)  # on the unix clock
+            self._downlink = (verdict.round, max(0.0, (arrived_at - verdict.sent_at) * 1e3))
         await self._emit(new_tokens)
         self.wait_ms.append(waited_ms)
         if not self.drafter.finished:

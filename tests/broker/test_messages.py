@@ -37,7 +37,9 @@ def drafts(draw: st.DrawFn) -> m.Draft:
         q_probs=q_probs,
         draft_model=draw(names),
         provisional=draw(st.booleans()),
-        timings=m.DraftTimings(draft_ms=draw(ms), sent_at=draw(unix_times)),
+        timings=m.DraftTimings(
+            draft_ms=draw(ms), sent_at=draw(unix_times), downlink_ms=draw(st.none() | ms)
+        ),
     )
 
 
@@ -310,6 +312,40 @@ def test_verdict_lengths_must_add_up() -> None:
     }
     with pytest.raises(m.SchemaViolation, match="committed_len 5"):
         m.decode(json.dumps(document).encode())
+
+
+def test_round_timings_added_later_are_optional() -> None:
+    """A verdict's departure and a draft's report of the downlink before it: payloads without
+    them decode as before; with them they round-trip; a negative downlink is refused."""
+    verdict = {
+        "v": 1,
+        "type": "verdict",
+        "session_id": "s",
+        "round": 1,
+        "base_len": 3,
+        "n_accepted": 1,
+        "next_token": 9,
+        "committed_len": 5,
+    }
+    assert m.decode_as(json.dumps(verdict).encode(), m.Verdict).sent_at == 0.0
+    stamped = m.decode_as(json.dumps({**verdict, "sent_at": 1.5e9}).encode(), m.Verdict)
+    assert m.decode(m.encode(stamped)) == stamped and stamped.sent_at == 1.5e9
+    draft = {
+        "v": 1,
+        "type": "draft",
+        "session_id": "s",
+        "round": 2,
+        "base_len": 5,
+        "tokens": [5],
+        "draft_model": "lookup",
+        "timings": {"draft_ms": 0.2, "sent_at": 1.5e9},
+    }
+    assert m.decode_as(json.dumps(draft).encode(), m.Draft).timings.downlink_ms is None
+    draft["timings"] = {"sent_at": 1.5e9, "downlink_ms": 0.4}
+    assert m.decode_as(json.dumps(draft).encode(), m.Draft).timings.downlink_ms == 0.4
+    draft["timings"] = {"downlink_ms": -1.0}
+    with pytest.raises(m.SchemaViolation, match="downlink_ms"):
+        m.decode(json.dumps(draft).encode())
 
 
 def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:

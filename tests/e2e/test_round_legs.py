@@ -1,0 +1,89 @@
+"""A round's legs on the database, and persist-before-publish, with a real agent, verifier and
+broker: no verdict leaves before its round and the session's tokens are committed, and each
+next draft brings the downlink of the verdict before it."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from broker import messages as m
+from coordinator.db.models import DecodingSession, Round
+from coordinator.demo import ask
+from coordinator.localfleet import AgentSpec, local_fleet
+from coordinator.service import Coordinator
+from coordinator.settings import Settings
+
+AGENT = AgentSpec("legs-pi", "pi", "lookup", "none")
+PROMPTS = ["List the days of the week.", "Count from one to twelve in words."]
+MAX_TOKENS = 20
+
+
+def test_verdicts_leave_persisted_and_the_next_draft_records_their_downlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    published: list[m.Verdict] = []
+    unpersisted: list[str] = []
+    publish = Coordinator.publish
+
+    async def publish_once_persisted(
+        self: Coordinator, topic: str, payload: bytes, retain: bool = False
+    ) -> None:
+        message = m.decode(payload)
+        if isinstance(message, m.Verdict):
+            # What the database holds at the moment the verdict is handed to the bus.
+            with self.sessions() as db:
+                session_id = uuid.UUID(message.session_id)
+                stored = db.scalar(
+                    sa.select(Round).where(
+                        Round.session_id == session_id, Round.round_index == message.round
+                    )
+                )
+                session = db.get(DecodingSession, session_id)
+                if stored is None or session is None:
+                    unpersisted.append(f"round {message.round} of {session_id}")
+                elif session.committed_len < message.committed_len:
+                    unpersisted.append(f"tokens of round {message.round} of {session_id}")
+            published.append(message)
+        await publish(self, topic, payload, retain)
+
+    monkeypatch.setattr(Coordinator, "publish", publish_once_persisted)
+
+    async def main() -> list[dict[str, Any]]:
+        settings = Settings(home=tmp_path / "home", coordinator_id=f"legs-{uuid.uuid4().hex[:8]}")
+        async with local_fleet(
+            settings, [AGENT], ["legs-verifier"], workdir=tmp_path / "fleet"
+        ) as fleet:
+            async with httpx.AsyncClient() as client:
+                answers = []
+                for prompt in PROMPTS:
+                    request = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+                    port = fleet.agent_ports[AGENT.device_id]
+                    answers.append(await ask(client, port, request, AGENT.device_id, False))
+            with fleet.coordinator.sessions() as db:
+                for answer in answers:
+                    answer["rounds_stored"] = db.scalars(
+                        sa.select(Round)
+                        .where(Round.session_id == uuid.UUID(answer["session_id"]))
+                        .order_by(Round.round_index)
+                    ).all()
+            return answers
+
+    answers = asyncio.run(main())
+    assert not unpersisted, f"published before persisted: {unpersisted}"
+    assert len(published) == sum(a["rounds"] for a in answers)
+    assert all(verdict.sent_at > 0 for verdict in published)
+    for answer in answers:
+        rounds: list[Round] = answer["rounds_stored"]
+        assert answer["status"] == "finished" and len(rounds) >= 2
+        # Every verdict but the last was followed by a draft that reported its downlink.
+        downlinks = [r.t_downlink_ms for r in rounds]
+        assert all(ms is not None and ms >= 0 for ms in downlinks[:-1]), downlinks
+        assert downlinks[-1] is None
+        assert all(r.t_uplink_ms is not None and r.t_verify_ms for r in rounds)
