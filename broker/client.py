@@ -116,10 +116,28 @@ class BusClient:
     _client: aiomqtt.Client
     protocol: Literal["5", "3.1.1"]
     connected_at: float = field(default_factory=time.monotonic)
+    _lost: asyncio.Event = field(default_factory=asyncio.Event)
+    _lost_waiter: asyncio.Future[object] | None = None
+
+    def mark_lost(self) -> None:
+        """The connection is gone: publishes still waiting for their PUBACK fail now, instead
+        of at the client's timeout, so that their callers go on to reconnect and resend."""
+        self._lost.set()
 
     async def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        if self._lost.is_set():
+            raise BusConnectionError(f"publish to {topic} failed: the connection was lost")
+        if self._lost_waiter is None:
+            self._lost_waiter = asyncio.ensure_future(self._lost.wait())
+        publishing = asyncio.ensure_future(
+            self._client.publish(topic, payload, qos=qos, retain=retain)
+        )
+        await asyncio.wait((publishing, self._lost_waiter), return_when=asyncio.FIRST_COMPLETED)
+        if not publishing.done():
+            publishing.cancel()
+            raise BusConnectionError(f"publish to {topic} failed: the connection was lost")
         try:
-            await self._client.publish(topic, payload, qos=qos, retain=retain)
+            publishing.result()
         except aiomqtt.MqttError as exc:
             raise BusConnectionError(f"publish to {topic} failed: {exc}") from exc
 
@@ -279,7 +297,10 @@ async def run_with_reconnect(
                     options.client_id,
                     client.protocol,
                 )
-                await session(client)
+                try:
+                    await session(client)
+                finally:
+                    client.mark_lost()
                 return
         except BusConnectionError as exc:
             if connected_at is not None and time.monotonic() - connected_at >= STABLE_CONNECTION_S:

@@ -30,6 +30,7 @@ SUPPORTED_VERSIONS = frozenset({SCHEMA_VERSION})
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_DRAFT_TOKENS = 2048
 MAX_SPARSE_K = 64
+MAX_CLOUD_K = 64  # the most tokens a verifier host drafts in one cloud round
 MAX_TOKEN_ID = 2**31 - 1
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -165,11 +166,20 @@ class Draft(_Message):
     draft_model: Name
     provisional: bool = False  # drafted offline and already shown to the user
     timings: DraftTimings = DraftTimings()
+    # Cloud mode: no tokens; the verifier host drafts up to `cloud_k` tokens a round with its own
+    # copy of `draft_model` and the coordinator streams a Verdict per round (docs/protocol.md).
+    cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
 
     @model_validator(mode="after")
     def _sparse_q_matches_tokens(self) -> Draft:
         check_sparse_q(self.tokens, self.q_ids, self.q_probs)
+        if self.cloud_k is not None and (self.tokens or self.q_ids or self.provisional):
+            raise ValueError("a cloud request carries no tokens, no q' and is not provisional")
         return self
+
+    @property
+    def cloud(self) -> bool:
+        return self.cloud_k is not None
 
 
 class Mode(str, Enum):
@@ -205,6 +215,12 @@ class Verdict(_Message):
     verifier_id: str = Field(default="", max_length=128)
     # Unix seconds, coordinator clock, as it leaves (the agent reports the downlink from it).
     sent_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    # A cloud round: the tokens the verifier host drafted (the agent sent none); the agent commits
+    # draft_tokens[:n_accepted] + [next_token].
+    draft_tokens: tuple[TokenId, ...] | None = Field(default=None, max_length=MAX_CLOUD_K)
+    # Cloud mode: the coordinator runs round + 1 itself; the agent waits for its verdict rather
+    # than drafting it.
+    continues: bool = False
 
     @model_validator(mode="after")
     def _lengths_add_up(self) -> Verdict:
@@ -214,6 +230,12 @@ class Verdict(_Message):
                 f"committed_len {self.committed_len} != base_len + n_accepted + next_token "
                 f"({expected})"
             )
+        if self.draft_tokens is not None and self.n_accepted > len(self.draft_tokens):
+            raise ValueError(
+                f"n_accepted {self.n_accepted} exceeds the {len(self.draft_tokens)} drafted tokens"
+            )
+        if self.continues and self.finished:
+            raise ValueError("a finished session does not continue")
         return self
 
 
@@ -262,6 +284,16 @@ class SessionState(_Message):
     status: str = Field(max_length=32)  # active, finished, cancelled, failed
     policy: Policy | None = None
 
+    # The mode of a session with a fixed window (k > 0); with k = 0 the coordinator chooses.
+    mode: Mode = Mode.DISTRIBUTED
+
+    @model_validator(mode="after")
+    def _mode_is_chosen_online(self) -> SessionOpen:
+        if self.mode is Mode.LOCAL:
+            raise ValueError("a session opens online: distributed or cloud")
+        if self.mode is Mode.CLOUD and self.k == 0:
+            raise ValueError("cloud mode needs a window (k > 0); k = 0 leaves the mode open too")
+        return self
     @property
     def committed_len(self) -> int:
         return self.prompt_len + len(self.generated_ids)
@@ -301,6 +333,7 @@ class VerifyRequest(_Message):
     def _sparse_q_matches_tokens(self) -> VerifyRequest:
         check_sparse_q(self.tokens, self.q_ids, self.q_probs)
         return self
+    drafts: tuple[Name, ...] = Field(default=(), max_length=64)  # drafters for cloud rounds
 
 
 class VerifyResult(_Message):
@@ -317,10 +350,18 @@ class VerifyResult(_Message):
     batch_size: int = Field(default=1, ge=1)
     error: str = Field(default="", max_length=1024)  # set when the round could not be verified
 
+    # A cloud round: the verifier drafts up to `cloud_k` tokens with `cloud_draft` itself, then
+    # verifies them in the same pass; `tokens` and q' are then empty.
+    cloud_draft: Name | None = None
+    cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
 
 class CommandName(str, Enum):
     PING = "ping"
     ECHO = "echo"  # the answer to a telemetry probe
+        if (self.cloud_draft is None) != (self.cloud_k is None):
+            raise ValueError("cloud_draft and cloud_k come together")
+        if self.cloud_k is not None and (self.tokens or self.q_ids):
+            raise ValueError("a cloud round request carries no tokens and no q'")
     DEPLOY_MODEL = "deploy_model"  # args: broker.model_release.DeployModelArgs
     START_SESSION = "start_session"  # args: session_id, prompt, task_type, max_tokens, sampling
     CANCEL_SESSION = "cancel_session"  # args: session_id
@@ -337,6 +378,21 @@ class Command(_Message):
     @classmethod
     def _args_are_small(cls, args: dict[str, Any]) -> dict[str, Any]:
         if len(args) > 32:
+    # A cloud round: what the verifier drafted, q' when sampling, and what drafting took.
+    draft_tokens: tuple[TokenId, ...] | None = Field(default=None, max_length=MAX_CLOUD_K)
+    q_ids: tuple[tuple[TokenId, ...], ...] | None = None  # [k, K]
+    q_probs: tuple[tuple[Probability, ...], ...] | None = None  # [k, K]
+    draft_ms: Milliseconds = 0.0
+
+    @model_validator(mode="after")
+    def _cloud_draft_adds_up(self) -> VerifyResult:
+        if self.q_ids is not None and self.draft_tokens is None:
+            raise ValueError("q' comes only with draft_tokens")
+        if self.draft_tokens is not None:
+            check_sparse_q(self.draft_tokens, self.q_ids, self.q_probs)
+            if self.n_accepted > len(self.draft_tokens):
+                raise ValueError("n_accepted exceeds the drafted tokens")
+        return self
             raise ValueError("at most 32 command arguments")
         return args
 

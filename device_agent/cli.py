@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-runtime", choices=["onnx", "tflite"], help="which build a bare draft name means"
     )
     run.add_argument(
+        "--fallback-after",
+        type=float,
+        dest="fallback_after_s",
+        help="seconds without an answer before a session generates alone, provisionally "
+        "(default 5; 0: never)",
+    )
+    run.add_argument(
         "--no-proactive",
         dest="proactive",
         action="store_false",
@@ -110,6 +117,7 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             "draft_runtime": args.draft_runtime,
             "proactive": args.proactive,
             "local_api": args.local_api,
+            "fallback_after_s": args.fallback_after_s,
         }
     return load_agent_settings(args.config, **overrides)
 
