@@ -253,6 +253,25 @@ class SamplingSpec(BaseModel):
         return self.temperature == 0.0
 
 
+class ResumeReason(str, Enum):
+    """Why an agent opens a session it has opened before (the coordinator logs it)."""
+
+    RECONNECT = "reconnect"  # the agent's link came back
+    RESTART = "restart"  # the agent restarted and resumed the session from its journal
+    RETRY = "retry"  # no answer came in time
+    RESYNC = "resync"  # a verdict did not fit the agent's state
+    FALLBACK = "fallback"  # the agent generated alone and reports it
+
+
+class Fallback(BaseModel):
+    """A spell of local mode: the agent generated alone while the coordinator was out of reach."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    provisional_tokens: int = Field(ge=0, le=MAX_DRAFT_TOKENS)  # generated alone, shown as such
+    offline_s: float = Field(ge=0, allow_inf_nan=False)  # from the last answer to this report
+
+
 class SessionOpen(_Message):
     """Open a session, or resume it: re-sent for a known id, it is answered with its state."""
 
@@ -265,6 +284,18 @@ class SessionOpen(_Message):
     max_tokens: int = Field(default=128, ge=1, le=8192)
     draft_model: Name
     k: int = Field(default=4, ge=0, le=64)
+    resume: ResumeReason | None = None  # set when the agent opens the session again
+    fallback: Fallback | None = None  # set when the agent reports a spell of local mode
+    # The mode of a session with a fixed window (k > 0); with k = 0 the coordinator chooses.
+    mode: Mode = Mode.DISTRIBUTED
+
+    @model_validator(mode="after")
+    def _mode_is_chosen_online(self) -> SessionOpen:
+        if self.mode is Mode.LOCAL:
+            raise ValueError("a session opens online: distributed or cloud")
+        if self.mode is Mode.CLOUD and self.k == 0:
+            raise ValueError("cloud mode needs a window (k > 0); k = 0 leaves the mode open too")
+        return self
 
 
 class SessionClose(_Message):
@@ -284,16 +315,6 @@ class SessionState(_Message):
     status: str = Field(max_length=32)  # active, finished, cancelled, failed
     policy: Policy | None = None
 
-    # The mode of a session with a fixed window (k > 0); with k = 0 the coordinator chooses.
-    mode: Mode = Mode.DISTRIBUTED
-
-    @model_validator(mode="after")
-    def _mode_is_chosen_online(self) -> SessionOpen:
-        if self.mode is Mode.LOCAL:
-            raise ValueError("a session opens online: distributed or cloud")
-        if self.mode is Mode.CLOUD and self.k == 0:
-            raise ValueError("cloud mode needs a window (k > 0); k = 0 leaves the mode open too")
-        return self
     @property
     def committed_len(self) -> int:
         return self.prompt_len + len(self.generated_ids)
@@ -312,6 +333,7 @@ class VerifierStatus(_Message):
     max_batch: int = Field(default=1, ge=1)
     heartbeat_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     target: str = Field(default="", max_length=128)  # target model name@sha256 prefix
+    drafts: tuple[Name, ...] = Field(default=(), max_length=64)  # drafters for cloud rounds
 
 
 class VerifyRequest(_Message):
@@ -328,12 +350,19 @@ class VerifyRequest(_Message):
     q_probs: tuple[tuple[Probability, ...], ...] | None = None  # [k, K]
     sampling: SamplingSpec = SamplingSpec()
     sent_at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    # A cloud round: the verifier drafts up to `cloud_k` tokens with `cloud_draft` itself, then
+    # verifies them in the same pass; `tokens` and q' are then empty.
+    cloud_draft: Name | None = None
+    cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
 
     @model_validator(mode="after")
     def _sparse_q_matches_tokens(self) -> VerifyRequest:
         check_sparse_q(self.tokens, self.q_ids, self.q_probs)
+        if (self.cloud_draft is None) != (self.cloud_k is None):
+            raise ValueError("cloud_draft and cloud_k come together")
+        if self.cloud_k is not None and (self.tokens or self.q_ids):
+            raise ValueError("a cloud round request carries no tokens and no q'")
         return self
-    drafts: tuple[Name, ...] = Field(default=(), max_length=64)  # drafters for cloud rounds
 
 
 class VerifyResult(_Message):
@@ -349,19 +378,26 @@ class VerifyResult(_Message):
     verify_ms: Milliseconds = 0.0
     batch_size: int = Field(default=1, ge=1)
     error: str = Field(default="", max_length=1024)  # set when the round could not be verified
+    # A cloud round: what the verifier drafted, q' when sampling, and what drafting took.
+    draft_tokens: tuple[TokenId, ...] | None = Field(default=None, max_length=MAX_CLOUD_K)
+    q_ids: tuple[tuple[TokenId, ...], ...] | None = None  # [k, K]
+    q_probs: tuple[tuple[Probability, ...], ...] | None = None  # [k, K]
+    draft_ms: Milliseconds = 0.0
 
-    # A cloud round: the verifier drafts up to `cloud_k` tokens with `cloud_draft` itself, then
-    # verifies them in the same pass; `tokens` and q' are then empty.
-    cloud_draft: Name | None = None
-    cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
+    @model_validator(mode="after")
+    def _cloud_draft_adds_up(self) -> VerifyResult:
+        if self.q_ids is not None and self.draft_tokens is None:
+            raise ValueError("q' comes only with draft_tokens")
+        if self.draft_tokens is not None:
+            check_sparse_q(self.draft_tokens, self.q_ids, self.q_probs)
+            if self.n_accepted > len(self.draft_tokens):
+                raise ValueError("n_accepted exceeds the drafted tokens")
+        return self
+
 
 class CommandName(str, Enum):
     PING = "ping"
     ECHO = "echo"  # the answer to a telemetry probe
-        if (self.cloud_draft is None) != (self.cloud_k is None):
-            raise ValueError("cloud_draft and cloud_k come together")
-        if self.cloud_k is not None and (self.tokens or self.q_ids):
-            raise ValueError("a cloud round request carries no tokens and no q'")
     DEPLOY_MODEL = "deploy_model"  # args: broker.model_release.DeployModelArgs
     START_SESSION = "start_session"  # args: session_id, prompt, task_type, max_tokens, sampling
     CANCEL_SESSION = "cancel_session"  # args: session_id
@@ -378,21 +414,6 @@ class Command(_Message):
     @classmethod
     def _args_are_small(cls, args: dict[str, Any]) -> dict[str, Any]:
         if len(args) > 32:
-    # A cloud round: what the verifier drafted, q' when sampling, and what drafting took.
-    draft_tokens: tuple[TokenId, ...] | None = Field(default=None, max_length=MAX_CLOUD_K)
-    q_ids: tuple[tuple[TokenId, ...], ...] | None = None  # [k, K]
-    q_probs: tuple[tuple[Probability, ...], ...] | None = None  # [k, K]
-    draft_ms: Milliseconds = 0.0
-
-    @model_validator(mode="after")
-    def _cloud_draft_adds_up(self) -> VerifyResult:
-        if self.q_ids is not None and self.draft_tokens is None:
-            raise ValueError("q' comes only with draft_tokens")
-        if self.draft_tokens is not None:
-            check_sparse_q(self.draft_tokens, self.q_ids, self.q_probs)
-            if self.n_accepted > len(self.draft_tokens):
-                raise ValueError("n_accepted exceeds the drafted tokens")
-        return self
             raise ValueError("at most 32 command arguments")
         return args
 

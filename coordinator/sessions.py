@@ -175,8 +175,22 @@ class SessionBook:
             return
         else:
             log.info("session %s resumed by %s at round %d", live.id, device_id, live.next_round)
+            detail: dict[str, Any] = {"next_round": live.next_round}
+            if request.resume is not None:
+                detail["reason"] = request.resume.value
+            await asyncio.to_thread(self._event, "session.resumed", live, detail)
+        if request.fallback is not None:
+            # The device generated alone while it could not reach us; its provisional tail
+            # follows as one long draft.
+            log.info(
+                "session %s: %s generated %d provisional tokens in %.1fs offline",
+                live.id,
+                device_id,
+                request.fallback.provisional_tokens,
+                request.fallback.offline_s,
+            )
             await asyncio.to_thread(
-                self._event, "session.resumed", live, {"next_round": live.next_round}
+                self._event, "session.fallback", live, request.fallback.model_dump(mode="json")
             )
         await self._send_state(live)
 
@@ -322,7 +336,8 @@ class SessionBook:
             t_verify_ms=result.verify_ms,
             t_downlink_ms=None,
         )
-        if live.policy_task is not None:
+        # A provisional tail is no window the policy chose: it teaches the policy nothing.
+        if live.policy_task is not None and not draft.provisional:
             live.policy, row.policy = self._adapt(live, row)
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
@@ -347,6 +362,23 @@ class SessionBook:
         await self._send_verdict(live, verdict)
         for observe in self.round_observers:
             observe(live, row)
+        if draft.provisional:
+            # Kept: the provisional tokens the committed ones confirm (the stop rules may end
+            # the output on one of them, which then comes as the round's next token).
+            confirmed = n_accepted
+            if confirmed < len(draft.tokens) and kept[-1] == draft.tokens[confirmed]:
+                confirmed += 1
+            await asyncio.to_thread(
+                self._event,
+                "session.reconciled",
+                live,
+                {
+                    "round": draft.round,
+                    "provisional": len(draft.tokens),
+                    "kept": confirmed,
+                    "replaced": len(draft.tokens) - confirmed,
+                },
+            )
         if finished:
             log.info(
                 "session %s finished: %d tokens in %d rounds",

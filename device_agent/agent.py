@@ -23,6 +23,7 @@ from broker.topics import DeviceChannel, device_topic
 from device_agent import __version__
 from device_agent.catalog import DrafterCatalog
 from device_agent.health import read_health
+from device_agent.journal import JournalError, SessionJournal
 from device_agent.local_api import LocalApi
 from device_agent.models_store import ModelStore
 from device_agent.sessions import SessionBook, SessionError, SessionRequest
@@ -64,7 +65,21 @@ class Agent:
         # Drafting is CPU work, and a LiteRT interpreter is not safe to share between threads:
         # one worker thread drafts for every session in turn, keeping the event loop free.
         self.drafting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specfleet-draft")
-        self.sessions = SessionBook(settings, self.catalog, self.publish, self.drafting)
+        # Only the resident agent journals its sessions: a one-shot `ask` must never resume them.
+        self.journal: SessionJournal | None = None
+        if announce and settings.journal:
+            try:
+                self.journal = SessionJournal(settings.journal_path)
+            except JournalError as exc:
+                log.error("%s; sessions will not survive a restart", exc)
+        self.sessions = SessionBook(
+            settings,
+            self.catalog,
+            self.publish,
+            self.drafting,
+            connected=self.connected,
+            journal=self.journal,
+        )
         self.local_api: LocalApi | None = None
         self.models = ModelStore.from_settings(settings)
         self.models.on_change = self.catalog.forget  # new sessions load what is installed
@@ -123,6 +138,9 @@ class Agent:
                 self.local_api = api
             except OSError as exc:  # another agent on this host holds the port
                 log.warning("local API not started on port %d: %s", api.port, exc)
+        # Sessions that ran when this agent stopped without closing them (a crash, a power cut)
+        # go on; each asks the coordinator for its state once the bus is up.
+        await self.sessions.resume_journal()
         try:
             await run_with_reconnect(
                 address, self.connect_options(), self._session, on_disconnect=self._on_disconnect
@@ -131,6 +149,8 @@ class Agent:
             if self.local_api is not None:
                 await self.local_api.close()
             self.drafting.shutdown(wait=False, cancel_futures=True)
+            if self.journal is not None:
+                self.journal.close()
 
     def health(self) -> dict[str, Any]:
         """What `GET /v1/health` reports."""
@@ -144,6 +164,7 @@ class Agent:
             "default_draft": self.settings.default_draft,
             "proactive": self.settings.proactive,
             "sessions_active": len(self.sessions.active),
+            "sessions_local": sum(1 for s in self.sessions.active if s.local),
         }
 
     async def publish(self, channel: DeviceChannel, message: m.Message) -> bool:

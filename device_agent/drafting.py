@@ -7,6 +7,11 @@ while a verdict is in flight (SpecEdge), on the assumption that the target accep
 window and its bonus token equals the draft's own next guess; the verdict then decides whether
 that window is sent at once (a hit) or thrown away (a miss).
 
+Offline (local mode), the drafter generates alone: its tokens form a provisional tail after the
+committed sequence, shown to the user as provisional. When the coordinator answers again the tail
+goes out as one long draft, and every commit reconciles it (`reconcile`): the target keeps a
+prefix of it and replaces the rest from the first rejected token on.
+
 Nothing here blocks on I/O. Drafting a neural window is CPU work, which the agent runs on its
 drafting thread; the caller must not call two methods of one drafter at the same time.
 """
@@ -30,6 +35,8 @@ log = logging.getLogger(__name__)
 # The guess for the bonus token never reaches the verifier, so its draws need only be
 # reproducible and apart from the DRAFT and VERIFY streams; they change the hit rate, nothing else.
 _GUESS_STREAM = 2
+# Offline generation draws from a stream of its own, for the same reason.
+_LOCAL_STREAM = 3
 
 ProactiveOutcome = Literal["hit", "miss", "none"]
 
@@ -41,6 +48,9 @@ PROACTIVE_EWMA_WEIGHT = 0.25
 PROACTIVE_PROBE_EVERY = 16  # rounds between tries while the recent hit rate is below the minimum
 # Drafting ahead that costs less than this (copying drafters: tens of microseconds) always goes on.
 PROACTIVE_FREE_MS = 0.5
+# The longest provisional tail: local mode stops generating there (or at eos or max_tokens) and
+# waits for the link. It goes out as one draft, so it must fit m.MAX_DRAFT_TOKENS.
+PROVISIONAL_MAX_TOKENS = 256
 
 
 class OutOfSync(Exception):
@@ -84,6 +94,7 @@ class DraftWindow:
     draft_model: str
     draft_ms: float  # spent drafting it (for a pre-drafted window: while the last verdict flew)
     proactive: bool  # True when it was drafted before the previous verdict came
+    provisional: bool = False  # the tail generated offline, already shown to the user
 
     def message(self, session_id: str, sent_at: float, downlink_ms: float | None = None) -> m.Draft:
         q_ids = q_probs = None
@@ -98,6 +109,7 @@ class DraftWindow:
             q_ids=q_ids,
             q_probs=q_probs,
             draft_model=self.draft_model,
+            provisional=self.provisional,
             timings=m.DraftTimings(
                 draft_ms=self.draft_ms, sent_at=sent_at, downlink_ms=downlink_ms
             ),
@@ -118,6 +130,7 @@ class RoundRecord:
     proactive_window: bool  # this round sent a window drafted while the last verdict flew
     predraft: ProactiveOutcome  # what became of the window drafted while this verdict flew
     verifier_id: str
+    provisional: bool = False  # the round verified a provisional tail
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,68 @@ class Resync:
     in_sync: bool  # the state matched what the agent held: nothing changed
     new_tokens: list[int]  # committed beyond what the agent held, to stream
     rewound: bool  # the state dropped tokens the agent held (the protocol rules it out)
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """What the target's committed tokens make of a provisional tail after the same position."""
+
+    kept: int  # tail tokens the committed ones confirm: their common prefix
+    replaced: tuple[int, ...]  # tail tokens from the first one the committed ones contradict
+    pending: tuple[int, ...]  # tail tokens past the committed ones: not decided yet
+
+
+def reconcile(
+    tail: Sequence[int], committed: Sequence[int], finished: bool = False
+) -> Reconciliation:
+    """Split a provisional tail by the tokens the target committed after its first position.
+
+    The common prefix is kept. If the committed tokens end inside the tail, the rest of the tail
+    is still pending (it goes out as the next draft), unless the session finished, which drops
+    it. Otherwise the target contradicted the tail at the first differing position, and the
+    tail is replaced from there on.
+    """
+    kept = 0
+    limit = min(len(tail), len(committed))
+    while kept < limit and tail[kept] == committed[kept]:
+        kept += 1
+    rest = tuple(tail[kept:])
+    if kept == len(committed) and not finished:
+        return Reconciliation(kept=kept, replaced=(), pending=rest)
+    return Reconciliation(kept=kept, replaced=rest, pending=())
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """A spell of local mode, settled: every provisional token was either kept or replaced."""
+
+    at: int  # generated tokens committed before the first provisional one
+    provisional: int  # tokens the spell generated (the window in flight when it began included)
+    kept: int
+    replaced: tuple[int, ...]  # ids of the provisional tokens the target replaced, in order
+
+
+@dataclass
+class LocalSpell:
+    """Local mode: the tokens generated alone since the coordinator was last heard."""
+
+    at: int  # generated tokens committed when the spell began: where its tail starts
+    round: int  # the round in flight when it began (seeds its draws)
+    generated: int = 0  # provisional tokens made, the window in flight included
+    kept: int = 0
+    replaced: list[int] = field(default_factory=list)
+    since: float = 0.0  # unix time of the coordinator's last answer before the spell
+    stalled: bool = False  # the drafter proposed nothing: wait for the link
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "at": self.at,
+            "round": self.round,
+            "generated": self.generated,
+            "kept": self.kept,
+            "replaced": list(self.replaced),
+            "since": self.since,
+        }
 
 
 @dataclass
@@ -180,6 +255,15 @@ class ProactiveStats:
         return False
 
 
+def _q_rows(q: SparseDraftProbs) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
+    """q' as one (ids, probs) row per drafted token, the padding at p = 0 left out."""
+    rows = []
+    for ids, probs in zip(q.ids.tolist(), q.probs.tolist(), strict=True):
+        kept = [(int(i), float(p)) for i, p in zip(ids, probs, strict=True) if p > 0.0]
+        rows.append((tuple(i for i, _ in kept), tuple(p for _, p in kept)))
+    return rows
+
+
 def _slice(candidates: Candidates, k: int) -> Candidates:
     """The first k tokens of a proposal; every drafter here proposes prefix-consistently."""
     if candidates.n <= k:
@@ -208,8 +292,16 @@ class SessionDrafter:
     in_flight: DraftWindow | None = None
     records: list[RoundRecord] = field(default_factory=list)
     stats: ProactiveStats = field(default_factory=ProactiveStats)
+    # Local mode: the provisional tail after `committed`, its q' rows when sampling, the spell.
+    provisional: list[int] = field(default_factory=list)  # [n]
+    provisional_q: list[tuple[tuple[int, ...], tuple[float, ...]]] = field(
+        default_factory=list
+    )  # [n] rows of (ids, probs); empty for a greedy session
+    spell: LocalSpell | None = None
+    reconciled: Reconciled | None = None  # the last spell settled, until the caller takes it
     _speculation: Speculation | None = None
     _wanted_model: str | None = None
+    _local_rng: np.random.Generator | None = None
 
     def __post_init__(self) -> None:
         if not self.committed:
@@ -284,9 +376,12 @@ class SessionDrafter:
         self.draft_model = wanted
 
     def draft(self) -> DraftWindow:
-        """The window of the current round: the pre-drafted one when it still fits, else fresh."""
+        """The window of the current round: the provisional tail when one waits to be verified,
+        else the pre-drafted one when it still fits, else a fresh one."""
         if self.finished:
             raise RuntimeError("the session has finished")
+        if self.provisional:
+            return self._provisional_window()
         self._swap_if_wanted()
         base_len = len(self.committed)
         k = self._window_size(len(self.generated))
@@ -336,7 +431,7 @@ class SessionDrafter:
         The assumed bonus token is the draft's own next guess. Returns whether it drafted.
         """
         window = self.in_flight
-        if not self.proactive or window is None or self.finished:
+        if not self.proactive or window is None or self.finished or self.spell is not None:
             return False
         start = time.perf_counter()
         n_after = len(self.generated) + len(window.tokens) + 1
@@ -397,7 +492,8 @@ class SessionDrafter:
         self.committed += new_tokens
         self.round += 1
         self.in_flight = None
-        self.proposer.update_candidate_strategy(n)
+        if not window.provisional:  # the tail was not drafted as one window
+            self.proposer.update_candidate_strategy(n)
         self._apply_policy(verdict.policy)
 
         outcome: ProactiveOutcome = "none"
@@ -440,8 +536,10 @@ class SessionDrafter:
                 proactive_window=window.proactive,
                 predraft=outcome,
                 verifier_id=verdict.verifier_id,
+                provisional=window.provisional,
             )
         )
+        self._settle_tail(new_tokens)
         return new_tokens
 
     def resync(self, state: m.SessionState) -> Resync:
@@ -460,6 +558,7 @@ class SessionDrafter:
         if target == self.committed and state.next_round == self.round:
             if self.finished:
                 self.in_flight = None
+                self._settle_tail([])
             return Resync(in_sync=True, new_tokens=[], rewound=False)
         common = 0
         limit = min(len(target), len(self.committed))
@@ -472,4 +571,133 @@ class SessionDrafter:
         self.in_flight = None
         self._discard_speculation()
         self.proposer.rollback(common)
+        if rewound:  # the tail followed tokens that are gone: none of it can stand
+            self._settle_tail(None)
+        else:
+            self._settle_tail(new_tokens)
         return Resync(in_sync=False, new_tokens=new_tokens, rewound=rewound)
+
+    # -- local mode ------------------------------------------------------------------------
+
+    def start_local(self) -> list[int]:
+        """Enter local mode; returns the tokens that became provisional on entering it.
+
+        The window in flight, if any, opens the tail: its verdict may still come (the bus may
+        be up and the coordinator slow), and a verdict of that round then fits the tail too.
+        """
+        self._discard_speculation()
+        if self.spell is not None:
+            self.spell.stalled = False
+            return []
+        window = self.in_flight
+        self.spell = LocalSpell(at=len(self.generated), round=self.round)
+        if self.sampling:
+            seed = self.spec.sampling.seed
+            self._local_rng = np.random.default_rng([seed, self.round, _LOCAL_STREAM])
+        if self.provisional or window is None or window.provisional or not window.tokens:
+            return []
+        self.provisional = list(window.tokens)
+        if self.sampling:
+            q = window.q if window.q is not None else one_hot_draft(list(window.tokens))
+            self.provisional_q = _q_rows(q)
+        self.spell.generated = len(self.provisional)
+        return list(self.provisional)
+
+    @property
+    def can_generate_locally(self) -> bool:
+        """In local mode with room left in the tail, and a drafter that still proposes."""
+        spell = self.spell
+        if spell is None or spell.stalled or self.finished:
+            return False
+        return self._local_room() > 0 and self.eos_id not in self.provisional
+
+    def _local_room(self) -> int:
+        left = self.spec.max_tokens - len(self.generated)
+        return min(PROVISIONAL_MAX_TOKENS, left) - len(self.provisional)
+
+    def generate_locally(self, n: int) -> list[int]:
+        """Extend the tail by up to n tokens from the drafter alone (greedy: its argmax; sampled:
+        draws from q'); stops after an eos. Returns the new provisional tokens, [] when the
+        drafter has nothing to propose (local mode then waits for the link)."""
+        spell = self.spell
+        if spell is None or not self.can_generate_locally:
+            return []
+        context = [*self.committed, *self.provisional]
+        candidates = self.proposer.get_candidates(
+            context, min(n, self._local_room()), self._local_rng
+        )
+        tokens = [int(t) for t in candidates.tokens.tolist()]
+        if self.eos_id in tokens:
+            tokens = tokens[: tokens.index(self.eos_id) + 1]
+        if not tokens:
+            spell.stalled = True
+            return []
+        if self.sampling:
+            q = candidates.q if candidates.q is not None else one_hot_draft(tokens)
+            self.provisional_q += _q_rows(q)[: len(tokens)]
+        self.provisional += tokens
+        spell.generated += len(tokens)
+        return tokens
+
+    def _provisional_window(self) -> DraftWindow:
+        """The provisional tail as one draft of the current round."""
+        self._speculation = None
+        q = None
+        if self.sampling:
+            width = max(len(ids) for ids, _ in self.provisional_q)
+            ids = np.zeros((len(self.provisional_q), width), dtype=np.int64)
+            probs = np.zeros((len(self.provisional_q), width), dtype=np.float64)
+            for row, (row_ids, row_probs) in enumerate(self.provisional_q):
+                ids[row, : len(row_ids)] = row_ids
+                ids[row, len(row_ids) :] = row_ids[0]  # padding at p = 0
+                probs[row, : len(row_probs)] = row_probs
+            q = SparseDraftProbs(ids=ids, probs=probs)
+        window = DraftWindow(
+            round=self.round,
+            base_len=len(self.committed),
+            tokens=tuple(self.provisional),
+            q=q,
+            draft_model=self.draft_model,
+            draft_ms=0.0,
+            proactive=False,
+            provisional=True,
+        )
+        self.in_flight = window
+        return window
+
+    @property
+    def tail_unsent(self) -> bool:
+        """A provisional tail waits that is not the window in flight."""
+        window = self.in_flight
+        return bool(self.provisional) and (
+            window is None or window.tokens != tuple(self.provisional)
+        )
+
+    def take_reconciled(self) -> Reconciled | None:
+        reconciled, self.reconciled = self.reconciled, None
+        return reconciled
+
+    def _settle_tail(self, new_tokens: list[int] | None) -> None:
+        """Reconcile the tail with tokens just committed after it began (None: it is void)."""
+        spell = self.spell
+        if spell is None:
+            return
+        if new_tokens is None:
+            outcome = Reconciliation(kept=0, replaced=tuple(self.provisional), pending=())
+        else:
+            outcome = reconcile(self.provisional, new_tokens, self.finished)
+        spell.kept += outcome.kept
+        spell.replaced += outcome.replaced
+        self.provisional = list(outcome.pending)
+        self.provisional_q = self.provisional_q[len(self.provisional_q) - len(outcome.pending) :]
+        if self.provisional or (new_tokens == [] and not self.finished):
+            return  # tokens still wait for the target's word
+        self.spell = None
+        self._local_rng = None
+        if spell.generated:
+            self.reconciled = Reconciled(
+                at=spell.at,
+                provisional=spell.generated,
+                kept=spell.kept,
+                replaced=tuple(spell.replaced),
+            )

@@ -6,8 +6,14 @@ Plain asyncio streams keep the agent's footprint small (no web framework on a Pi
 - `POST /v1/sessions` with a JSON `SessionRequest`: a Server-Sent Events stream of the session,
   `event: session` (its id), `event: text` (`{"delta": ...}`) per committed piece of text, then
   `event: done` with the summary, or `event: error` when it failed or was cancelled. A client
-  that hangs up cancels the session.
-- `GET /v1/sessions`: the running and recently ended sessions.
+  that hangs up cancels the session. In local mode (the coordinator out of reach) the agent
+  generates alone: `event: provisional` (`{"delta", "tokens"}`) carries text that is not the
+  target's yet, shown after the committed text; once the target has ruled on it,
+  `event: reconciled` (`{"at", "provisional", "kept", "replaced", "replaced_text", "text"}`)
+  says how many provisional tokens it kept and which ids it replaced, and `text` is the committed
+  text so far (every `text` delta joined; the kept tokens have come as `text` before it).
+- `GET /v1/sessions`: the running and recently ended sessions (sessions a restarted agent
+  resumed from its journal included).
 - `GET /v1/sessions/{id}`: one session's summary so far; `GET /v1/sessions/{id}/events`: its
   stream from the start (coordinator-started sessions too); `DELETE /v1/sessions/{id}`: cancel.
 
@@ -276,8 +282,8 @@ class LocalApi:
         await writer.drain()
 
         async def forward() -> None:
-            async for delta in session.text_deltas():
-                writer.write(sse_event("text", {"delta": delta}))
+            async for event in session.events():
+                writer.write(sse_event(event.kind, event.data))
                 await writer.drain()
             summary = session.summary()
             if summary.status == "finished":
@@ -315,6 +321,9 @@ def _brief(session: AgentSession) -> dict[str, Any]:
         "prompt": session.spec.prompt[:200],
         "generated": len(session.drafter.generated),
         "rounds": len(session.drafter.records),
+        "local": session.local,
+        "provisional": len(session.drafter.provisional),
+        "resumed": session.resumed,
     }
 
 

@@ -4,14 +4,26 @@ A `SessionBook` belongs to one agent. `start` opens a session (`SessionOpen` on
 `dev/{id}/session`) and runs its rounds in a task of its own: draft, publish the `Draft`, apply the
 `Verdict`, draft the next window, until the coordinator says the session has finished. Messages
 from the device's verdict topic reach their session through `dispatch`. Callers read the committed
-text as it grows through `AgentSession.text_deltas()` and the final `SessionSummary` from `wait()`.
+text as it grows through `AgentSession.text_deltas()` (or every event of the stream, provisional
+text included, through `events()`) and the final `SessionSummary` from `wait()`.
+
+Local mode: a session that hears nothing from the coordinator for `fallback_after_s` (its link is
+down, or no verdict comes) generates with its drafter alone. Those tokens are provisional: they
+stream as `provisional` events and go to the journal. When the coordinator answers again, the
+session resynchronises, sends the provisional tail as one long draft, and tells the caller in a
+`reconciled` event which provisional tokens the target kept and which it replaced; the committed
+text is always the target's. A drafter that proposes nothing (a copying drafter with no match)
+simply waits for the link. With a journal, every open session is written down on each commit,
+and a restarted agent resumes them (`SessionBook.resume_journal`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +37,7 @@ from broker import messages as m
 from broker.topics import DeviceChannel
 from device_agent.catalog import CatalogError, DrafterCatalog
 from device_agent.drafting import OutOfSync, SessionDrafter, SessionSpec
+from device_agent.journal import JournalEntry, SessionJournal
 from device_agent.settings import LocalSettings
 from inference.proposers import Proposer
 from inference.tokenizer import ChatTokenizer, IncrementalDetokenizer
@@ -35,6 +48,7 @@ log = logging.getLogger(__name__)
 OPEN_TIMEOUT_S = 10.0  # a SessionOpen with no SessionState after this long is sent again
 MAX_REFUSALS = 3  # drafts of one round refused this often fail the session
 RECENT_SESSIONS = 32  # finished sessions kept for the local API to read back
+LOCAL_STEP_TOKENS = 8  # tokens generated alone between two looks at the inbox
 
 Publish = Callable[[DeviceChannel, m.Message], Awaitable[bool]]
 T = TypeVar("T")
@@ -140,9 +154,23 @@ class SessionSummary:
     # and from that arrival to the next draft being handed over (the agent's own share).
     wait_ms: list[float]
     turnaround_ms: list[float]
+    # Local mode: spells of it, the tokens generated alone, and what the target made of them.
+    fallbacks: int
+    provisional_tokens: int
+    provisional_kept: int
+    provisional_replaced: int
+    resumed: bool  # resumed from the journal by a restarted agent
 
     def to_json(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One event of a session's stream: `text` (committed), `provisional` or `reconciled`."""
+
+    kind: str
+    data: dict[str, Any]
 
 
 class _Reconnected:
@@ -176,6 +204,7 @@ class AgentSession:
         self.inbox: asyncio.Queue[tuple[float, Inbound]] = asyncio.Queue()  # (arrival, message)
         self._detokenizer: IncrementalDetokenizer = tokenizer.detokenizer()
         self._chunks: list[str] = []
+        self._events: list[StreamEvent] = []
         self._changed = asyncio.Condition()
         self._done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -187,6 +216,20 @@ class AgentSession:
         self.turnaround_ms: list[float] = []
         self._refusals = 0
         self._close_reason = ""
+        # Local mode and what the coordinator has been told of it.
+        self.local = False
+        self.resumed = False
+        self.fallbacks = 0
+        self.provisional_tokens = 0
+        self.provisional_kept = 0
+        self.provisional_replaced = 0
+        self._heard_at = time.monotonic()  # the coordinator's last answer (or the last reconnect)
+        self._offline_since = 0.0  # unix time of the last answer before local mode began
+        self._unreported = 0  # provisional tokens the coordinator has not been told of
+        self._report_due = False
+        self._report_sent = False
+        self._resume_reason: m.ResumeReason | None = None  # for the next open that goes out
+        self._provisional_text: IncrementalDetokenizer | None = None
 
     # -- reading the session -------------------------------------------------------------
 
@@ -198,20 +241,27 @@ class AgentSession:
     def text(self) -> str:
         return "".join(self._chunks)
 
-    async def text_deltas(self) -> AsyncIterator[str]:
-        """The committed text in pieces as it grows, from the start; ends with the session."""
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """The session's stream from the start (committed text, provisional text, reconciliations)
+        as it grows; ends with the session."""
         index = 0
         while True:
             async with self._changed:
-                while index >= len(self._chunks) and not self.done:
+                while index >= len(self._events) and not self.done:
                     await self._changed.wait()
-                chunks = self._chunks[index:]
+                events = self._events[index:]
                 finished = self.done
-            index += len(chunks)
-            for chunk in chunks:
-                yield chunk
-            if finished and index >= len(self._chunks):
+            index += len(events)
+            for event in events:
+                yield event
+            if finished and index >= len(self._events):
                 return
+
+    async def text_deltas(self) -> AsyncIterator[str]:
+        """The committed text in pieces as it grows, from the start; ends with the session."""
+        async for event in self.events():
+            if event.kind == "text":
+                yield str(event.data["delta"])
 
     async def wait(self) -> SessionSummary:
         await self._done.wait()
@@ -256,6 +306,11 @@ class AgentSession:
             resyncs=self.resyncs,
             wait_ms=[round(ms, 3) for ms in self.wait_ms],
             turnaround_ms=[round(ms, 3) for ms in self.turnaround_ms],
+            fallbacks=self.fallbacks,
+            provisional_tokens=self.provisional_tokens,
+            provisional_kept=self.provisional_kept,
+            provisional_replaced=self.provisional_replaced,
+            resumed=self.resumed,
         )
 
     async def cancel(self, reason: str = "cancelled") -> None:
@@ -283,7 +338,49 @@ class AgentSession:
         if text:
             async with self._changed:
                 self._chunks.append(text)
+                self._events.append(StreamEvent("text", {"delta": text}))
                 self._changed.notify_all()
+
+    async def _add_event(self, kind: str, data: dict[str, Any]) -> None:
+        async with self._changed:
+            self._events.append(StreamEvent(kind, data))
+            self._changed.notify_all()
+
+    async def _emit_provisional(self, tokens: list[int]) -> None:
+        if self._provisional_text is None:
+            self._provisional_text = self.tokenizer.detokenizer(self.drafter.generated)
+        visible = [t for t in tokens if t != self.tokenizer.eos_id]
+        delta = self._provisional_text.push(visible) if visible else ""
+        self.provisional_tokens += len(tokens)
+        self._unreported += len(tokens)
+        await self._add_event("provisional", {"delta": delta, "tokens": tokens})
+
+    async def _emit_reconciled(self) -> None:
+        """Tell the caller what the target made of a settled provisional tail."""
+        outcome = self.drafter.take_reconciled()
+        if outcome is None:
+            return
+        self._provisional_text = None
+        self.provisional_kept += outcome.kept
+        self.provisional_replaced += len(outcome.replaced)
+        log.info(
+            "session %s: reconciled %d provisional tokens: %d kept, %d replaced",
+            self.session_id,
+            outcome.provisional,
+            outcome.kept,
+            len(outcome.replaced),
+        )
+        await self._add_event(
+            "reconciled",
+            {
+                "at": outcome.at,  # generated tokens before the first provisional one
+                "provisional": outcome.provisional,
+                "kept": outcome.kept,
+                "replaced": list(outcome.replaced),
+                "replaced_text": self.tokenizer.decode(outcome.replaced),
+                "text": self.text,  # the committed text so far: every `text` delta joined
+            },
+        )
 
     async def _finish(self, status: str, error: str = "") -> None:
         tail = self._detokenizer.flush()
@@ -293,8 +390,12 @@ class AgentSession:
         async with self._changed:
             if tail:
                 self._chunks.append(tail)
+                self._events.append(StreamEvent("text", {"delta": tail}))
             self._done.set()
             self._changed.notify_all()
+
+    def _journal(self) -> None:
+        self.book.record(self)
 
     async def _drafting(self, work: Callable[[], T]) -> T:
         """Run drafter work: on the drafting thread for neural drafts, inline for copying ones."""
@@ -325,7 +426,12 @@ class AgentSession:
             DeviceChannel.DRAFT, window.message(self.session_id, time.time(), downlink_ms)
         )
         # A window sent again keeps the next one already drafted for it.
-        if not self._published or not self.drafter.proactive or self.drafter.has_speculation:
+        if (
+            not self._published
+            or not self.drafter.proactive
+            or self.drafter.has_speculation
+            or window.provisional
+        ):
             return
         if self.book.threaded(self.drafter.draft_model, self.drafter.next_draft_model):
             loop = asyncio.get_running_loop()
@@ -338,44 +444,158 @@ class AgentSession:
         self._refusals = 0
         await self._send_window()
 
+    async def _open(self, reason: m.ResumeReason | None = None) -> None:
+        """Publish the session's open; a reason says why it is sent again, and a spell of local
+        mode the coordinator has not heard of yet goes with it."""
+        reason = self._resume_reason or reason
+        update: dict[str, Any] = {}
+        if reason is not None:
+            update["resume"] = reason
+        if self._report_due:
+            update["fallback"] = m.Fallback(
+                provisional_tokens=min(self._unreported, m.MAX_DRAFT_TOKENS),
+                offline_s=max(0.0, time.time() - self._offline_since),
+            )
+        published = await self.book.publish(
+            DeviceChannel.SESSION, self.spec.open_message().model_copy(update=update)
+        )
+        if published:
+            self._resume_reason = None
+            self._report_sent = self._report_sent or self._report_due
+
+    def _fallback_after_s(self) -> float:
+        return self.book.settings.fallback_after_s
+
+    def _wait_s(self, retry_at: float) -> float:
+        """How long to wait for the next message before acting on our own."""
+        if self.local and self.drafter.can_generate_locally:
+            return 0.0
+        now = time.monotonic()
+        wait = retry_at - now
+        if self._fallback_after_s() > 0 and not self.local:
+            wait = min(wait, self._heard_at + self._fallback_after_s() - now)
+        return max(0.0, wait)
+
+    async def _receive(self, wait_s: float) -> tuple[float, Inbound] | None:
+        if not self.inbox.empty():
+            return self.inbox.get_nowait()
+        if wait_s <= 0:
+            return None
+        try:
+            return await asyncio.wait_for(self.inbox.get(), wait_s)
+        except asyncio.TimeoutError:
+            return None
+
+    async def _enter_local(self) -> None:
+        """Nothing heard for fallback_after_s: generate alone, marking the text provisional."""
+        await self._settle()
+        self.local = True
+        self.fallbacks += 1
+        if not self._report_due:
+            self._offline_since = time.time() - (time.monotonic() - self._heard_at)
+            self._report_due = True
+            self._report_sent = False
+        tokens = self.drafter.start_local()
+        spell = self.drafter.spell
+        if spell is not None and not spell.since:
+            spell.since = self._offline_since
+        log.warning(
+            "session %s: nothing from the coordinator for %.1fs; generating alone (provisional)",
+            self.session_id,
+            time.monotonic() - self._heard_at,
+        )
+        if tokens:
+            await self._emit_provisional(tokens)
+        self._journal()
+
+    async def _generate_locally(self) -> None:
+        step = functools.partial(self.drafter.generate_locally, LOCAL_STEP_TOKENS)
+        tokens = await self._drafting(step)
+        if tokens:
+            await self._emit_provisional(tokens)
+            self._journal()
+        if not self.drafter.can_generate_locally:
+            log.info(
+                "session %s: %d provisional tokens; waiting for the link",
+                self.session_id,
+                len(self.drafter.provisional),
+            )
+
     async def _run(self) -> None:
         timeouts = 0
         awaiting_state = True
+        settings = self.book.settings
         try:
-            await self.book.publish(DeviceChannel.SESSION, self.spec.open_message())
+            if self.resumed:  # the stream starts over: what the journal holds comes first
+                await self._emit(self.drafter.generated)
+                if self.drafter.provisional:
+                    await self._emit_provisional(list(self.drafter.provisional))
+            await self._open()
+            self._journal()
             # The first window is drafted while the open travels; it goes out once the state
             # confirms that nothing is committed yet.
             await self._drafting(self.drafter.draft)
             self.status = "active"
+            self._heard_at = time.monotonic()
+            retry_at = self._heard_at + OPEN_TIMEOUT_S
             while not self.drafter.finished:
-                timeout = OPEN_TIMEOUT_S if awaiting_state else self.book.settings.round_timeout_s
-                try:
-                    arrived, message = await asyncio.wait_for(self.inbox.get(), timeout)
-                except asyncio.TimeoutError:
+                if self.local and self.drafter.can_generate_locally:
+                    await self._generate_locally()
+                received = await self._receive(self._wait_s(retry_at))
+                if received is None:
+                    now = time.monotonic()
+                    fallback = self._fallback_after_s()
+                    if not self.local and fallback > 0 and now >= self._heard_at + fallback:
+                        await self._enter_local()
+                    if now < retry_at:
+                        continue
+                    wait = OPEN_TIMEOUT_S if awaiting_state else settings.round_timeout_s
+                    retry_at = now + wait
+                    if not self.book.bus_up:
+                        continue  # nothing goes out while the link is down; its return resyncs
                     timeouts += 1
-                    if timeouts > self.book.settings.round_retries:
+                    if timeouts > settings.round_retries:
                         reason = f"no answer from the coordinator after {timeouts} tries"
                         raise SessionError(reason) from None
-                    if awaiting_state or self.drafter.in_flight is None:
+                    if awaiting_state or self.drafter.in_flight is None or self.local:
                         log.info("session %s: no state yet; opening again", self.session_id)
-                        await self.book.publish(DeviceChannel.SESSION, self.spec.open_message())
+                        awaiting_state = True
+                        await self._open(m.ResumeReason.RETRY)
                     else:
                         log.info("session %s: no verdict yet; sending again", self.session_id)
                         await self._send_window()
                     continue
+                arrived, message = received
                 timeouts = 0
                 if isinstance(message, _Reconnected):
+                    # The link is back: stop generating alone and ask for the state, which the
+                    # coordinator gets fallback_after_s to send before local mode resumes.
                     awaiting_state = True
-                    await self.book.publish(DeviceChannel.SESSION, self.spec.open_message())
-                elif isinstance(message, m.SessionState):
+                    self.local = False
+                    self._heard_at = time.monotonic()
+                    await self._open(m.ResumeReason.RECONNECT)
+                    retry_at = self._heard_at + OPEN_TIMEOUT_S
+                    continue
+                self._heard_at = time.monotonic()
+                if self.local:
+                    log.info("session %s: the coordinator answers again", self.session_id)
+                    self.local = False
+                if isinstance(message, m.SessionState):
                     awaiting_state = False
+                    if self._report_sent:
+                        self._report_due = self._report_sent = False
+                        self._unreported = 0
                     await self._on_state(message)
                 elif isinstance(message, m.Verdict):
                     if not await self._on_verdict(message, arrived):
                         awaiting_state = True
-                        await self.book.publish(DeviceChannel.SESSION, self.spec.open_message())
+                        await self._open(m.ResumeReason.RESYNC)
+                    elif self._report_due and not self._report_sent:
+                        await self._open(m.ResumeReason.FALLBACK)
                 else:
                     self._on_error(message)
+                wait = OPEN_TIMEOUT_S if awaiting_state else settings.round_timeout_s
+                retry_at = time.monotonic() + wait
             await self._finish(self.drafter.status)
         except asyncio.CancelledError:
             await self._settle()
@@ -408,14 +628,18 @@ class AgentSession:
                     self.session_id,
                 )
             await self._emit(outcome.new_tokens, outcome.rewound)
+        await self._emit_reconciled()
         if self.drafter.finished:
             return
-        if outcome.in_sync and window is not None:
+        if outcome.in_sync and window is not None and not self.drafter.tail_unsent:
             # The window may have been lost with a coordinator that restarted, or with our own
             # link: send it again. A round is idempotent, so at worst its verdict comes twice.
             await self._send_window()
             return
+        # A provisional tail goes out now as one draft of this round (a window of the same
+        # round in flight is a prefix of it, so that window's verdict fits the tail too).
         await self._next_round()
+        self._journal()
 
     async def _on_verdict(self, verdict: m.Verdict, arrived: float) -> bool:
         """Apply a verdict; False when it does not fit and the state must be asked for."""
@@ -433,10 +657,12 @@ class AgentSession:
             arrived_at = time.time() - (time.perf_counter() - arrived)  # on the unix clock
             self._downlink = (verdict.round, max(0.0, (arrived_at - verdict.sent_at) * 1e3))
         await self._emit(new_tokens)
+        await self._emit_reconciled()
         self.wait_ms.append(waited_ms)
         if not self.drafter.finished:
             await self._next_round()
             self.turnaround_ms.append((self._sent_at - arrived) * 1e3)
+        self._journal()  # while the next window is on its way
         return True
 
     def _on_error(self, error: m.ErrorReply) -> None:
@@ -466,13 +692,22 @@ class SessionBook:
         catalog: DrafterCatalog,
         publish: Publish,
         executor: Executor,
+        *,
+        connected: asyncio.Event | None = None,
+        journal: SessionJournal | None = None,
     ) -> None:
         self.settings = settings
         self.catalog = catalog
         self.publish = publish
         self.executor = executor
+        self.connected = connected
+        self.journal = journal
         self._sessions: dict[str, AgentSession] = {}
         self._recent: dict[str, AgentSession] = {}
+
+    @property
+    def bus_up(self) -> bool:
+        return self.connected is None or self.connected.is_set()
 
     def threaded(self, *draft_models: str) -> bool:
         return any(self.catalog.is_neural(name) for name in draft_models)
@@ -528,11 +763,22 @@ class SessionBook:
             raise SessionError(f"session {session_id} is already running")
         loop = asyncio.get_running_loop()
         try:
-            # Tokenizer and drafter may load from disk on first use: off the loop.
-            spec, eos_id = await loop.run_in_executor(
-                self.executor, self._spec, request, session_id
-            )
-            temperature = spec.sampling.temperature
+            # The tokenizer may load from disk on first use: off the loop.
+            spec, _ = await loop.run_in_executor(self.executor, self._spec, request, session_id)
+        except CatalogError as exc:
+            raise SessionError(str(exc)) from None
+        proactive = self.settings.proactive if request.proactive is None else request.proactive
+        session = await self._session(spec, proactive)
+        session._start()
+        return session
+
+    async def _session(self, spec: SessionSpec, proactive: bool, **state: Any) -> AgentSession:
+        """A session with its own drafter; `state` restores the drafter's (from the journal)."""
+        loop = asyncio.get_running_loop()
+        temperature = spec.sampling.temperature
+        try:
+            # A drafter may load from disk: off the loop.
+            tokenizer = await loop.run_in_executor(self.executor, self.catalog.tokenizer)
             proposer = await loop.run_in_executor(
                 self.executor, self.catalog.acquire, spec.draft_model, temperature
             )
@@ -549,14 +795,54 @@ class SessionBook:
         drafter = SessionDrafter(
             spec=spec,
             proposer=proposer,
-            eos_id=eos_id,
-            proactive=self.settings.proactive if request.proactive is None else request.proactive,
+            eos_id=tokenizer.eos_id,
+            proactive=proactive,
             swap_proposer=swap,
+            **state,
         )
-        session = AgentSession(self, spec, drafter, self.catalog.tokenizer())
-        self._sessions[session_id] = session
-        session._start()
+        session = AgentSession(self, spec, drafter, tokenizer)
+        self._sessions[spec.session_id] = session
         return session
+
+    async def resume_journal(self) -> list[AgentSession]:
+        """Resume every session the journal holds: this agent restarted while they ran."""
+        if self.journal is None:
+            return []
+        resumed = []
+        for entry in self.journal.open_sessions():
+            session_id = entry.spec.session_id
+            if session_id in self._sessions:
+                continue
+            try:
+                session = await self._session(entry.spec, entry.proactive, **_drafter_state(entry))
+            except SessionError as exc:
+                log.error("session %s cannot resume: %s; dropped", session_id, exc)
+                self.journal.forget(session_id)
+                continue
+            session.resumed = True
+            session._resume_reason = m.ResumeReason.RESTART
+            if entry.spell is not None:  # the coordinator may not have heard of it
+                session._report_due = True
+                session._unreported = entry.spell.generated
+                session._offline_since = entry.spell.since
+            log.info(
+                "session %s resumed from the journal: %d tokens committed, %d provisional",
+                session_id,
+                len(entry.generated),
+                len(entry.provisional),
+            )
+            session._start()
+            resumed.append(session)
+        return resumed
+
+    def record(self, session: AgentSession) -> None:
+        """Write a session's progress to the journal; a failing journal never stops it."""
+        if self.journal is None or session.done:
+            return
+        try:
+            self.journal.record(session.drafter, "local" if session.local else "active")
+        except sqlite3.Error as exc:
+            log.error("journal: cannot record session %s: %s", session.session_id, exc)
 
     def dispatch(self, message: m.Verdict | m.SessionState | m.ErrorReply) -> bool:
         """Hand a verdict-topic message to its session; False when no session here owns it."""
@@ -585,6 +871,11 @@ class SessionBook:
 
     def _ended(self, session: AgentSession) -> None:
         self._sessions.pop(session.session_id, None)
+        if self.journal is not None:
+            try:
+                self.journal.forget(session.session_id)
+            except sqlite3.Error as exc:
+                log.error("journal: cannot drop session %s: %s", session.session_id, exc)
         self._recent[session.session_id] = session
         while len(self._recent) > RECENT_SESSIONS:
             self._recent.pop(next(iter(self._recent)))
@@ -603,3 +894,14 @@ class SessionBook:
             self.executor.submit(release)
         except RuntimeError:  # the executor has shut down: no draft can be running
             release()
+
+
+def _drafter_state(entry: JournalEntry) -> dict[str, Any]:
+    """A journal entry as `SessionDrafter` fields."""
+    return {
+        "committed": [*entry.spec.prompt_ids, *entry.generated],
+        "round": entry.next_round,
+        "provisional": list(entry.provisional),
+        "provisional_q": list(entry.provisional_q),
+        "spell": entry.spell,
+    }

@@ -48,10 +48,19 @@ class LocalSettings(BaseSettings):
     # A round with no verdict after this long re-sends its draft (rounds are idempotent).
     round_timeout_s: float = Field(default=10.0, gt=0)
     round_retries: int = Field(default=6, ge=0, le=1000)
+    # A session that has heard nothing from the coordinator for this long (its link down, or
+    # no verdict) generates with its drafter alone and marks the text provisional; 0: never.
+    fallback_after_s: float = Field(default=5.0, ge=0)
+    # Keep open sessions in <home>/agent-journal.sqlite3, so that a restarted agent resumes them.
+    journal: bool = True
 
     @property
     def resolved_models_dir(self) -> Path:
         return self.models_dir if self.models_dir is not None else self.home / "models"
+
+    @property
+    def journal_path(self) -> Path:
+        return self.home / "agent-journal.sqlite3"
 
     @classmethod
     def settings_customise_sources(

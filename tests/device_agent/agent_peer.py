@@ -299,10 +299,11 @@ class BusPeer:
 async def running_agent(
     broker_url: str, device_id: str, models_dir: Path, **settings: Any
 ) -> AsyncIterator[Agent]:
-    """A real agent on the broker, connected, with the local API on a free port unless told."""
+    """A real agent on the broker, connected, with the local API on a free port unless told,
+    and no session journal unless told (it would live in the user's home)."""
     from device_agent.agent import Agent
 
-    values: dict[str, Any] = {"local_api_port": 0, **settings}
+    values: dict[str, Any] = {"local_api_port": 0, "journal": False, **settings}
     agent = Agent(
         load_agent_settings(
             None, device_id=device_id, broker_url=broker_url, models_dir=models_dir, **values
