@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker.client import BrokerAddress
 from broker.mosquitto import MosquittoError, free_port, wait_for_port
 from coordinator.registry import DeviceExistsError, DeviceRegistry
 from coordinator.service import Coordinator
@@ -30,6 +31,7 @@ from coordinator.stack import (
     prepare_database,
     quickstart_broker,
 )
+from netem.emulator import NetworkEmulator
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,10 @@ class FleetProcesses:
     verifiers: dict[str, ChildProcess] = field(default_factory=dict)
     agents: dict[str, ChildProcess] = field(default_factory=dict)
     agent_ports: dict[str, int] = field(default_factory=dict)
+    # How each agent was started (broker URL override, extra flags), so it restarts the same.
+    agent_starts: dict[str, tuple[AgentSpec, str | None, tuple[str, ...]]] = field(
+        default_factory=dict
+    )
     coordinator_child: ChildProcess | None = None
     coordinator_http_port: int = 0
 
@@ -196,7 +202,28 @@ class FleetProcesses:
         child = ChildProcess(spec.device_id, argv, env, self.workdir / f"{spec.device_id}.log")
         child.start()
         self.agents[spec.device_id] = child
+        self.agent_starts[spec.device_id] = (spec, broker_url, tuple(extra))
         return child
+
+    async def restart_agent(self, device_id: str, *, kill: bool = True) -> ChildProcess:
+        """SIGKILL an agent (a crash, unless `kill` is off and it is already gone), start it again
+        as before, and wait until its local API answers."""
+        if kill:
+            self.agents[device_id].kill()
+        spec, broker_url, extra = self.agent_starts[device_id]
+        child = self.start_agent(spec, broker_url=broker_url, extra=extra)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if not child.alive():
+                raise RuntimeError(f"agent {device_id} exited: see {child.log_path}")
+            try:
+                await asyncio.to_thread(
+                    wait_for_port, "127.0.0.1", self.agent_ports[device_id], 0.5
+                )
+                return child
+            except (OSError, MosquittoError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"agent {device_id} did not come back") from None
 
     async def wait_agents(self, deadline: float) -> None:
         """Until every agent's local API answers."""
@@ -226,6 +253,9 @@ class LocalFleet(FleetProcesses):
     coordinator: Coordinator
     eos_id: int
     quick: QuickstartBroker | None = None
+    # Network emulators between agents and the broker, by device id (`behind_netem`): cut,
+    # stall or reshape one agent's link alone.
+    links: dict[str, NetworkEmulator] = field(default_factory=dict)
     _coordinator_task: asyncio.Task[None] | None = None
 
     async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -262,8 +292,14 @@ async def local_fleet(
     workdir: Path,
     external_broker: str | None = None,
     eos_id: int = 2,
+    behind_netem: Collection[str] = (),
+    agent_flags: Sequence[str] = (),
 ) -> AsyncIterator[LocalFleet]:
-    """Start everything, yield once all are up, stop everything on exit."""
+    """Start everything, yield once all are up, stop everything on exit.
+
+    The agents named in `behind_netem` reach the broker through a `NetworkEmulator` of their
+    own, running in this event loop (`fleet.links`); `agent_flags` go to every agent's command.
+    """
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -306,12 +342,21 @@ async def local_fleet(
         await asyncio.wait_for(coordinator.connected.wait(), 30)
         for verifier_id in verifier_ids:
             fleet.start_verifier(verifier_id)
+        upstream = BrokerAddress.from_url(broker_url)
         for spec in agents:
-            fleet.start_agent(spec)
+            agent_broker = None
+            if spec.device_id in behind_netem:
+                link = NetworkEmulator(0, upstream.host, upstream.port)
+                await link.start()
+                fleet.links[spec.device_id] = link
+                agent_broker = f"mqtt://127.0.0.1:{link.port}"
+            fleet.start_agent(spec, broker_url=agent_broker, extra=agent_flags)
         await fleet.wait_ready()
         yield fleet
     finally:
         await fleet.stop_children()
+        for link in fleet.links.values():
+            await link.close()
         fleet._coordinator_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await fleet._coordinator_task

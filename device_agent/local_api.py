@@ -414,9 +414,27 @@ async def stream_session(
     host: str, port: int, document: dict[str, Any], timeout_s: float = 5.0
 ) -> AsyncIterator[SseEvent]:
     """POST /v1/sessions and yield its events until the stream ends; ApiError on a refusal."""
+    body = json.dumps(document).encode()
+    async for event in _events(host, port, "POST", "/v1/sessions", body, timeout_s):
+        yield event
+
+
+async def watch_session(
+    host: str, port: int, session_id: str, timeout_s: float = 5.0
+) -> AsyncIterator[SseEvent]:
+    """GET /v1/sessions/{id}/events: the session's stream from its start, until it ends (a
+    caller re-attaching, e.g. after the agent restarted and resumed the session)."""
+    path = f"/v1/sessions/{session_id}/events"
+    async for event in _events(host, port, "GET", path, None, timeout_s):
+        yield event
+
+
+async def _events(
+    host: str, port: int, method: str, path: str, body: bytes | None, timeout_s: float
+) -> AsyncIterator[SseEvent]:
     reader, writer = await _open(host, port, timeout_s)
     try:
-        await _send(writer, "POST", "/v1/sessions", json.dumps(document).encode())
+        await _send(writer, method, path, body)
         status, headers = await _read_head(reader)
         if status != HTTPStatus.OK or not headers.get("content-type", "").startswith(
             SSE_CONTENT_TYPE
