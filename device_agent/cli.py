@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--telemetry-interval", type=float, dest="telemetry_interval_s")
     run.add_argument("--draft", dest="default_draft", help="drafter of sessions that name none")
     run.add_argument(
+        "--connect-wait",
+        type=float,
+        dest="connect_wait_s",
+        help="seconds a new local session waits for a reconnecting bus (default 15)",
+    )
+    run.add_argument(
         "--draft-runtime", choices=["onnx", "tflite"], help="which build a bare draft name means"
     )
     run.add_argument(
@@ -118,6 +124,7 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             "proactive": args.proactive,
             "local_api": args.local_api,
             "fallback_after_s": args.fallback_after_s,
+            "connect_wait_s": args.connect_wait_s,
         }
     return load_agent_settings(args.config, **overrides)
 
