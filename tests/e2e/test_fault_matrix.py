@@ -41,7 +41,7 @@ from coordinator.localfleet import AgentSpec, ChildProcess, FleetProcesses, _pro
 from coordinator.registry import DeviceRegistry
 from coordinator.settings import Settings
 from coordinator.stack import VERIFIER_USER, prepare_database
-from device_agent.local_api import HOST, SseEvent, request_json, stream_session
+from device_agent.local_api import HOST, ApiError, SseEvent, request_json, stream_session
 from netem.control import send_command
 
 AGENTS = [
@@ -241,7 +241,8 @@ async def _watch(rig: Rig, watched: Watched) -> None:
     while watched.summary is None:
         assert watched.session_id, f"{watched.device_id}: no session started"
         assert time.monotonic() < deadline, f"{watched.device_id}: session did not finish"
-        with contextlib.suppress(ConnectionError, OSError):
+        # A restarting agent refuses connections: request_json says so with ApiError(0).
+        with contextlib.suppress(ConnectionError, OSError, ApiError):
             status, summary = await request_json(
                 HOST, port, "GET", f"/v1/sessions/{watched.session_id}"
             )
