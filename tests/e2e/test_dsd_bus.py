@@ -155,8 +155,12 @@ def test_sigkill_of_a_verifier_moves_its_sessions_and_loses_nothing(tmp_path: Pa
         settings = _settings(tmp_path / "home", None)
         async with local_fleet(settings, AGENTS, VERIFIERS, workdir=tmp_path / "fleet") as fleet:
             answering = asyncio.create_task(_answer(fleet, assignments, max_tokens))
-            # Let every agent get going, then kill the verifier that holds the most sessions.
-            while sum(v.load + len(v.sessions) for v in fleet.coordinator.verifiers.live()) < 3:
+            # Let every agent get going, then kill the verifier that holds the most sessions
+            # (a verifier holds a session once it has verified a round of it).
+            live = fleet.coordinator.verifiers.live
+            while sum(v.load + len(v.sessions) for v in live()) < 3 or not any(
+                v.sessions for v in live()
+            ):
                 await asyncio.sleep(0.05)
             victim = max(fleet.coordinator.verifiers.live(), key=lambda v: len(v.sessions))
             fleet.verifiers[victim.verifier_id].kill()
