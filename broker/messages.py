@@ -288,6 +288,9 @@ class SessionOpen(_Message):
     fallback: Fallback | None = None  # set when the agent reports a spell of local mode
     # The mode of a session with a fixed window (k > 0); with k = 0 the coordinator chooses.
     mode: Mode = Mode.DISTRIBUTED
+    # The modes the agent runs, so a coordinator chooses no other for it: an agent that predates
+    # cloud mode sends none, and is never asked for it.
+    modes: tuple[Mode, ...] = Field(default=(Mode.DISTRIBUTED,), min_length=1, max_length=3)
 
     @model_validator(mode="after")
     def _mode_is_chosen_online(self) -> SessionOpen:
@@ -295,6 +298,8 @@ class SessionOpen(_Message):
             raise ValueError("a session opens online: distributed or cloud")
         if self.mode is Mode.CLOUD and self.k == 0:
             raise ValueError("cloud mode needs a window (k > 0); k = 0 leaves the mode open too")
+        if self.mode not in self.modes:
+            raise ValueError(f"mode {self.mode.value} is not among the agent's modes")
         return self
 
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -24,6 +24,8 @@ SWEEP_INTERVAL_S = 0.5
 COMMAND_TIMEOUT_S = 10.0
 
 Publish = Callable[[str, bytes], Awaitable[None]]
+RttObserver = Callable[[str, float], None]  # (device id, RTT in ms)
+DraftsObserver = Callable[[str, Sequence[str]], None]  # (device id, drafts installed)
 
 
 def utcnow() -> datetime:
@@ -57,6 +59,9 @@ class Fleet:
         self.default_keepalive_s = default_keepalive_s
         self._keepalive_s: dict[str, int] = {}
         self._pending_commands: dict[str, asyncio.Future[m.CommandAck]] = {}
+        # Who else learns from presence and telemetry (the adaptive policy).
+        self.rtt_observers: list[RttObserver] = []
+        self.drafts_observers: list[DraftsObserver] = []
 
     async def on_status(self, device_id: str, status: m.Status) -> None:
         now = utcnow()
@@ -70,6 +75,8 @@ class Fleet:
                 await self._registry_call(
                     self.registry.set_installed_models, device_id, status.drafts
                 )
+                for observe_drafts in self.drafts_observers:
+                    observe_drafts(device_id, status.drafts)
         else:
             await self._registry_call(
                 self.registry.mark_offline, device_id, now, status.reason or "offline"
@@ -87,6 +94,9 @@ class Fleet:
             await self._publish(device_topic(device_id, DeviceChannel.COMMAND), m.encode(echo))
         if not await self.admit(device_id):
             return
+        if telemetry.rtt_ms is not None:
+            for observe_rtt in self.rtt_observers:
+                observe_rtt(device_id, telemetry.rtt_ms)
         now = utcnow()
         await self._registry_call(
             self.registry.record_telemetry,

@@ -8,12 +8,21 @@ highest E / T (DESIGN.md, "Adaptive policy"; the expectation is Leviathan et al.
 Every input is measured: a is an exponentially weighted count of accepted over tried tokens per
 (device, draft, task type); t_draft per (device, draft); RTT per device, from telemetry and from
 the uplink leg of rounds; queue time over the fleet; and t_verify(k, load) is a ridge regression
-on [1, k, load, k * load] over recent rounds, pulled toward a prior so it is defined from the
-first round. The k * load term is what makes k shrink under load: a verifier batching many
+on [1, k, load, k * load] over recent rounds (one per mode; a session's first round, which
+prefills, is left out), pulled toward a prior so it is defined from the first round. The k * load
+term is what makes k shrink under load: a verifier batching many
 sessions pays each drafted token once per sequence in the batch.
 
-Only distributed mode is chosen for now: cloud and local mode need agent support that does
-not exist yet. The module is pure: no clock, no I/O; callers pass in what they measured.
+The mode is chosen too. In distributed mode the device drafts, and every round pays the RTT. In
+cloud mode the verifier host drafts with its own copy of the draft and the coordinator streams
+the rounds to the device, round after round, without waiting for it: the RTT is paid once per
+request (CLOUD_STREAM_ROUNDS rounds at most), while the host's draft time, which grows with the
+number of sessions it drafts for, joins each round. The mode changes with hysteresis: the other
+mode must promise MODE_SWITCH_MARGIN times the tokens/s, and never within MODE_DWELL_ROUNDS
+rounds of the last change. Local mode is the device's own while offline; the coordinator, which
+cannot reach an offline device, never chooses it.
+
+The module is pure: no clock, no I/O; callers pass in what they measured.
 """
 
 from __future__ import annotations
@@ -34,6 +43,12 @@ K_MIN = 1  # k = 0 would stop drafting, and with it every measurement of a
 K_MAX = 16
 SWITCH_MARGIN = 1.1  # another draft must promise 10% more tokens/s before we switch to it
 REFUSED_AFTER_ROUNDS = 3  # rounds a device may keep its old draft after we asked for another
+MODE_SWITCH_MARGIN = 1.2  # the other mode must promise 20% more tokens/s before we switch
+MODE_DWELL_ROUNDS = 3  # decisions a session stays in a mode before it may leave it again
+# Rounds the coordinator runs for one cloud request before the agent asks again: what bounds the
+# work for a device that vanished, and what spreads one RTT over the rounds of a request.
+CLOUD_STREAM_ROUNDS = 64
+HOST = "@host"  # the verifier host, where cloud rounds are drafted, in the draft-cost table
 
 # Exponential forgetting: each new observation weighs as much as the last ~1/(1 - decay).
 ALPHA_DECAY = 0.9
@@ -233,6 +248,12 @@ class RoundObservation:
     t_queue_ms: float
     t_verify_ms: float
     verifier_load: float
+    mode: m.Mode = m.Mode.DISTRIBUTED  # cloud: t_draft_ms is the verifier host's
+    # The window the round was asked to fill: a drafter that proposed nothing in a window > 0
+    # (a copying drafter without a match) missed at its first position, which a has to show.
+    window: int = 0
+    # The verifier prefilled the context (a session's first round): its time is no t_verify(k).
+    prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -244,6 +265,65 @@ class Candidate:
     expected_tokens: float
     round_ms: float
     tokens_per_s: float
+    mode: m.Mode = m.Mode.DISTRIBUTED
+
+
+def round_ms(
+    mode: m.Mode,
+    k: int,
+    draft_ms_per_token: float,
+    rtt_ms: float,
+    queue_ms: float,
+    verify_ms: float,
+    load: float,
+) -> float:
+    """T(k) of one round in a mode.
+
+    distributed: k t_draft(device) + RTT + queue + t_verify.
+    cloud: k t_draft(host) (1 + load) + RTT / CLOUD_STREAM_ROUNDS + queue + t_verify; the host
+    drafts for every session of the batch before the batch's pass, and the stream pays the RTT
+    once per request.
+    """
+    if mode is m.Mode.CLOUD:
+        draft_ms = k * draft_ms_per_token * (1.0 + load)
+        return draft_ms + rtt_ms / CLOUD_STREAM_ROUNDS + queue_ms + verify_ms
+    return k * draft_ms_per_token + rtt_ms + queue_ms + verify_ms
+
+
+def choose_mode(
+    current: m.Mode, best: dict[m.Mode, Candidate], rounds_in_mode: int
+) -> tuple[m.Mode, str]:
+    """The mode of the next round, with hysteresis, and why.
+
+    `best` holds each available mode's best candidate. The current mode stays unless it is no
+    longer available, or another promises MODE_SWITCH_MARGIN times its tokens/s and the session
+    has spent MODE_DWELL_ROUNDS decisions in it.
+    """
+    if not best:
+        raise ValueError("no mode has a candidate")
+    if current not in best:
+        mode = max(best, key=lambda mode: best[mode].tokens_per_s)
+        return mode, f"{current.value} unavailable, {mode.value}"
+    here = best[current]
+    other = max(
+        (c for mode, c in best.items() if mode is not current),
+        key=lambda c: c.tokens_per_s,
+        default=None,
+    )
+    if other is None:
+        return current, f"{current.value} (the only mode)"
+    pays = other.tokens_per_s > here.tokens_per_s * MODE_SWITCH_MARGIN
+    if pays and rounds_in_mode >= MODE_DWELL_ROUNDS:
+        return other.mode, (
+            f"{other.mode.value}: {other.tokens_per_s:.1f} tok/s predicted over "
+            f"{here.tokens_per_s:.1f} in {current.value}"
+        )
+    if pays:
+        return current, (
+            f"{current.value} for {MODE_DWELL_ROUNDS - rounds_in_mode} more round(s) before "
+            f"{other.mode.value} ({other.tokens_per_s:.1f} over {here.tokens_per_s:.1f} tok/s)"
+        )
+    return current, f"{current.value}"
 
 
 @dataclass(frozen=True)
@@ -258,10 +338,13 @@ class Decision:
     device_id: str
     task_type: str
     current_draft: str
+    current_mode: m.Mode
+    rounds_in_mode: int
     rtt_ms: float
     queue_ms: float
     verifier_load: float
     verify_coefficients: tuple[float, float, float, float]  # a, b, c, d of t_verify
+    cloud_verify_coefficients: tuple[float, float, float, float]  # the same, of cloud rounds
     candidates: tuple[Candidate, ...]
     reason: str
 
@@ -280,6 +363,10 @@ class Decision:
         for name in m.Policy.model_fields:
             inputs.pop(name, None)
         inputs["verify_coefficients"] = list(self.verify_coefficients)
+        inputs["cloud_verify_coefficients"] = list(self.cloud_verify_coefficients)
+        inputs["current_mode"] = self.current_mode.value
+        for candidate in inputs["candidates"]:
+            candidate["mode"] = candidate["mode"].value
         return {**self.policy.model_dump(mode="json"), "decision": inputs}
 
 
@@ -293,11 +380,16 @@ class AdaptivePolicy:
         self._draft_ms: dict[tuple[str, str], Ewma] = {}
         self._rtt_ms: dict[str, Ewma] = {}
         self._queue_ms = Ewma(PRIOR_QUEUE_MS)
+        # t_verify is learned per mode: rounds streamed back to back find the verifier busy and
+        # warm, rounds that wait on a device's RTT find it idle and cold (caches, clocks, and on
+        # a shared host the devices' own work), and the difference is the measured rounds' own.
         self.verify_cost = VerifyCost()
+        self.cloud_verify_cost = VerifyCost()
         self._device_drafts: dict[str, tuple[str, ...]] = {}
         self._used_drafts: dict[str, set[str]] = {}
         self._refused: dict[str, set[str]] = {}  # device -> drafts it did not switch to
         self._asked: dict[str, tuple[str, int]] = {}  # session -> (draft asked, rounds since)
+        self._in_mode: dict[str, tuple[m.Mode, int]] = {}  # session -> (mode, decisions in it)
 
     # --- what we learn --------------------------------------------------------------------
 
@@ -311,19 +403,29 @@ class AdaptivePolicy:
         self._rtt(device_id).update(rtt_ms, TIME_DECAY)
 
     def observe(self, round_: RoundObservation) -> None:
+        # The same draft accepts alike wherever it runs: a is shared by both modes.
         key = (round_.device_id, round_.draft_model, round_.task_type)
-        self._alpha.setdefault(key, AcceptanceRate()).update(round_.k, round_.n_accepted)
+        rate = self._alpha.setdefault(key, AcceptanceRate())
+        if round_.k == 0 and round_.window > 0:
+            rate.update(1, 0)
+        else:
+            rate.update(round_.k, round_.n_accepted)
+        cloud = round_.mode is m.Mode.CLOUD
         if round_.k > 0:
-            self._draft_cost(round_.device_id, round_.draft_model).update(
+            self._draft_cost(HOST if cloud else round_.device_id, round_.draft_model).update(
                 round_.t_draft_ms / round_.k, TIME_DECAY
             )
         if round_.t_uplink_ms is not None:
             # One leg measured; the way back crosses the same link.
             self._rtt(round_.device_id).update(2.0 * round_.t_uplink_ms, TIME_DECAY)
         self._queue_ms.update(round_.t_queue_ms, TIME_DECAY)
-        self.verify_cost.update(round_.k, round_.verifier_load, round_.t_verify_ms)
-        self._used_drafts.setdefault(round_.device_id, set()).add(round_.draft_model)
-        self._note_switch(round_)
+        if not round_.prefill:
+            self._verify_cost(round_.mode).update(
+                round_.k, round_.verifier_load, round_.t_verify_ms
+            )
+        if not cloud:  # a cloud round says nothing of what the device has or obeys
+            self._used_drafts.setdefault(round_.device_id, set()).add(round_.draft_model)
+            self._note_switch(round_)
 
     def _note_switch(self, round_: RoundObservation) -> None:
         asked = self._asked.get(round_.session_id)
@@ -340,6 +442,10 @@ class AdaptivePolicy:
 
     def forget_session(self, session_id: str) -> None:
         self._asked.pop(session_id, None)
+        self._in_mode.pop(session_id, None)
+
+    def _verify_cost(self, mode: m.Mode) -> VerifyCost:
+        return self.cloud_verify_cost if mode is m.Mode.CLOUD else self.verify_cost
 
     def _rtt(self, device_id: str) -> Ewma:
         return self._rtt_ms.setdefault(device_id, Ewma(PRIOR_RTT_MS))
@@ -360,6 +466,17 @@ class AdaptivePolicy:
                     accepted=sum(r.accepted for r in seen), tried=sum(r.tried for r in seen)
                 )
                 return pooled.alpha
+            # A draft this device never ran: what its other drafts see on this task, held as
+            # lightly as the prior, so that a draft is tried on its merits, not on hope.
+            device = [
+                r for (dev, _, t), r in self._alpha.items() if dev == device_id and t == task_type
+            ]
+            if device:
+                accepted = sum(r.accepted for r in device)
+                tried = sum(r.tried for r in device)
+                return AcceptanceRate(
+                    accepted=PRIOR_ALPHA_WEIGHT * accepted / tried, tried=PRIOR_ALPHA_WEIGHT
+                ).alpha
             return AcceptanceRate().alpha
         return rate.alpha
 
@@ -371,17 +488,45 @@ class AdaptivePolicy:
         return [name for name in names if name == current_draft or name not in refused]
 
     def best_window(
-        self, alpha: float, draft_ms_per_token: float, fixed_ms: float, load: float
+        self,
+        alpha: float,
+        draft_ms_per_token: float,
+        fixed_ms: float,
+        load: float,
+        mode: m.Mode = m.Mode.DISTRIBUTED,
     ) -> tuple[int, float, float]:
-        """(k, E, T) with the highest E / T for k in [K_MIN, k_max]."""
+        """(k, E, T) with the highest E / T for k in [K_MIN, k_max]; `fixed_ms` is RTT + queue
+        in distributed mode, and the RTT's share plus queue in cloud mode."""
         best: tuple[int, float, float] | None = None
         for k in range(K_MIN, self.k_max + 1):
             tokens = expected_tokens(alpha, k)
-            round_ms = k * draft_ms_per_token + fixed_ms + self.verify_cost.predict(k, load)
-            if best is None or tokens / round_ms > best[1] / best[2]:
-                best = (k, tokens, round_ms)
+            verify = self._verify_cost(mode).predict(k, load)
+            if mode is m.Mode.CLOUD:
+                total = k * draft_ms_per_token * (1.0 + load) + fixed_ms + verify
+            else:
+                total = k * draft_ms_per_token + fixed_ms + verify
+            if best is None or tokens / total > best[1] / best[2]:
+                best = (k, tokens, total)
         assert best is not None
         return best
+
+    def _candidate(
+        self,
+        mode: m.Mode,
+        device_id: str,
+        draft: str,
+        task_type: str,
+        rtt_ms: float,
+        queue_ms: float,
+        load: float,
+    ) -> Candidate:
+        alpha = self.alpha(device_id, draft, task_type)
+        cloud = mode is m.Mode.CLOUD
+        per_token = self._draft_cost(HOST if cloud else device_id, draft).value
+        link_ms = rtt_ms / CLOUD_STREAM_ROUNDS if cloud else rtt_ms
+        k, tokens, total_ms = self.best_window(alpha, per_token, link_ms + queue_ms, load, mode)
+        rate = tokens / total_ms * 1000.0 if total_ms > 0 else math.inf
+        return Candidate(draft, alpha, per_token, k, tokens, total_ms, rate, mode)
 
     def decide(
         self,
@@ -390,44 +535,69 @@ class AdaptivePolicy:
         task_type: str,
         current_draft: str,
         verifier_load: float,
+        current_mode: m.Mode = m.Mode.DISTRIBUTED,
+        host_drafts: Sequence[str] = (),
     ) -> Decision:
+        """The next round's mode, draft and k. `host_drafts`: what the verifier hosts can draft
+        with (none: no cloud mode)."""
         rtt_ms = self._rtt(device_id).value
         queue_ms = self._queue_ms.value
-        candidates: list[Candidate] = []
-        for draft in self.candidate_drafts(device_id, current_draft):
-            alpha = self.alpha(device_id, draft, task_type)
-            per_token = self._draft_cost(device_id, draft).value
-            k, tokens, round_ms = self.best_window(
-                alpha, per_token, rtt_ms + queue_ms, verifier_load
-            )
-            rate = tokens / round_ms * 1000.0 if round_ms > 0 else math.inf
-            candidates.append(Candidate(draft, alpha, per_token, k, tokens, round_ms, rate))
-        current = candidates[0]  # candidate_drafts puts the current draft first
-        best = max(candidates, key=lambda c: c.tokens_per_s)
-        if best.draft_model != current.draft_model and (
-            best.tokens_per_s > current.tokens_per_s * SWITCH_MARGIN
+        load = verifier_load
+        distributed = [
+            self._candidate(m.Mode.DISTRIBUTED, device_id, d, task_type, rtt_ms, queue_ms, load)
+            for d in self.candidate_drafts(device_id, current_draft)
+        ]
+        cloud = [
+            self._candidate(m.Mode.CLOUD, device_id, d, task_type, rtt_ms, queue_ms, load)
+            for d in dict.fromkeys(host_drafts)
+        ]
+        by_mode = {m.Mode.DISTRIBUTED: distributed, m.Mode.CLOUD: cloud}
+        best = {
+            mode: max(candidates, key=lambda c: c.tokens_per_s)
+            for mode, candidates in by_mode.items()
+            if candidates
+        }
+        # A session that never changed mode may change at once; after a change it dwells.
+        in_mode, rounds = self._in_mode.get(session_id, (current_mode, MODE_DWELL_ROUNDS))
+        if in_mode is not current_mode:
+            rounds = 0
+        mode, mode_reason = choose_mode(current_mode, best, rounds)
+        self._in_mode[session_id] = (mode, rounds + 1 if mode is current_mode else 0)
+
+        candidates = by_mode[mode]
+        # A draft switch within the mode needs its own margin; the current draft comes first in
+        # distributed mode, and in cloud mode when the host has it.
+        current = next((c for c in candidates if c.draft_model == current_draft), None)
+        top = best[mode]
+        if current is None or (
+            top.draft_model != current.draft_model
+            and top.tokens_per_s > current.tokens_per_s * SWITCH_MARGIN
         ):
-            chosen = best
-            reason = (
-                f"switch to {best.draft_model}: {best.tokens_per_s:.1f} tok/s predicted over "
-                f"{current.tokens_per_s:.1f} with {current.draft_model}"
-            )
-            self._asked[session_id] = (best.draft_model, 0)
+            chosen = top
+            reason = f"switch to {top.draft_model}: {top.tokens_per_s:.1f} tok/s predicted"
+            if current is not None:
+                reason += f" over {current.tokens_per_s:.1f} with {current.draft_model}"
+            if mode is m.Mode.DISTRIBUTED and top.draft_model != current_draft:
+                self._asked[session_id] = (top.draft_model, 0)
         else:
             chosen = current
             reason = f"keep {current.draft_model}: {current.tokens_per_s:.1f} tok/s predicted"
+        reason += f"; mode {mode_reason}"
         return Decision(
-            mode=m.Mode.DISTRIBUTED,
+            mode=mode,
             draft_model=chosen.draft_model,
             k=chosen.k,
             min_confidence=self.min_confidence,
             device_id=device_id,
             task_type=task_type,
             current_draft=current_draft,
+            current_mode=current_mode,
+            rounds_in_mode=rounds,
             rtt_ms=rtt_ms,
             queue_ms=queue_ms,
             verifier_load=verifier_load,
             verify_coefficients=self.verify_cost.coefficients(),
-            candidates=tuple(candidates),
+            cloud_verify_coefficients=self.cloud_verify_cost.coefficients(),
+            candidates=(*distributed, *cloud),
             reason=reason,
         )

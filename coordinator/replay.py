@@ -62,6 +62,7 @@ class RoundRecord:
     next_token: int
     committed_len: int
     provisional: bool
+    mode: SessionMode  # who drafted: the device, or the verifier host (cloud)
     q_ids: tuple[tuple[int, ...], ...] | None  # [k, K]
     q_probs: tuple[tuple[float, ...], ...] | None  # [k, K]
     verifier_id: str | None
@@ -81,6 +82,7 @@ class RoundRecord:
             next_token=row.next_token,
             committed_len=row.committed_len,
             provisional=row.provisional,
+            mode=row.mode,
             q_ids=None if row.q_ids is None else tuple(tuple(r) for r in row.q_ids),
             q_probs=None if row.q_probs is None else tuple(tuple(r) for r in row.q_probs),
             verifier_id=row.verifier_id,
@@ -481,6 +483,7 @@ def round_document(step: ReplayStep) -> dict[str, Any]:
         "n_accepted": rnd.n_accepted,
         "next_token": rnd.next_token,
         "provisional": rnd.provisional,
+        "mode": rnd.mode.value,
         "tokens": [t.token_id for t in step.tokens],
         "kinds": [t.kind.value for t in step.tokens],
         "text": "".join(t.text for t in step.tokens),

@@ -90,6 +90,8 @@ class Coordinator:
         self.book = SessionBook(
             self.sessions, self.verifiers, self.publish, eos_id=eos_id, admit=self.fleet.admit
         )
+        self.fleet.rtt_observers.append(self.book.policy.observe_rtt)
+        self.fleet.drafts_observers.append(self.book.policy.set_device_drafts)
         self.device_handlers: dict[type[Any], DeviceHandler] = {
             m.Status: self.fleet.on_status,
             m.Telemetry: self.fleet.on_telemetry,

@@ -26,7 +26,13 @@ from broker.client import BusConnectionError
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
 from coordinator.events import append_event
-from coordinator.policy import AdaptivePolicy, RoundObservation, resolve_task, verifier_load
+from coordinator.policy import (
+    CLOUD_STREAM_ROUNDS,
+    AdaptivePolicy,
+    RoundObservation,
+    resolve_task,
+    verifier_load,
+)
 from coordinator.verifiers import NoVerifierError, VerificationFailed, VerifierPool
 
 log = logging.getLogger(__name__)
@@ -55,6 +61,8 @@ class LiveSession:
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
+    # The modes the agent runs (SessionOpen.modes): cloud mode only for an agent that streams.
+    modes: frozenset[m.Mode] = frozenset({m.Mode.DISTRIBUTED})
 
     @property
     def committed_len(self) -> int:
@@ -154,6 +162,7 @@ class SessionBook:
                 )
                 return
             live = await asyncio.to_thread(self._create, device_id, session_uuid, request)
+            live.modes = frozenset({*request.modes, request.mode})
             if request.k == 0:  # no window asked for: the coordinator chooses, round by round
                 live.policy_task = resolve_task(request.task_type, request.prompt)
             self.live[live.id] = live
@@ -175,6 +184,7 @@ class SessionBook:
             return
         else:
             log.info("session %s resumed by %s at round %d", live.id, device_id, live.next_round)
+            live.modes = frozenset({*request.modes, request.mode, live.policy.mode})
             detail: dict[str, Any] = {"next_round": live.next_round}
             if request.resume is not None:
                 detail["reason"] = request.resume.value
@@ -278,15 +288,54 @@ class SessionBook:
                     "a sampled session needs q' (q_ids, q_probs) with its draft",
                 )
                 return
+            if draft.cloud and not self.can_draft(draft.draft_model):
+                await self._error(
+                    device_id,
+                    "draft",
+                    live.id,
+                    draft.round,
+                    f"no live verifier drafts cloud rounds with {draft.draft_model!r}",
+                )
+                return
             live.in_flight_round = draft.round
             try:
-                await self._verify_and_commit(live, draft, received_at)
+                streamed = await self._verify_and_commit(live, draft, received_at)
             finally:
                 live.in_flight_round = None
+        # Cloud mode: the rounds after a request run here, one after another, each persisted and
+        # published as it ends; the lock is let go between them, so that a close gets in.
+        for index in range(1, CLOUD_STREAM_ROUNDS):
+            if streamed is None:
+                return
+            async with live.lock:
+                if live.status is not SessionStatus.ACTIVE or live.next_round != streamed.round:
+                    return  # closed meanwhile, or a re-sent request took the stream over
+                live.in_flight_round = streamed.round
+                try:
+                    streamed = await self._verify_and_commit(live, streamed, time.time(), index)
+                finally:
+                    live.in_flight_round = None
+
+    def can_draft(self, draft_model: str) -> bool:
+        """Whether a live verifier drafts cloud rounds with this drafter (True with none live:
+        the round then waits for a verifier, as any round does)."""
+        live = self.pool.live()
+        return not live or any(draft_model in v.status.drafts for v in live)
+
+    def host_drafts(self) -> tuple[str, ...]:
+        """The drafters the live verifiers draft cloud rounds with."""
+        return tuple(sorted({d for v in self.pool.live() for d in v.status.drafts}))
 
     async def _verify_and_commit(
-        self, live: LiveSession, draft: m.Draft, received_at: float
-    ) -> None:
+        self, live: LiveSession, draft: m.Draft, received_at: float, streamed: int = 0
+    ) -> m.Draft | None:
+        """Verify one round, persist it, publish its verdict. In cloud mode, when the verdict
+        says the coordinator goes on, the request of the next round (else None); `streamed`
+        counts the rounds of the request before this one."""
+        cloud_k = None
+        if draft.cloud_k is not None:
+            # As the agent cuts a window: the accepted tokens plus the target's must fit.
+            cloud_k = min(draft.cloud_k, live.max_tokens - len(live.generated) - 1)
         request = m.VerifyRequest(
             request_id="pending",
             session_id=live.id,
@@ -296,6 +345,8 @@ class SessionBook:
             q_ids=draft.q_ids,
             q_probs=draft.q_probs,
             sampling=live.sampling,
+            cloud_draft=draft.draft_model if cloud_k and cloud_k > 0 else None,
+            cloud_k=cloud_k if cloud_k and cloud_k > 0 else None,
         )
         queued_at = time.perf_counter()
         try:
@@ -304,9 +355,12 @@ class SessionBook:
             # Nothing was committed; the agent re-sends this round when it hears the state.
             log.error("round %d of %s not verified: %s", draft.round, live.id, exc)
             await self._error(live.device_id, "draft", live.id, draft.round, f"not verified: {exc}")
-            return
+            return None
         round_trip_ms = (time.perf_counter() - queued_at) * 1000.0
-        accepted = list(draft.tokens[: result.n_accepted])
+        drafted, q_ids, q_probs = draft.tokens, draft.q_ids, draft.q_probs
+        if draft.cloud:
+            drafted, q_ids, q_probs = result.draft_tokens or (), result.q_ids, result.q_probs
+        accepted = list(drafted[: result.n_accepted])
         next_token = result.next_token if result.next_token is not None else accepted.pop()
         kept, finished = apply_stop_rules(
             len(live.generated), accepted, next_token, live.max_tokens, self.eos_id
@@ -317,22 +371,24 @@ class SessionBook:
             session_id=uuid.UUID(live.id),
             round_index=draft.round,
             base_len=draft.base_len,
-            draft_tokens=list(draft.tokens),
+            draft_tokens=list(drafted),
             draft_model=draft.draft_model,
             provisional=draft.provisional,
-            q_ids=[list(row) for row in draft.q_ids] if draft.q_ids else None,
-            q_probs=[list(row) for row in draft.q_probs] if draft.q_probs else None,
-            k=len(draft.tokens),
+            q_ids=[list(row) for row in q_ids] if q_ids else None,
+            q_probs=[list(row) for row in q_probs] if q_probs else None,
+            k=len(drafted),
+            mode=SessionMode.CLOUD if draft.cloud else SessionMode.DISTRIBUTED,
             n_accepted=n_accepted,
             next_token=kept[-1],
             committed_len=draft.base_len + len(kept),
             verifier_id=result.verifier_id,
             policy=live.policy.model_dump(mode="json"),
-            t_draft_ms=draft.timings.draft_ms,
+            # A cloud round was drafted on the verifier host, inside the pool's round trip.
+            t_draft_ms=result.draft_ms if draft.cloud else draft.timings.draft_ms,
             t_uplink_ms=uplink_ms if draft.timings.sent_at else None,
             # Everything between handing the draft to the pool and the verifier's compute:
             # transport both ways and the verifier's own queue.
-            t_queue_ms=max(0.0, round_trip_ms - result.verify_ms),
+            t_queue_ms=max(0.0, round_trip_ms - result.verify_ms - result.draft_ms),
             t_verify_ms=result.verify_ms,
             t_downlink_ms=None,
         )
@@ -347,6 +403,15 @@ class SessionBook:
         live.generated = generated
         live.next_round = draft.round + 1
         live.status = status
+        # The stream goes on while the policy says cloud, up to CLOUD_STREAM_ROUNDS a request; a
+        # distributed round whose decision turns to cloud starts one without another RTT.
+        continues = (
+            not finished
+            and live.policy.mode is m.Mode.CLOUD
+            and live.policy.k > 0
+            and streamed + 1 < CLOUD_STREAM_ROUNDS
+            and self.can_draft(live.policy.draft_model)
+        )
         verdict = m.Verdict(
             session_id=live.id,
             round=draft.round,
@@ -357,6 +422,8 @@ class SessionBook:
             finished=finished,
             policy=live.policy,
             verifier_id=result.verifier_id,
+            draft_tokens=tuple(drafted) if draft.cloud else None,
+            continues=continues,
         )
         live.last_verdict = verdict
         await self._send_verdict(live, verdict)
@@ -386,6 +453,16 @@ class SessionBook:
                 len(live.generated),
                 live.next_round,
             )
+        if not continues:
+            return None
+        return m.Draft(
+            session_id=live.id,
+            round=live.next_round,
+            base_len=live.committed_len,
+            tokens=(),
+            draft_model=live.policy.draft_model,
+            cloud_k=min(live.policy.k, m.MAX_CLOUD_K),
+        )
 
     def _adapt(self, live: LiveSession, row: Round) -> tuple[m.Policy, dict[str, Any]]:
         """Learn from this round, choose the next; the decision and its inputs go on the round."""
@@ -404,6 +481,10 @@ class SessionBook:
                 t_queue_ms=row.t_queue_ms or 0.0,
                 t_verify_ms=row.t_verify_ms or 0.0,
                 verifier_load=load,
+                mode=m.Mode(row.mode.value),
+                # An adaptive session's first round is the agent's empty window (k = 0).
+                window=live.policy.k if row.round_index > 0 else 0,
+                prefill=row.round_index == 0,
             )
         )
         decision = self.policy.decide(
@@ -412,11 +493,17 @@ class SessionBook:
             live.policy_task,
             row.draft_model or live.policy.draft_model,
             load,
+            current_mode=live.policy.mode,
+            host_drafts=self.host_drafts() if m.Mode.CLOUD in live.modes else (),
         )
         return decision.policy, decision.to_json()
 
     async def _resend_verdict(self, live: LiveSession, draft: m.Draft) -> None:
         """A draft for a round already verified: the stored verdict, never a second commit."""
+        if draft.cloud:
+            # A cloud request re-sent: its stream may have run on, and the state has it all.
+            await self._send_state(live)
+            return
         verdict = live.last_verdict
         if verdict is None or verdict.round != draft.round:
             verdict = await asyncio.to_thread(self._stored_verdict, live, draft.round)
@@ -474,7 +561,8 @@ class SessionBook:
             top_p=request.sampling.top_p,
             seed=request.sampling.seed,
             max_tokens=request.max_tokens,
-            mode=SessionMode.DISTRIBUTED,
+            # A session that leaves the window to the coordinator starts where its agent does.
+            mode=SessionMode(request.mode.value) if request.k else SessionMode.DISTRIBUTED,
             draft_model=request.draft_model or self.default_draft,
             k=request.k or DEFAULT_K,
             status=SessionStatus.ACTIVE,
@@ -528,6 +616,7 @@ class SessionBook:
             finished=finished,
             policy=m.Policy.model_validate(row.policy) if row.policy else None,
             verifier_id=row.verifier_id or "",
+            draft_tokens=tuple(row.draft_tokens) if row.mode is SessionMode.CLOUD else None,
         )
 
     def _finish(self, live: LiveSession, status: SessionStatus, reason: str) -> None:

@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
 
 from broker import messages as m
-from inference.proposers import Candidates, Proposer, no_candidates
+from inference.proposers import Candidates, Proposer, no_candidates, set_min_confidence
 from inference.sampling import RngStream, SparseDraftProbs, one_hot_draft, round_rng
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class SessionSpec:
     max_tokens: int
     draft_model: str
     k: int
+    mode: m.Mode = m.Mode.DISTRIBUTED  # cloud: the verifier host drafts (with a fixed k > 0)
 
     def open_message(self) -> m.SessionOpen:
         return m.SessionOpen(
@@ -80,6 +81,8 @@ class SessionSpec:
             max_tokens=self.max_tokens,
             draft_model=self.draft_model,
             k=self.k,
+            mode=self.mode,
+            modes=(m.Mode.DISTRIBUTED, m.Mode.CLOUD),  # this agent streams cloud rounds too
         )
 
 
@@ -95,6 +98,8 @@ class DraftWindow:
     draft_ms: float  # spent drafting it (for a pre-drafted window: while the last verdict flew)
     proactive: bool  # True when it was drafted before the previous verdict came
     provisional: bool = False  # the tail generated offline, already shown to the user
+    # A cloud round: no tokens; the verifier host drafts up to cloud_k with `draft_model`.
+    cloud_k: int | None = None
 
     def message(self, session_id: str, sent_at: float, downlink_ms: float | None = None) -> m.Draft:
         q_ids = q_probs = None
@@ -113,6 +118,7 @@ class DraftWindow:
             timings=m.DraftTimings(
                 draft_ms=self.draft_ms, sent_at=sent_at, downlink_ms=downlink_ms
             ),
+            cloud_k=self.cloud_k,
         )
 
 
@@ -308,6 +314,10 @@ class SessionDrafter:
             self.committed = list(self.spec.prompt_ids)
         self.k = self.spec.k
         self.draft_model = self.draft_model or self.spec.draft_model
+        # Cloud mode (the policy's, or the session's own): the host drafts with `cloud_draft`.
+        self.mode = self.spec.mode
+        self.cloud_draft = self.spec.draft_model
+        self.min_confidence: float | None = None  # the policy's, for the neural drafters
 
     @property
     def prompt_len(self) -> int:
@@ -348,13 +358,17 @@ class SessionDrafter:
     def _apply_policy(self, policy: m.Policy | None) -> None:
         if policy is None:
             return
-        if policy.mode is not m.Mode.DISTRIBUTED:
-            log.warning(
-                "session %s: policy mode %s is not supported by this agent; drafting on",
-                self.spec.session_id,
-                policy.mode.value,
-            )
         self.k = policy.k
+        self.min_confidence = policy.min_confidence
+        if policy.mode is m.Mode.LOCAL:
+            log.warning(
+                "session %s: a coordinator does not ask for local mode; drafting on",
+                self.spec.session_id,
+            )
+        self.mode = m.Mode.CLOUD if policy.mode is m.Mode.CLOUD else m.Mode.DISTRIBUTED
+        if self.mode is m.Mode.CLOUD:
+            self.cloud_draft = policy.draft_model
+            return  # the host drafts; the device's own drafter waits as it is
         # The swap itself waits for `draft`, which may load a model and so runs off the loop.
         self._wanted_model = None if policy.draft_model == self.draft_model else policy.draft_model
 
@@ -382,7 +396,11 @@ class SessionDrafter:
             raise RuntimeError("the session has finished")
         if self.provisional:
             return self._provisional_window()
+        if self.mode is m.Mode.CLOUD:
+            return self._cloud_window()
         self._swap_if_wanted()
+        if self.min_confidence is not None:
+            set_min_confidence(self.proposer, self.min_confidence)
         base_len = len(self.committed)
         k = self._window_size(len(self.generated))
         speculation = self._speculation
@@ -425,6 +443,25 @@ class SessionDrafter:
         self.in_flight = window
         return window
 
+    def _cloud_window(self) -> DraftWindow:
+        """The window of a cloud round: no tokens; the verifier host drafts it."""
+        if self._speculation is not None:  # drafted ahead in distributed mode: of no use now
+            self._discard_speculation()
+            self.proposer.rollback(len(self.committed))
+        k = self._window_size(len(self.generated))
+        window = DraftWindow(
+            round=self.round,
+            base_len=len(self.committed),
+            tokens=(),
+            q=None,
+            draft_model=self.cloud_draft,
+            draft_ms=0.0,
+            proactive=False,
+            cloud_k=max(1, min(k, m.MAX_CLOUD_K)),
+        )
+        self.in_flight = window
+        return window
+
     def speculate(self) -> bool:
         """Draft the next round's window assuming the in-flight one is wholly accepted.
 
@@ -432,6 +469,8 @@ class SessionDrafter:
         """
         window = self.in_flight
         if not self.proactive or window is None or self.finished or self.spell is not None:
+            return False
+        if window.cloud_k is not None:
             return False
         start = time.perf_counter()
         n_after = len(self.generated) + len(window.tokens) + 1
@@ -477,6 +516,11 @@ class SessionDrafter:
         window = self.in_flight
         if verdict.round < self.round:
             return None  # a duplicate of a verdict already applied
+        if window is not None and window.cloud_k is not None and verdict.round == window.round:
+            # A cloud round: the verifier host drafted the window, and the verdict brings it.
+            if verdict.draft_tokens is None:
+                raise OutOfSync(f"the verdict of cloud round {verdict.round} lacks its draft")
+            window = replace(window, tokens=verdict.draft_tokens)
         if window is None or verdict.round != window.round:
             raise OutOfSync(f"verdict for round {verdict.round}, but round {self.round} is next")
         if verdict.base_len != window.base_len or verdict.n_accepted > len(window.tokens):
@@ -540,6 +584,8 @@ class SessionDrafter:
             )
         )
         self._settle_tail(new_tokens)
+        if verdict.continues and not self.finished:
+            self._cloud_window()  # the coordinator runs the next round itself: it is in flight
         return new_tokens
 
     def resync(self, state: m.SessionState) -> Resync:

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -72,6 +72,9 @@ class SessionRequest(BaseModel):
     draft: str | None = Field(default=None, min_length=1, max_length=128)
     k: int | None = Field(default=None, ge=0, le=64)
     proactive: bool | None = None  # None: the agent's setting
+    # cloud: the verifier host drafts every window (needs k > 0; k = 0 lets the coordinator
+    # choose the mode too).
+    mode: Literal["distributed", "cloud"] = "distributed"
 
     @classmethod
     def parse_json(cls, body: bytes) -> SessionRequest:
@@ -659,7 +662,9 @@ class AgentSession:
         await self._emit(new_tokens)
         await self._emit_reconciled()
         self.wait_ms.append(waited_ms)
-        if not self.drafter.finished:
+        if not self.drafter.finished and self.drafter.in_flight is not None:
+            self._sent_at = arrived  # cloud mode: the coordinator streams the next round itself
+        elif not self.drafter.finished:
             await self._next_round()
             self.turnaround_ms.append((self._sent_at - arrived) * 1e3)
         self._journal()  # while the next window is on its way
@@ -750,6 +755,7 @@ class SessionBook:
                 max_tokens=request.max_tokens or self.settings.default_max_tokens,
                 draft_model=draft,
                 k=k,
+                mode=m.Mode(request.mode),
             )
             spec.open_message()  # the bus contract's own limits (prompt length, ...)
         except ValidationError as exc:

@@ -373,6 +373,16 @@ class NeuralProposer:
         return last
 
 
+def set_min_confidence(proposer: Proposer, min_confidence: float) -> None:
+    """Stop drafting once the draft's top probability falls below `min_confidence`: in a neural
+    drafter, and in the neural parts of a hybrid; copying drafters have no confidence to cut."""
+    if isinstance(proposer, NeuralProposer):
+        proposer.min_confidence = min_confidence
+    elif isinstance(proposer, HybridProposer):
+        for part in proposer.proposers:
+            set_min_confidence(part, min_confidence)
+
+
 def head_token_ids(runtime: Runtime) -> IntArray | None:
     """The vocabulary id of each output column of a trimmed head; None for a full head.
 

@@ -49,6 +49,7 @@ class ChildConfig:
     threads: int | None = None  # ORT intra-op threads; None: ORT's default (every core)
     max_sessions: int = MAX_SESSIONS
     max_cache_mb: int = MAX_CACHE_MB
+    cloud_drafts: bool = True  # draft cloud rounds with the drafters of the models directory
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ChildReady:
     pid: int
     target: str  # model name@sha256 prefix
     load_s: float
+    drafts: tuple[str, ...] = ()  # the drafters it runs for cloud rounds
 
 
 @dataclass(frozen=True)
@@ -89,20 +91,29 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         )
         c = runtime.config
         per_position = kv_bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim)
-        core = VerifierCore(
-            runtime,
-            max_sessions=config.max_sessions,
-            max_cached_positions=max(1, config.max_cache_mb * 2**20 // per_position),
-            max_positions=c.context_length,
-        )
         models_dir = config.models_dir
         if models_dir is None:
             from inference.artifacts import default_models_dir
 
             models_dir = default_models_dir()
+        drafters = None
+        if config.cloud_drafts:
+            from verifier.drafting import HostDrafters
+
+            drafters = HostDrafters(models_dir, threads=config.threads)
+        core = VerifierCore(
+            runtime,
+            max_sessions=config.max_sessions,
+            max_cached_positions=max(1, config.max_cache_mb * 2**20 // per_position),
+            max_positions=c.context_length,
+            drafters=drafters,
+        )
         manifest = load_manifest(models_dir / target_name(precision))
         ready = ChildReady(
-            os.getpid(), f"{manifest.name}@{manifest.sha256[:12]}", time.perf_counter() - started
+            os.getpid(),
+            f"{manifest.name}@{manifest.sha256[:12]}",
+            time.perf_counter() - started,
+            drafts=() if drafters is None else drafters.names,
         )
     # Whatever stops the load is reported to the worker, which decides to retry or give up.
     except Exception as exc:

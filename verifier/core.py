@@ -6,6 +6,9 @@ invariant of `inference.speculative`). A request whose context the cache does no
 prefix (a miss, another verifier served the last round, a resend) is trimmed to the common
 prefix and the rest is prefilled; only short tails ride inside the batched pass, since a long
 one would pad every other sequence of the batch to its length.
+
+A cloud round names a drafter instead of carrying tokens: the host drafts its window first
+(`verifier.drafting`), and the window then rides in the batched pass like any other.
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
 
 from broker.messages import VerifyRequest
+from inference.drafters import DrafterError
 from inference.runtime import KVCache, Logits, Runtime
 from inference.sampling import (
     SamplingParams,
@@ -26,6 +30,7 @@ from inference.sampling import (
     rejection_sample,
     round_rng,
 )
+from verifier.drafting import HostDraft, HostDrafters
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,11 @@ class Verification:
     error: str = ""
     prefilled: int = 0  # positions computed before this request's window (0 on a cache hit)
     batch_size: int = 1  # windows scored by the forward pass that scored this one
+    # A cloud round: the window this host drafted, q' when sampling, and what drafting took.
+    draft_tokens: tuple[int, ...] | None = None  # [k]
+    q_ids: tuple[tuple[int, ...], ...] | None = None  # [k, K]
+    q_probs: tuple[tuple[float, ...], ...] | None = None  # [k, K]
+    draft_ms: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -128,6 +138,7 @@ class VerifierCore:
         max_sessions: int = MAX_SESSIONS,
         max_cached_positions: int = MAX_CACHED_POSITIONS,
         max_positions: int | None = None,
+        drafters: HostDrafters | None = None,
     ) -> None:
         if max_sessions < 1 or max_cached_positions < 1:
             raise ValueError("max_sessions and max_cached_positions must be >= 1")
@@ -135,6 +146,7 @@ class VerifierCore:
         self.max_sessions = max_sessions
         self.max_cached_positions = max_cached_positions
         self.max_positions = max_positions  # the model's context length, when it has one
+        self.drafters = drafters  # None: this host refuses cloud rounds
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent first
         self._hits = 0
         self._misses = 0
@@ -150,9 +162,24 @@ class VerifierCore:
         resend) is verified again in a second pass, after the first, since both need its cache.
         """
         results: list[Verification | None] = [None] * len(requests)
+        drafted: dict[int, HostDraft] = {}
+        requests = list(requests)
+        for index, request in enumerate(requests):
+            if request.cloud_k is None:
+                continue
+            try:
+                drafted[index], requests[index] = self._draft(request)
+            except DrafterError as exc:
+                results[index] = _failed(request, f"cloud round: {exc}")
+            # A drafter is an engine boundary too: whatever it raises fails this request only.
+            except Exception as exc:
+                log.exception("drafting a cloud round of %s failed", request.session_id)
+                results[index] = _failed(request, f"cloud round drafting failed: {exc}")
         waves: list[list[int]] = []
         seen: dict[str, int] = {}
         for index, request in enumerate(requests):
+            if results[index] is not None:
+                continue
             error = self._refusal(request)
             if error:
                 results[index] = _failed(request, error)
@@ -166,7 +193,33 @@ class VerifierCore:
             for index, verification in self._verify_wave(requests, wave_indices):
                 results[index] = verification
             self._evict()
+        for index, host in drafted.items():
+            done = results[index]
+            assert done is not None
+            q = host.q_rows
+            results[index] = replace(
+                done,
+                draft_tokens=host.tokens,
+                q_ids=None if q is None else q[0],
+                q_probs=None if q is None else q[1],
+                draft_ms=host.draft_ms,
+            )
         return [r for r in results if r is not None]
+
+    def _draft(self, request: VerifyRequest) -> tuple[HostDraft, VerifyRequest]:
+        """Draft a cloud round's window here; the request as if the device had sent it."""
+        if self.drafters is None:
+            raise DrafterError("this verifier does not draft cloud rounds")
+        host = self.drafters.draft(request)
+        q = host.q_rows
+        drafted = request.model_copy(
+            update={
+                "tokens": host.tokens,
+                "q_ids": None if q is None else q[0],
+                "q_probs": None if q is None else q[1],
+            }
+        )
+        return host, drafted
 
     def stats(self) -> CoreStats:
         return CoreStats(

@@ -208,6 +208,7 @@ class VerifierWorker:
         self._returns = ReturnTimes()
         self._sessions_cached = 0
         self._target = ""
+        self._drafts: tuple[str, ...] = ()
 
     # -- state, for the heartbeat and for tests --------------------------------------------
 
@@ -234,6 +235,7 @@ class VerifierWorker:
             max_batch=self.config.max_batch,
             heartbeat_s=self.config.heartbeat_s,
             target=self._target,
+            drafts=self._drafts,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -246,6 +248,7 @@ class VerifierWorker:
             except ChildStartError as exc:
                 raise VerifierError(f"cannot start the inference process: {exc}") from exc
             self._target = ready.target
+            self._drafts = ready.drafts
             options = ConnectOptions(
                 client_id=f"specfleet-verifier-{self.config.verifier_id}",
                 username=self.username,
@@ -389,8 +392,11 @@ class VerifierWorker:
         self.counters.batches += 1
         self.counters.timings.append(BatchTiming(len(batch), roundtrip_ms, reply.compute_ms))
         self._sessions_cached = reply.stats.sessions_cached
+        # Cloud rounds were drafted inside the same call; what the target took is the rest.
+        drafting_ms = sum(v.draft_ms for v in reply.verifications)
+        verify_ms = max(0.0, reply.compute_ms - drafting_ms)
         for pending, verification in zip(batch, reply.verifications, strict=True):
-            self._emit(pending, verification, dispatched, reply.compute_ms)
+            self._emit(pending, verification, dispatched, verify_ms)
 
     def _emit(
         self,
@@ -414,6 +420,15 @@ class VerifierWorker:
             batch_size=verification.batch_size if verification is not None else 1,
             error=(error or (verification.error if verification is not None else ""))[:1024],
         )
+        if verification is not None and verification.draft_tokens is not None:
+            result = result.model_copy(
+                update={
+                    "draft_tokens": verification.draft_tokens,
+                    "q_ids": verification.q_ids,
+                    "q_probs": verification.q_probs,
+                    "draft_ms": verification.draft_ms,
+                }
+            )
         if result.error:
             self.counters.failed += 1
         else:
@@ -437,6 +452,7 @@ class VerifierWorker:
                 continue
             self.counters.child_restarts += 1
             self._target = ready.target
+            self._drafts = ready.drafts
             return
         raise VerifierError(f"the inference process failed to restart {RESTART_ATTEMPTS} times")
 

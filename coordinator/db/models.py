@@ -239,6 +239,12 @@ class Round(Base):
     draft_tokens: Mapped[list[int]]
     draft_model: Mapped[str | None] = mapped_column(sa.String(128))
     k: Mapped[int]
+    # Who drafted: the device (distributed) or the verifier host (cloud, `k` tokens of its own).
+    mode: Mapped[SessionMode] = mapped_column(
+        _enum(SessionMode, "session_mode"),
+        default=SessionMode.DISTRIBUTED,
+        server_default=SessionMode.DISTRIBUTED.value,
+    )
     n_accepted: Mapped[int]
     next_token: Mapped[int]
     committed_len: Mapped[int]

@@ -19,6 +19,16 @@ ms = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False
 
 @st.composite
 def drafts(draw: st.DrawFn) -> m.Draft:
+    if draw(st.integers(0, 4)) == 0:  # a cloud round request: the verifier host drafts
+        return m.Draft(
+            session_id=draw(session_ids),
+            round=draw(st.integers(min_value=0, max_value=10_000)),
+            base_len=draw(st.integers(min_value=0, max_value=100_000)),
+            tokens=(),
+            draft_model=draw(names),
+            cloud_k=draw(st.integers(1, m.MAX_CLOUD_K)),
+            timings=m.DraftTimings(sent_at=draw(unix_times)),
+        )
     tokens = draw(st.lists(token_ids, max_size=16))
     sparse = draw(st.booleans())
     q_ids = q_probs = None
@@ -52,6 +62,12 @@ def verdicts(draw: st.DrawFn) -> m.Verdict:
         st.none()
         | st.builds(m.Policy, mode=st.sampled_from(m.Mode), draft_model=names, k=st.integers(0, 64))
     )
+    cloud = draw(st.booleans()) and n_accepted <= m.MAX_CLOUD_K
+    draft_tokens = None
+    if cloud:
+        extra = draw(st.integers(0, m.MAX_CLOUD_K - n_accepted))
+        draft_tokens = tuple(draw(st.lists(token_ids, min_size=n_accepted + extra, max_size=64)))
+    finished = draw(st.booleans())
     return m.Verdict(
         session_id=draw(session_ids),
         round=draw(st.integers(min_value=0, max_value=10_000)),
@@ -59,9 +75,11 @@ def verdicts(draw: st.DrawFn) -> m.Verdict:
         n_accepted=n_accepted,
         next_token=next_token,
         committed_len=base_len + n_accepted + (next_token is not None),
-        finished=draw(st.booleans()),
+        finished=finished,
         policy=policy,
         verifier_id=draw(names),
+        draft_tokens=draft_tokens,
+        continues=cloud and not finished and draw(st.booleans()),
     )
 
 
@@ -124,7 +142,16 @@ session_opens = st.builds(
     sampling=samplings,
     max_tokens=st.integers(1, 512),
     draft_model=names,
-    k=st.integers(0, 16),
+    k=st.integers(1, 16),
+    mode=st.sampled_from([m.Mode.DISTRIBUTED, m.Mode.CLOUD]),
+    modes=st.just((m.Mode.DISTRIBUTED, m.Mode.CLOUD)),
+) | st.builds(
+    m.SessionOpen,
+    session_id=session_ids,
+    prompt=st.text(max_size=200),
+    prompt_ids=st.lists(token_ids, min_size=1, max_size=32).map(tuple),
+    draft_model=names,
+    k=st.just(0),
 )
 session_closes = st.builds(m.SessionClose, session_id=session_ids, reason=names)
 session_states = st.builds(
@@ -142,12 +169,24 @@ verifier_statuses = st.builds(
     at=unix_times,
     queue_depth=st.integers(0, 100),
     sessions_cached=st.integers(0, 100),
+    drafts=st.lists(names, max_size=4).map(tuple),
 )
 
 
 @st.composite
 def verify_requests(draw: st.DrawFn) -> m.VerifyRequest:
     draft = draw(drafts())
+    if draft.cloud:
+        return m.VerifyRequest(
+            request_id=draw(names),
+            session_id=draft.session_id,
+            round=draft.round,
+            context_ids=tuple(draw(st.lists(token_ids, min_size=1, max_size=32))),
+            tokens=(),
+            sampling=draw(samplings),
+            cloud_draft=draft.draft_model,
+            cloud_k=draft.cloud_k,
+        )
     return m.VerifyRequest(
         request_id=draw(names),
         session_id=draft.session_id,
@@ -158,6 +197,25 @@ def verify_requests(draw: st.DrawFn) -> m.VerifyRequest:
         q_probs=draft.q_probs,
         sampling=draw(samplings),
         sent_at=draw(unix_times),
+    )
+
+
+@st.composite
+def cloud_results(draw: st.DrawFn) -> m.VerifyResult:
+    tokens = tuple(draw(st.lists(token_ids, max_size=16)))
+    sparse = draw(st.booleans())
+    return m.VerifyResult(
+        request_id=draw(names),
+        session_id=draw(session_ids),
+        round=draw(st.integers(0, 100)),
+        base_len=draw(st.integers(0, 1000)),
+        n_accepted=draw(st.integers(0, len(tokens))),
+        next_token=draw(token_ids),
+        verifier_id=draw(names),
+        draft_tokens=tokens,
+        q_ids=tuple((t,) for t in tokens) if sparse else None,
+        q_probs=tuple((1.0,) for _ in tokens) if sparse else None,
+        draft_ms=draw(ms),
     )
 
 
@@ -189,6 +247,7 @@ any_message = st.one_of(
     verifier_statuses,
     verify_requests(),
     verify_results,
+    cloud_results(),
 )
 
 
@@ -297,6 +356,95 @@ def test_draft_shapes_are_checked(fields: dict[str, object], reason_part: str) -
     with pytest.raises(m.SchemaViolation) as caught:
         m.decode(json.dumps(document).encode())
     assert reason_part in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    ("message_type", "fields", "reason_part"),
+    [
+        ("draft", {"tokens": [5], "cloud_k": 4}, "carries no tokens"),
+        ("draft", {"tokens": [], "cloud_k": 0}, "greater than or equal to 1"),
+        ("draft", {"tokens": [], "cloud_k": 4, "provisional": True}, "not provisional"),
+        ("session_open", {"mode": "local"}, "opens online"),
+        ("session_open", {"mode": "satellite"}, "mode"),
+        ("session_open", {"mode": "cloud", "k": 0}, "needs a window"),
+        ("session_open", {"mode": "cloud"}, "not among the agent's modes"),
+        ("session_open", {"modes": []}, "at least 1"),
+        ("verdict", {"draft_tokens": [7], "n_accepted": 2, "committed_len": 6}, "exceeds"),
+        ("verdict", {"continues": True, "finished": True}, "does not continue"),
+        ("verify_request", {"cloud_k": 4}, "come together"),
+        ("verify_request", {"cloud_k": 4, "cloud_draft": "hybrid", "tokens": [3]}, "no tokens"),
+        ("verify_result", {"q_ids": [[1]], "q_probs": [[1.0]]}, "only with draft_tokens"),
+        ("verify_result", {"draft_tokens": [1], "n_accepted": 2}, "exceeds"),
+    ],
+)
+def test_cloud_round_shapes_are_checked(
+    message_type: str, fields: dict[str, object], reason_part: str
+) -> None:
+    base: dict[str, dict[str, object]] = {
+        "draft": {"session_id": "s", "round": 0, "base_len": 3, "draft_model": "hybrid"},
+        "session_open": {
+            "session_id": "s",
+            "prompt": "hi",
+            "prompt_ids": [1, 2],
+            "draft_model": "hybrid",
+        },
+        "verdict": {
+            "session_id": "s",
+            "round": 0,
+            "base_len": 3,
+            "n_accepted": 0,
+            "next_token": 9,
+            "committed_len": 4,
+        },
+        "verify_request": {
+            "request_id": "r",
+            "session_id": "s",
+            "round": 0,
+            "context_ids": [1, 2],
+            "tokens": [],
+        },
+        "verify_result": {
+            "request_id": "r",
+            "session_id": "s",
+            "round": 0,
+            "base_len": 2,
+            "verifier_id": "v",
+        },
+    }
+    document = {"v": 1, "type": message_type, **base[message_type], **fields}
+    with pytest.raises(m.SchemaViolation) as caught:
+        m.decode(json.dumps(document).encode())
+    assert reason_part in caught.value.reason
+
+
+def test_a_draft_from_an_agent_without_cloud_mode_still_validates() -> None:
+    """Fields added for cloud mode are optional: older payloads decode as distributed rounds."""
+    document = {
+        "v": 1,
+        "type": "draft",
+        "session_id": "s",
+        "round": 0,
+        "base_len": 3,
+        "tokens": [5],
+        "draft_model": "lookup",
+    }
+    draft = m.decode_as(json.dumps(document).encode(), m.Draft)
+    assert not draft.cloud and draft.cloud_k is None
+    opened = m.decode_as(
+        json.dumps(
+            {
+                "v": 1,
+                "type": "session_open",
+                "session_id": "s",
+                "prompt": "hi",
+                "prompt_ids": [1],
+                "draft_model": "lookup",
+            }
+        ).encode(),
+        m.SessionOpen,
+    )
+    assert opened.mode is m.Mode.DISTRIBUTED
+    assert opened.modes == (m.Mode.DISTRIBUTED,)  # never asked for cloud mode
 
 
 def test_verdict_lengths_must_add_up() -> None:

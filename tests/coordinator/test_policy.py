@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from broker import messages as m
 from coordinator.policy import (
+    CLOUD_STREAM_ROUNDS,
     K_MAX,
+    MODE_DWELL_ROUNDS,
     AcceptanceRate,
     AdaptivePolicy,
+    Candidate,
     RoundObservation,
     VerifyCost,
+    choose_mode,
     classify_task,
     expected_tokens,
     resolve_task,
+    round_ms,
     verifier_load,
 )
 
@@ -35,6 +41,9 @@ def _round(
     load: float = 0.0,
     device: str = DEVICE,
     session: str = "s1",
+    mode: m.Mode = m.Mode.DISTRIBUTED,
+    prefill: bool = False,
+    window: int | None = None,  # None: the k drafted
 ) -> RoundObservation:
     return RoundObservation(
         session_id=session,
@@ -48,6 +57,9 @@ def _round(
         t_queue_ms=t_queue_ms,
         t_verify_ms=VerifyCost().predict(k, load) if t_verify_ms is None else t_verify_ms,
         verifier_load=load,
+        mode=mode,
+        window=k if window is None else window,
+        prefill=prefill,
     )
 
 
@@ -238,3 +250,179 @@ def test_decision_is_recorded_with_its_inputs_and_reads_back_as_a_policy() -> No
 @pytest.mark.parametrize(("loads", "mean"), [([], 0.0), ([3], 3.0), ([0, 2, 4], 2.0)])
 def test_verifier_load_is_the_mean_over_live_verifiers(loads: list[int], mean: float) -> None:
     assert verifier_load(loads) == mean
+
+
+# --- the mode -------------------------------------------------------------------------------
+
+
+def _candidate(mode: m.Mode, rate: float) -> Candidate:
+    return Candidate("hybrid", 0.5, 0.2, 4, 2.0, 2000.0 / rate, rate, mode)
+
+
+D, C = m.Mode.DISTRIBUTED, m.Mode.CLOUD
+
+
+@pytest.mark.parametrize(
+    ("current", "rates", "rounds_in_mode", "chosen"),
+    [
+        (D, {D: 10.0, C: 11.9}, 5, D),  # less than the margin: stay
+        (D, {D: 10.0, C: 12.1}, 5, C),  # past the margin: switch
+        (D, {D: 10.0, C: 30.0}, MODE_DWELL_ROUNDS - 1, D),  # just switched: dwell first
+        (C, {D: 30.0, C: 10.0}, MODE_DWELL_ROUNDS, D),
+        (C, {D: 10.0}, 0, D),  # no verifier drafts any more: leave at once
+        (D, {D: 10.0}, 0, D),  # nothing else to choose
+    ],
+)
+def test_mode_changes_only_past_the_margin_and_the_dwell(
+    current: m.Mode, rates: dict[m.Mode, float], rounds_in_mode: int, chosen: m.Mode
+) -> None:
+    best = {mode: _candidate(mode, rate) for mode, rate in rates.items()}
+    mode, reason = choose_mode(current, best, rounds_in_mode)
+    assert mode is chosen
+    assert reason
+
+
+@pytest.mark.parametrize(
+    ("mode", "k", "draft_ms", "rtt_ms", "load", "expected"),
+    [
+        (D, 4, 1.0, 60.0, 0.0, 4.0 + 60.0 + 2.0 + 30.0),
+        (C, 4, 1.0, 60.0, 0.0, 4.0 + 60.0 / CLOUD_STREAM_ROUNDS + 2.0 + 30.0),
+        (C, 4, 1.0, 60.0, 2.0, 12.0 + 60.0 / CLOUD_STREAM_ROUNDS + 2.0 + 30.0),
+        (D, 4, 1.0, 60.0, 2.0, 4.0 + 60.0 + 2.0 + 30.0),  # the device drafts alone
+    ],
+)
+def test_round_time_of_each_mode(
+    mode: m.Mode, k: int, draft_ms: float, rtt_ms: float, load: float, expected: float
+) -> None:
+    assert round_ms(mode, k, draft_ms, rtt_ms, 2.0, 30.0, load) == pytest.approx(expected)
+
+
+def _cloud_policy(rtt_ms: float, host_ms_per_token: float = 0.2) -> AdaptivePolicy:
+    policy = AdaptivePolicy()
+    policy.set_device_drafts(DEVICE, [])
+    for i in range(20):
+        policy.observe(
+            _round(draft="hybrid", k=4, n_accepted=2, t_uplink_ms=rtt_ms / 2, session=f"d{i}")
+        )
+        policy.observe(
+            _round(
+                draft="hybrid",
+                k=4,
+                n_accepted=2,
+                t_draft_ms=4 * host_ms_per_token,
+                t_uplink_ms=None,
+                session=f"c{i}",
+                mode=C,
+            )
+        )
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("rtt_ms", "host_ms_per_token", "mode"),
+    [
+        (150.0, 0.2, C),  # a congested link: drafting next to the target pays
+        (60.0, 0.2, C),
+        (0.5, 5.0, D),  # a LAN, and a host that drafts slowly: the device drafts
+    ],
+)
+def test_rtt_and_host_draft_cost_pick_the_mode(
+    rtt_ms: float, host_ms_per_token: float, mode: m.Mode
+) -> None:
+    policy = _cloud_policy(rtt_ms, host_ms_per_token)
+    decision = policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, D, ("hybrid", "lookup"))
+    assert decision.mode is mode
+    assert {c.mode for c in decision.candidates} == {D, C}
+    record = json.loads(json.dumps(decision.to_json()))
+    assert record["mode"] == mode.value
+    assert record["decision"]["current_mode"] == "distributed"
+    assert "mode" in record["decision"]["reason"]
+
+
+def test_without_host_drafts_the_policy_never_chooses_cloud() -> None:
+    policy = _cloud_policy(150.0)
+    decision = policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, D, ())
+    assert decision.mode is D
+    assert all(c.mode is D for c in decision.candidates)
+
+
+def test_cloud_rounds_teach_the_host_cost_and_share_alpha_with_the_device() -> None:
+    policy = AdaptivePolicy()
+    for i in range(20):
+        policy.observe(
+            _round(draft="hybrid", k=4, n_accepted=4, t_draft_ms=40.0, session=f"c{i}", mode=C)
+        )
+    decision = policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, C, ("hybrid",))
+    by_mode = {c.mode: c for c in decision.candidates if c.draft_model == "hybrid"}
+    assert by_mode[C].draft_ms_per_token == pytest.approx(10.0, rel=0.05)
+    assert by_mode[D].draft_ms_per_token == pytest.approx(0.2)  # the device's prior, untouched
+    assert by_mode[C].alpha == by_mode[D].alpha > 0.9
+
+
+def test_cloud_windows_shrink_as_the_verifier_load_grows() -> None:
+    policy = _cloud_policy(150.0, host_ms_per_token=2.0)
+    windows = [
+        policy.decide(f"s{load}", DEVICE, "chat", "hybrid", load, C, ("hybrid",)).k
+        for load in (0.0, 4.0, 16.0)
+    ]
+    assert windows == sorted(windows, reverse=True) and windows[0] > windows[-1]
+
+
+def test_a_session_does_not_flap_between_modes() -> None:
+    """The RTT swings across the break-even point at every round: the mode changes, then dwells."""
+    policy = _cloud_policy(10.0, host_ms_per_token=4.0)
+    mode = D
+    modes = []
+    for step in range(12):
+        for _ in range(30):  # the RTT estimate settles on the new link
+            policy.observe_rtt(DEVICE, 60.0 if step % 2 == 0 else 0.1)
+        decision = policy.decide("flappy", DEVICE, "chat", "hybrid", 0.0, mode, ("hybrid",))
+        mode = decision.mode
+        modes.append(mode)
+    changes = [i for i in range(1, len(modes)) if modes[i] is not modes[i - 1]]
+    assert modes[0] is C and changes  # it does follow the link
+    assert all(b - a >= MODE_DWELL_ROUNDS for a, b in itertools.pairwise(changes))
+
+
+def test_a_drafter_that_proposes_nothing_shows_in_its_alpha() -> None:
+    """lookup without a match drafts no token: the round commits one, as a miss would."""
+    policy = AdaptivePolicy()
+    for i in range(10):
+        policy.observe(_round(draft="lookup", k=0, n_accepted=0, window=4, session=f"s{i}"))
+    policy.observe(_round(draft="ngram", k=0, n_accepted=0, window=0, session="target-only"))
+    assert policy.alpha(DEVICE, "lookup", "chat") < 0.1
+    # k = 0 asked for (a target-only round): nothing was tried, nothing learned.
+    assert policy.alpha(DEVICE, "ngram", "chat") == pytest.approx(policy.alpha(DEVICE, "x", "code"))
+
+
+def test_a_prefill_round_does_not_teach_the_verify_time() -> None:
+    policy = AdaptivePolicy()
+    before = policy.verify_cost.predict(4, 0.0)
+    policy.observe(_round(k=0, n_accepted=0, t_verify_ms=400.0, prefill=True))
+    assert policy.verify_cost.predict(4, 0.0) == pytest.approx(before)
+
+
+def test_a_draft_never_run_on_the_device_starts_from_what_its_others_see() -> None:
+    policy = AdaptivePolicy()
+    for i in range(30):
+        policy.observe(_round(draft="hybrid", k=4, n_accepted=0, session=f"s{i}"))
+    assert policy.alpha(DEVICE, "lookup", "chat") < 0.1  # not the hopeful prior of 0.5
+    assert policy.alpha("another-device", "lookup", "chat") == pytest.approx(0.5)
+
+
+def test_each_mode_learns_its_own_verify_time() -> None:
+    """Rounds that wait on the device find the verifier slower than streamed ones; on a short
+    RTT that alone may decide the mode."""
+    policy = AdaptivePolicy()
+    policy.set_device_drafts(DEVICE, [])
+    for i in range(30):
+        policy.observe(_round(draft="hybrid", t_verify_ms=80.0, t_uplink_ms=1.0, session=f"d{i}"))
+        policy.observe(
+            _round(draft="hybrid", t_verify_ms=35.0, t_uplink_ms=None, session=f"c{i}", mode=C)
+        )
+    assert policy.verify_cost.predict(4, 0.0) == pytest.approx(80.0, rel=0.1)
+    assert policy.cloud_verify_cost.predict(4, 0.0) == pytest.approx(35.0, rel=0.1)
+    decision = policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, D, ("hybrid",))
+    assert decision.mode is C
+    record = decision.to_json()["decision"]
+    assert record["cloud_verify_coefficients"] != record["verify_coefficients"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -323,3 +324,94 @@ def test_a_bare_draft_name_means_the_preferred_runtime(
     assert catalog.resolve(name) == resolved
     assert catalog.has(name)
     assert not catalog.has("draft-l9")
+
+
+def test_cloud_rounds_carry_no_tokens_and_commit_the_hosts_draft(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    """A cloud window is a request; its verdict brings the draft, and a stream keeps it going."""
+    _, tokenizer = target
+    answer = reference("code-01", target, MAX_TOKENS)
+    base = make_drafter(tokenizer, catalog, "code-01", draft="hybrid", k=4)
+    drafter = SessionDrafter(
+        spec=replace(base.spec, mode=m.Mode.CLOUD),
+        proposer=base.proposer,
+        eos_id=tokenizer.eos_id,
+    )
+    assert drafter.spec.open_message().mode is m.Mode.CLOUD
+    prompt_len = len(drafter.spec.prompt_ids)
+    window = drafter.draft()
+    draft = window.message(drafter.spec.session_id, 0.0)
+    assert draft.cloud and draft.tokens == () and draft.cloud_k == 4
+    assert not drafter.speculate()  # nothing to draft ahead: the host drafts
+
+    def cloud_verdict(round_index: int, start: int, n: int, **fields: object) -> m.Verdict:
+        hosted = tuple(answer[start : start + 4])
+        return m.Verdict(
+            session_id=drafter.spec.session_id,
+            round=round_index,
+            base_len=prompt_len + start,
+            n_accepted=n,
+            next_token=answer[start + n],
+            committed_len=prompt_len + start + n + 1,
+            draft_tokens=hosted,
+            **fields,  # type: ignore[arg-type]
+        )
+
+    cloud = m.Policy(mode=m.Mode.CLOUD, draft_model="hybrid", k=4)
+    assert drafter.apply_verdict(cloud_verdict(0, 0, 4, policy=cloud, continues=True)) == list(
+        answer[:5]
+    )
+    # The stream goes on: round 1 is in flight without the agent sending anything.
+    assert drafter.in_flight is not None and drafter.in_flight.cloud_k == 4
+    assert drafter.in_flight.round == 1 and drafter.in_flight.base_len == prompt_len + 5
+    back = m.Policy(mode=m.Mode.DISTRIBUTED, draft_model="hybrid", k=3)
+    assert drafter.apply_verdict(cloud_verdict(1, 5, 2, policy=back)) == list(answer[5:8])
+    assert drafter.in_flight is None
+    assert drafter.generated == list(answer[:8])
+    again = drafter.draft()  # distributed again: the device drafts
+    assert again.cloud_k is None and len(again.tokens) <= 3
+    assert [r.drafted for r in drafter.records] == [4, 4]
+
+
+def test_a_cloud_verdict_without_its_draft_is_out_of_sync(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    _, tokenizer = target
+    base = make_drafter(tokenizer, catalog, "code-01", draft="hybrid", k=4)
+    drafter = SessionDrafter(
+        spec=replace(base.spec, mode=m.Mode.CLOUD), proposer=base.proposer, eos_id=2
+    )
+    window = drafter.draft()
+    verdict = m.Verdict(
+        session_id=drafter.spec.session_id,
+        round=0,
+        base_len=window.base_len,
+        n_accepted=0,
+        next_token=5,
+        committed_len=window.base_len + 1,
+    )
+    with pytest.raises(OutOfSync, match="lacks its draft"):
+        drafter.apply_verdict(verdict)
+
+
+@pytest.mark.parametrize("draft", ["draft-l1"])
+def test_the_policys_min_confidence_cuts_neural_windows_short(
+    target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog, draft: str
+) -> None:
+    if not catalog.has(draft):
+        pytest.skip(f"{draft} is not built in {catalog.models_dir}")
+    runtime, tokenizer = target
+    sure = m.Policy(draft_model=draft, k=6, min_confidence=0.0)
+    unsure = m.Policy(draft_model=draft, k=6, min_confidence=0.999)
+    lengths: dict[float, list[int]] = {}
+    for policy in (sure, unsure):
+        drafter = make_drafter(tokenizer, catalog, "summarize-01", draft=draft, k=6, max_tokens=24)
+        judge = TargetJudge(runtime, tokenizer.eos_id, lambda _, policy=policy: policy)
+        sent = run_rounds(drafter, judge)
+        assert drafter.generated == reference("summarize-01", target, 24)
+        assert policy.min_confidence is not None
+        lengths[policy.min_confidence] = [len(d.tokens) for d in sent[1:]]
+    # A draft this unsure of itself stops after its first token (min_tokens = 1).
+    assert max(lengths[0.999]) <= 1
+    assert max(lengths[0.0]) > 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 from verifier_helpers import (
@@ -12,10 +14,12 @@ from verifier_helpers import (
 )
 
 from broker.messages import SamplingSpec, VerifyRequest
+from inference.artifacts import default_models_dir
 from inference.onnx_runtime import OnnxRuntime
 from inference.sampling import SamplingParams, SparseDraftProbs, rejection_sample, round_rng
 from inference.tokenizer import ChatTokenizer
 from verifier.core import INLINE_PREFILL_MAX, Verification, VerifierCore, sparse_q
+from verifier.drafting import HostDrafters
 
 Target = tuple[OnnxRuntime, ChatTokenizer]
 K = 4
@@ -228,3 +232,102 @@ def test_sparse_q_pads_ragged_rows_with_zero_probability() -> None:
     assert q.prob_of(0, 5) == 0.5 and q.prob_of(1, 6) == 1.0 and q.prob_of(1, 9) == 0.0
     np.testing.assert_allclose(q.dense(1, 10)[6], 1.0)
     assert sparse_q(make_request("g", 0, [1, 2], [5])) is None
+
+
+def cloud_request(
+    session: str, round_index: int, context: Sequence[int], draft: str, k: int, spec: SamplingSpec
+) -> VerifyRequest:
+    return VerifyRequest(
+        request_id=f"{session}-{round_index}",
+        session_id=session,
+        round=round_index,
+        context_ids=tuple(context),
+        tokens=(),
+        sampling=spec,
+        cloud_draft=draft,
+        cloud_k=k,
+    )
+
+
+@pytest.fixture(scope="module")
+def host_drafters() -> HostDrafters:
+    return HostDrafters(default_models_dir())
+
+
+@pytest.mark.parametrize("draft", ["hybrid", "draft-l1"])
+def test_cloud_rounds_drafted_by_the_host_equal_the_target_alone(
+    target: Target, host_drafters: HostDrafters, draft: str
+) -> None:
+    """A cloud round carries no tokens: the host drafts them, and the batch verifies them."""
+    runtime, tokenizer = target
+    max_new = 20
+    core = VerifierCore(runtime, drafters=host_drafters)
+    prompts = (1, 9)
+    generated: dict[int, list[int]] = {p: [] for p in prompts}
+    ended: set[int] = set()
+    drafted = round_index = 0
+    while active := [p for p in prompts if p not in ended]:
+        requests = [
+            cloud_request(
+                f"cloud-{draft}-{p}",
+                round_index,
+                prompt_ids(p) + tuple(generated[p]),
+                draft,
+                4,
+                SamplingSpec(),
+            )
+            for p in active
+        ]
+        for p, v in zip(active, core.verify_batch(requests), strict=True):
+            assert v.ok, v.error
+            assert v.draft_tokens is not None and len(v.draft_tokens) <= 4
+            assert v.q_ids is None  # greedy: no q'
+            assert v.batch_size == len(active)
+            assert v.next_token is not None
+            drafted += len(v.draft_tokens)
+            generated[p] += [*v.draft_tokens[: v.n_accepted], v.next_token]
+            if tokenizer.eos_id in generated[p] or len(generated[p]) >= max_new:
+                ended.add(p)
+        round_index += 1
+
+    for p in prompts:
+        reference = list(greedy_reference(p, max_new))
+        assert generated[p][: len(reference)] == reference
+    assert drafted > 0
+
+
+def test_sampled_cloud_rounds_send_q_and_are_reproducible(
+    target: Target, host_drafters: HostDrafters
+) -> None:
+    runtime, _ = target
+    spec = SamplingSpec(temperature=0.9, seed=7)
+    context = prompt_ids(3)
+    verdicts = []
+    for attempt in range(2):
+        core = VerifierCore(runtime, drafters=host_drafters)
+        request = cloud_request(f"sampled-{attempt}", 5, context, "draft-l1", 3, spec)
+        (v,) = core.verify_batch([request])
+        assert v.ok, v.error
+        assert v.draft_tokens is not None and v.q_ids is not None and v.q_probs is not None
+        assert len(v.q_ids) == len(v.draft_tokens)
+        for token, ids, probs in zip(v.draft_tokens, v.q_ids, v.q_probs, strict=True):
+            assert token in ids
+            assert sum(probs) == pytest.approx(1.0, abs=1e-6)
+        verdicts.append((v.draft_tokens, v.n_accepted, v.next_token))
+    assert verdicts[0] == verdicts[1]
+
+
+@pytest.mark.parametrize(
+    ("with_drafters", "draft", "reason"),
+    [(False, "hybrid", "does not draft cloud rounds"), (True, "no-such-draft", "no drafter")],
+)
+def test_a_cloud_round_the_host_cannot_draft_fails_alone(
+    target: Target, host_drafters: HostDrafters, with_drafters: bool, draft: str, reason: str
+) -> None:
+    runtime, _ = target
+    core = VerifierCore(runtime, drafters=host_drafters if with_drafters else None)
+    bad = cloud_request("bad", 0, prompt_ids(0), draft, 4, SamplingSpec())
+    good = greedy_case("good", 0, 0, None)
+    failed, served = core.verify_batch([bad, good])
+    assert not failed.ok and reason in failed.error
+    assert served.ok and served.n_accepted == K

@@ -119,6 +119,33 @@ def test_requests_over_the_bus_get_the_targets_verdicts(mosquitto: PrivateMosqui
     run_with_worker(mosquitto, body)
 
 
+def test_a_cloud_round_over_the_bus_comes_back_with_the_hosts_draft(
+    mosquitto: PrivateMosquitto,
+) -> None:
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        status = await listener.status(lambda s: s.state == DeviceState.ONLINE)
+        assert "hybrid" in status.drafts  # announced, so the coordinator may choose cloud mode
+        request = VerifyRequest(
+            request_id="cloud-1",
+            session_id="cloud-bus",
+            round=0,
+            context_ids=prompt_ids(4),
+            tokens=(),
+            cloud_draft="hybrid",
+            cloud_k=K,
+        )
+        await publish(worker, listener, encode(request))
+        result = await listener.result(request.request_id)
+        assert not result.error
+        assert result.draft_tokens is not None and len(result.draft_tokens) <= K
+        reference = greedy_reference(4, 12)
+        committed = [*result.draft_tokens[: result.n_accepted], result.next_token]
+        assert committed == list(reference[: len(committed)])
+        assert result.verify_ms > 0 and result.draft_ms >= 0
+
+    run_with_worker(mosquitto, body)
+
+
 def test_malformed_payloads_are_refused_and_the_worker_keeps_serving(
     mosquitto: PrivateMosquitto,
 ) -> None:

@@ -1,0 +1,145 @@
+"""Cloud mode across real processes: the verifier host drafts, the coordinator streams the rounds.
+
+One verifier, two agents on a private Mosquitto. One agent asks for cloud mode outright; the
+other leaves the mode to the coordinator and reaches the broker through an emulated 4G link
+(60 ms RTT), where drafting next to the target pays. Both must answer exactly as the target alone
+does, and their rounds must rebuild the committed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+from test_dsd_bus import shared_prompts, target_answer
+
+from broker import messages as m
+from broker.mosquitto import PrivateMosquitto
+from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
+from coordinator.demo import ask
+from coordinator.localfleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
+from coordinator.registry import DeviceExistsError
+from coordinator.settings import Settings
+from inference.target_build import ensure_target
+from inference.tokenizer import ChatTokenizer
+from netem import NetworkEmulator
+
+MAX_TOKENS = 24
+CLOUD = AgentSpec("cloud-device", "other", "hybrid", "none")
+ADAPTIVE = AgentSpec("adaptive-4g-device", "phone", "hybrid", "none")
+
+
+def _start_agent(fleet: LocalFleet, spec: AgentSpec, broker_url: str) -> None:
+    registry = fleet.coordinator.registry
+    try:
+        _, credential = registry.provision(spec.device_id, spec.kind, ("test",), actor="test")
+    except DeviceExistsError:
+        credential = registry.rotate_credential(spec.device_id, actor="test")
+    fleet.credentials[spec.device_id] = credential
+    fleet.start_agent(spec, broker_url=broker_url, extra=["--telemetry-interval", "1"])
+
+
+def _rounds(fleet: LocalFleet, session_id: str) -> tuple[DecodingSession, list[Round]]:
+    with fleet.coordinator.sessions() as db:
+        session = db.get(DecodingSession, uuid.UUID(session_id))
+        assert session is not None
+        rounds = db.scalars(
+            sa.select(Round).where(Round.session_id == session.id).order_by(Round.round_index)
+        ).all()
+        return session, list(rounds)
+
+
+def _rebuilt(session: DecodingSession, rounds: list[Round]) -> list[int]:
+    """draft_tokens[:n_accepted] + next_token, round after round, as replay rebuilds them."""
+    rebuilt: list[int] = []
+    for expected_index, r in enumerate(rounds):
+        assert r.round_index == expected_index
+        assert r.base_len == len(session.prompt_ids) + len(rebuilt)
+        rebuilt += [*r.draft_tokens[: r.n_accepted], r.next_token]
+        assert r.committed_len == len(session.prompt_ids) + len(rebuilt)
+    return rebuilt
+
+
+def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
+    eos_id = ChatTokenizer.load(ensure_target()).eos_id
+    prompts = shared_prompts()[:2]
+
+    async def main() -> tuple[list[dict[str, Any]], Counter[str], dict[str, Any]]:
+        settings = Settings(home=tmp_path / "home", coordinator_id=f"c-{uuid.uuid4().hex[:8]}")
+        with PrivateMosquitto(tcp_nodelay=True) as mosquitto:
+            async with (
+                NetworkEmulator(0, mosquitto.host, mosquitto.port, profile="4g", seed=1) as link,
+                local_fleet(
+                    settings,
+                    [],
+                    ["cloud-verifier"],
+                    workdir=tmp_path / "fleet",
+                    external_broker=mosquitto.url,
+                    eos_id=eos_id,
+                ) as fleet,
+            ):
+                _start_agent(fleet, CLOUD, mosquitto.url)
+                _start_agent(fleet, ADAPTIVE, f"mqtt://127.0.0.1:{link.port}")
+                await fleet.wait_agents(time.monotonic() + START_TIMEOUT_S)
+                drafts: Counter[str] = Counter()  # the Drafts each session sent
+                handle_draft = fleet.coordinator.device_handlers[m.Draft]
+
+                async def counting(device_id: str, draft: m.Draft) -> None:
+                    drafts[draft.session_id] += 1
+                    await handle_draft(device_id, draft)
+
+                fleet.coordinator.device_handlers[m.Draft] = counting
+                answers: list[dict[str, Any]] = []
+                async with httpx.AsyncClient() as client:
+                    for prompt in prompts:
+                        for spec, fields in (
+                            (CLOUD, {"mode": "cloud", "k": 4, "draft": "hybrid"}),
+                            (ADAPTIVE, {"k": 0, "draft": "hybrid"}),
+                        ):
+                            request = {
+                                "prompt": prompt["prompt"],
+                                "task_type": prompt["task"],
+                                "max_tokens": MAX_TOKENS,
+                                **fields,
+                            }
+                            port = fleet.agent_ports[spec.device_id]
+                            summary = await ask(client, port, request, spec.device_id, False)
+                            answers.append({**summary, "prompt": prompt, "device": spec})
+                stored = {
+                    a["session_id"]: await asyncio.to_thread(_rounds, fleet, a["session_id"])
+                    for a in answers
+                }
+                return answers, drafts, stored
+
+    answers, drafts, stored = asyncio.run(main())
+
+    for answer in answers:
+        assert answer["status"] == "finished", answer
+        expected = list(target_answer(answer["prompt"]["prompt"], MAX_TOKENS))
+        assert answer["token_ids"] == expected, answer["device"]
+        session, rounds = stored[answer["session_id"]]
+        assert session.status is SessionStatus.FINISHED
+        assert _rebuilt(session, rounds) == session.committed_ids == expected
+        modes = [r.mode for r in rounds]
+        if answer["device"] == CLOUD:
+            assert set(modes) == {SessionMode.CLOUD}
+            # One request, every round streamed: far fewer Drafts than rounds.
+            assert drafts[answer["session_id"]] == 1 < len(rounds)
+            assert all(r.t_draft_ms is not None and r.verifier_id for r in rounds)
+        else:
+            # The adaptive session opens with an empty window, then the policy, having measured
+            # the 4G link, moves the drafting to the verifier host, and says why on the round.
+            assert modes[0] is SessionMode.DISTRIBUTED and rounds[0].k == 0
+            assert SessionMode.CLOUD in modes, [r.policy for r in rounds]
+            switch = next(r for r in rounds if r.policy and r.policy["mode"] == "cloud")
+            decision = switch.policy["decision"] if switch.policy else {}
+            assert decision["rtt_ms"] > 20.0
+            assert {c["mode"] for c in decision["candidates"]} == {"distributed", "cloud"}
+            assert "cloud" in decision["reason"]
+            assert drafts[answer["session_id"]] < len(rounds)

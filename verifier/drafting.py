@@ -1,0 +1,100 @@
+"""Cloud rounds: the verifier host drafts a session's window with its own copy of the drafter.
+
+A cloud round's VerifyRequest names a drafter and a window (`cloud_draft`, `cloud_k`) instead of
+carrying tokens. The core asks `HostDrafters` for the window, then verifies it in the same
+batched pass as every other draft. The host runs the drafters the device would (the same models
+directory, `inference.drafters`), with the same random stream per round
+(`round_rng(seed, round, DRAFT)`), so a cloud round is exactly a distributed round whose draft
+was made next to the target.
+
+One proposer serves every session of a (drafter, temperature): copying drafters are functions of
+the context alone, and a neural draft re-syncs its KV cache to each context it is given (its
+common prefix kept), which costs a draft prefill when sessions take turns, but no more memory
+than one loaded draft.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker.messages import VerifyRequest
+from inference.drafters import DrafterError, drafter_names, make_proposer
+from inference.proposers import Proposer
+from inference.sampling import RngStream, SparseDraftProbs, one_hot_draft, round_rng
+
+log = logging.getLogger(__name__)
+
+ProposerFactory = Callable[[str, float], Proposer]
+
+
+@dataclass(frozen=True)
+class HostDraft:
+    """The window a verifier host drafted for one cloud round."""
+
+    tokens: tuple[int, ...]  # [n], n <= cloud_k
+    q: SparseDraftProbs | None  # [n, K]; None for a greedy session
+    draft_ms: float
+
+    @property
+    def q_rows(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[float, ...], ...]] | None:
+        """q' as the bus carries it (ids and probabilities, one row per token)."""
+        if self.q is None:
+            return None
+        ids = tuple(tuple(int(t) for t in row) for row in self.q.ids.tolist())
+        probs = tuple(tuple(float(p) for p in row) for row in self.q.probs.tolist())
+        return ids, probs
+
+
+class HostDrafters:
+    """The drafters of one verifier host, loaded on first use and kept."""
+
+    def __init__(
+        self,
+        models_dir: Path,
+        *,
+        threads: int | None = None,
+        factory: ProposerFactory | None = None,
+    ) -> None:
+        self.models_dir = models_dir
+        self.threads = threads
+        self._factory = factory or self._make
+        self._proposers: dict[tuple[str, float], Proposer] = {}
+        self.names: tuple[str, ...] = tuple(drafter_names(models_dir))
+
+    def _make(self, name: str, temperature: float) -> Proposer:
+        return make_proposer(name, self.models_dir, temperature=temperature, threads=self.threads)
+
+    def proposer(self, name: str, temperature: float) -> Proposer:
+        """The drafter `name` at `temperature`; DrafterError when this host lacks it."""
+        key = (name, temperature)
+        proposer = self._proposers.get(key)
+        if proposer is None:
+            if name not in self.names:
+                raise DrafterError(
+                    f"this verifier host has no drafter {name!r}; it has: {', '.join(self.names)}"
+                )
+            proposer = self._proposers[key] = self._factory(name, temperature)
+            log.info("loaded drafter %s (temperature %.2f) for cloud rounds", name, temperature)
+        return proposer
+
+    def draft(self, request: VerifyRequest) -> HostDraft:
+        """The window of a cloud round: up to `cloud_k` tokens after `context_ids`."""
+        if request.cloud_draft is None or request.cloud_k is None:
+            raise ValueError("not a cloud round request")
+        sampling = request.sampling
+        proposer = self.proposer(request.cloud_draft, sampling.temperature)
+        started = time.perf_counter()
+        rng = None
+        if not sampling.greedy:
+            rng = round_rng(sampling.seed, request.round, RngStream.DRAFT)
+        candidates = proposer.get_candidates(request.context_ids, request.cloud_k, rng)
+        tokens = tuple(int(t) for t in candidates.tokens.tolist())
+        q = None
+        if not sampling.greedy and tokens:
+            # A deterministic proposal is sent one-hot, as the agent sends it.
+            q = candidates.q if candidates.q is not None else one_hot_draft(tokens)
+        return HostDraft(tokens, q, (time.perf_counter() - started) * 1e3)
