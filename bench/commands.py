@@ -11,6 +11,11 @@ BENCHMARKS = (
     ("bus", "bench.bus", "round trip of a draft-sized message through the broker"),
     ("models", "bench.models", "draft and target costs, acceptance and speculative speedup"),
     ("e2e", "bench.e2e", "DSD over the bus vs target-only: tokens/s, throughput, overhead"),
+    (
+        "adaptive",
+        "bench.adaptive",
+        "adaptive policy vs fixed configurations on a changing network (lan, 4g, ...)",
+    ),
 )
 
 
