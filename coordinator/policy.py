@@ -4,6 +4,10 @@ For a draft d with acceptance rate a (the chance that the target accepts each dr
 window k, one round commits E(a, k) = (1 - a^(k+1)) / (1 - a) tokens in expectation, and takes
 T(k) = k * t_draft(d) + RTT + queue + t_verify(k, load). The policy picks the (d, k) with the
 highest E / T (DESIGN.md, "Adaptive policy"; the expectation is Leviathan et al. 2023, eq. 1).
+That assumes the draft fills its window. A copying drafter proposes only what it has evidence
+for: often fewer than k tokens, sometimes none. So k is a cap, and with S(i) the measured chance
+that the drafter proposes an i-th token when the window allows it, E = 1 + sum_i S(1..i) a^i and
+the costs count n(k) = sum_i S(1..i) drafted tokens; with S = 1 this is E(a, k) above.
 
 Every input is measured: a is an exponentially weighted count of accepted over tried tokens per
 (device, draft, task type); t_draft per (device, draft); RTT per device, from telemetry and from
@@ -71,6 +75,7 @@ VERIFY_PRIOR_ROUNDS = 4.0  # how many rounds' worth of belief the prior holds
 # round measures it and a prior intercept far off would bias the whole fit through collinearity.
 VERIFY_FEATURE_SCALE = (0.05, 4.0, 1.0, 4.0)
 ALPHA_CAP = 0.98  # E(a, k) grows without bound as a -> 1; a few misses always happen
+PRIOR_FILL_WEIGHT = 1.0  # in rounds: a drafter is taken to fill its window until seen not to
 
 # Below this draft confidence (the draft's own top probability) the agent stops the window.
 MIN_CONFIDENCE = 0.3
@@ -182,7 +187,7 @@ class VerifyCost:
     rounds: float = 0.0
 
     @staticmethod
-    def features(k: int, load: float) -> tuple[float, float, float, float]:
+    def features(k: float, load: float) -> tuple[float, float, float, float]:
         return (1.0, float(k), load, k * load)
 
     def update(self, k: int, load: float, verify_ms: float, decay: float = VERIFY_DECAY) -> None:
@@ -202,8 +207,55 @@ class VerifyCost:
         a, b, c, d = (max(0.0, value) for value in _solve(matrix, rhs))
         return (a, b, c, d)
 
-    def predict(self, k: int, load: float) -> float:
+    def predict(self, k: float, load: float) -> float:
         return sum(c * x for c, x in zip(self.coefficients(), self.features(k, load), strict=True))
+
+
+@dataclass
+class ProposalLength:
+    """How far a drafter fills its window: per position i, the decayed count of rounds whose
+    window allowed an i-th token after i - 1 drafted ones (`allowed`), and of those that drafted
+    it (`drafted`). Positions past a window are not counted: the cap stopped them, not the
+    drafter. The prior is a drafter that fills its window, held like one round."""
+
+    allowed: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
+    drafted: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
+
+    def update(self, window: int, n_drafted: int, decay: float = ALPHA_DECAY) -> None:
+        window = min(K_MAX, max(window, n_drafted))
+        if window <= 0:
+            return
+        for i in range(1, K_MAX + 1):
+            self.allowed[i] *= decay
+            self.drafted[i] *= decay
+        for i in range(1, min(window, n_drafted + 1) + 1):
+            self.allowed[i] += 1.0
+            if i <= n_drafted:
+                self.drafted[i] += 1.0
+
+    def go_on(self, i: int) -> float:
+        """P(an i-th token is proposed | i - 1 were and the window allows one more)."""
+        return (self.drafted[i] + PRIOR_FILL_WEIGHT) / (self.allowed[i] + PRIOR_FILL_WEIGHT)
+
+    def survival(self, k: int) -> list[float]:
+        """S(1..i) for i = 1..k: the chance that the drafter proposes at least i tokens."""
+        values: list[float] = []
+        reach = 1.0
+        for i in range(1, k + 1):
+            reach *= self.go_on(min(i, K_MAX))
+            values.append(reach)
+        return values
+
+
+def expected_tokens_capped(alpha: float, survival: Sequence[float]) -> float:
+    """E for a window the drafter may not fill: 1 + sum_i S(1..i) a^i (the target's own token,
+    plus each drafted position, proposed and accepted along with every one before it)."""
+    tokens = 1.0
+    accepted = 1.0
+    for reach in survival:
+        accepted *= alpha
+        tokens += reach * accepted
+    return tokens
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
@@ -249,8 +301,8 @@ class RoundObservation:
     t_verify_ms: float
     verifier_load: float
     mode: m.Mode = m.Mode.DISTRIBUTED  # cloud: t_draft_ms is the verifier host's
-    # The window the round was asked to fill: a drafter that proposed nothing in a window > 0
-    # (a copying drafter without a match) missed at its first position, which a has to show.
+    # The window the round was asked to fill (its cap): how far drafters fill theirs is learned
+    # from it; 0 for a round that drafted by no window of ours (a target-only round).
     window: int = 0
     # The verifier prefilled the context (a session's first round): its time is no t_verify(k).
     prefill: bool = False
@@ -266,6 +318,7 @@ class Candidate:
     round_ms: float
     tokens_per_s: float
     mode: m.Mode = m.Mode.DISTRIBUTED
+    drafted: float = 0.0  # n(k): the tokens the drafter is expected to propose in a window of k
 
 
 def round_ms(
@@ -377,6 +430,7 @@ class AdaptivePolicy:
         self.k_max = k_max
         self.min_confidence = min_confidence
         self._alpha: dict[tuple[str, str, str], AcceptanceRate] = {}
+        self._fill: dict[tuple[str, str], ProposalLength] = {}  # (device, draft)
         self._draft_ms: dict[tuple[str, str], Ewma] = {}
         self._rtt_ms: dict[str, Ewma] = {}
         self._queue_ms = Ewma(PRIOR_QUEUE_MS)
@@ -405,11 +459,10 @@ class AdaptivePolicy:
     def observe(self, round_: RoundObservation) -> None:
         # The same draft accepts alike wherever it runs: a is shared by both modes.
         key = (round_.device_id, round_.draft_model, round_.task_type)
-        rate = self._alpha.setdefault(key, AcceptanceRate())
-        if round_.k == 0 and round_.window > 0:
-            rate.update(1, 0)
-        else:
-            rate.update(round_.k, round_.n_accepted)
+        self._alpha.setdefault(key, AcceptanceRate()).update(round_.k, round_.n_accepted)
+        # How far the drafter fills a window, an empty proposal included (lookup without a match).
+        fill = self._fill.setdefault((round_.device_id, round_.draft_model), ProposalLength())
+        fill.update(round_.window, round_.k)
         cloud = round_.mode is m.Mode.CLOUD
         if round_.k > 0:
             self._draft_cost(HOST if cloud else round_.device_id, round_.draft_model).update(
@@ -494,19 +547,24 @@ class AdaptivePolicy:
         fixed_ms: float,
         load: float,
         mode: m.Mode = m.Mode.DISTRIBUTED,
-    ) -> tuple[int, float, float]:
-        """(k, E, T) with the highest E / T for k in [K_MIN, k_max]; `fixed_ms` is RTT + queue
-        in distributed mode, and the RTT's share plus queue in cloud mode."""
-        best: tuple[int, float, float] | None = None
+        fill: ProposalLength | None = None,
+    ) -> tuple[int, float, float, float]:
+        """(k, E, T, n(k)) with the highest E / T for k in [K_MIN, k_max]; `fixed_ms` is RTT +
+        queue in distributed mode, and the RTT's share plus queue in cloud mode. Without `fill`
+        the drafter fills its window."""
+        survival = (fill or ProposalLength()).survival(self.k_max)
+        best: tuple[int, float, float, float] | None = None
         for k in range(K_MIN, self.k_max + 1):
-            tokens = expected_tokens(alpha, k)
-            verify = self._verify_cost(mode).predict(k, load)
+            reach = survival[:k] if fill is not None else [1.0] * k
+            tokens = expected_tokens_capped(alpha, reach)
+            drafted = sum(reach)
+            verify = self._verify_cost(mode).predict(drafted, load)
             if mode is m.Mode.CLOUD:
-                total = k * draft_ms_per_token * (1.0 + load) + fixed_ms + verify
+                total = drafted * draft_ms_per_token * (1.0 + load) + fixed_ms + verify
             else:
-                total = k * draft_ms_per_token + fixed_ms + verify
+                total = drafted * draft_ms_per_token + fixed_ms + verify
             if best is None or tokens / total > best[1] / best[2]:
-                best = (k, tokens, total)
+                best = (k, tokens, total, drafted)
         assert best is not None
         return best
 
@@ -524,9 +582,12 @@ class AdaptivePolicy:
         cloud = mode is m.Mode.CLOUD
         per_token = self._draft_cost(HOST if cloud else device_id, draft).value
         link_ms = rtt_ms / CLOUD_STREAM_ROUNDS if cloud else rtt_ms
-        k, tokens, total_ms = self.best_window(alpha, per_token, link_ms + queue_ms, load, mode)
+        fill = self._fill.get((device_id, draft))
+        k, tokens, total_ms, drafted = self.best_window(
+            alpha, per_token, link_ms + queue_ms, load, mode, fill or ProposalLength()
+        )
         rate = tokens / total_ms * 1000.0 if total_ms > 0 else math.inf
-        return Candidate(draft, alpha, per_token, k, tokens, total_ms, rate, mode)
+        return Candidate(draft, alpha, per_token, k, tokens, total_ms, rate, mode, drafted)
 
     def decide(
         self,

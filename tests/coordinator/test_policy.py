@@ -15,11 +15,13 @@ from coordinator.policy import (
     AcceptanceRate,
     AdaptivePolicy,
     Candidate,
+    ProposalLength,
     RoundObservation,
     VerifyCost,
     choose_mode,
     classify_task,
     expected_tokens,
+    expected_tokens_capped,
     resolve_task,
     round_ms,
     verifier_load,
@@ -384,15 +386,69 @@ def test_a_session_does_not_flap_between_modes() -> None:
     assert all(b - a >= MODE_DWELL_ROUNDS for a, b in itertools.pairwise(changes))
 
 
-def test_a_drafter_that_proposes_nothing_shows_in_its_alpha() -> None:
-    """lookup without a match drafts no token: the round commits one, as a miss would."""
+def test_a_drafter_that_proposes_nothing_expects_little() -> None:
+    """lookup without a match drafts no token: such a round commits the target's token alone."""
     policy = AdaptivePolicy()
+    policy.set_device_drafts(DEVICE, [])
     for i in range(10):
         policy.observe(_round(draft="lookup", k=0, n_accepted=0, window=4, session=f"s{i}"))
-    policy.observe(_round(draft="ngram", k=0, n_accepted=0, window=0, session="target-only"))
-    assert policy.alpha(DEVICE, "lookup", "chat") < 0.1
-    # k = 0 asked for (a target-only round): nothing was tried, nothing learned.
-    assert policy.alpha(DEVICE, "ngram", "chat") == pytest.approx(policy.alpha(DEVICE, "x", "code"))
+        policy.observe(_round(draft="ngram", k=0, n_accepted=0, window=0, session=f"t{i}"))
+    decision = policy.decide("s1", DEVICE, "chat", "lookup", 0.0)
+    by_draft = {c.draft_model: c for c in decision.candidates}
+    assert by_draft["lookup"].drafted < 0.6 and by_draft["lookup"].expected_tokens < 1.2
+    # k = 0 asked for (a target-only round): nothing was tried, the prior still holds.
+    assert by_draft["ngram"].drafted == by_draft["ngram"].k
+
+
+@pytest.mark.parametrize(("alpha", "k"), [(0.0, 4), (0.5, 1), (0.5, 3), (0.9, 8)])
+def test_a_filled_window_expects_the_geometric_sum(alpha: float, k: int) -> None:
+    assert expected_tokens_capped(alpha, [1.0] * k) == pytest.approx(expected_tokens(alpha, k))
+
+
+@pytest.mark.parametrize(
+    ("survival", "expected"),
+    [([], 1.0), ([1.0, 0.5], 1.0 + 1.0 + 0.5), ([0.0, 0.0], 1.0), ([0.5], 1.5)],
+)
+def test_a_window_not_filled_expects_what_is_proposed(
+    survival: list[float], expected: float
+) -> None:
+    assert expected_tokens_capped(1.0, survival) == pytest.approx(expected)
+
+
+def test_positions_past_the_window_are_not_counted_as_stops() -> None:
+    capped = ProposalLength()
+    for _ in range(20):
+        capped.update(window=2, n_drafted=2)  # it filled every window it was given
+    assert capped.go_on(1) == capped.go_on(2) == 1.0
+    assert capped.go_on(3) == 1.0  # never allowed: still the prior
+    short = ProposalLength()
+    for _ in range(20):
+        short.update(window=8, n_drafted=2)  # it stopped at 2 with room for more
+    assert short.go_on(2) == 1.0 and short.go_on(3) < 0.15
+    assert max(short.survival(8)[2:]) < 0.15
+
+
+def test_a_drafter_that_stops_itself_keeps_a_wide_window_under_load() -> None:
+    """Its window is a cap: a wider one costs nothing when it is not filled, and pays when a
+    long match fills it; a draft that always fills its window gets a shorter one under load."""
+    policy = AdaptivePolicy()
+    for i in range(40):
+        long_match = i % 5 == 0
+        policy.observe(
+            _round(
+                draft="hybrid",
+                k=8 if long_match else 1,
+                n_accepted=8 if long_match else 1,
+                window=8,
+                load=4.0,
+                session=f"h{i}",
+            )
+        )
+        policy.observe(_round(draft="draft-l2", k=8, n_accepted=4, load=4.0, session=f"n{i}"))
+    decision = policy.decide("s1", DEVICE, "chat", "hybrid", 4.0)
+    by_draft = {c.draft_model: c for c in decision.candidates}
+    assert by_draft["hybrid"].k >= 8 and by_draft["hybrid"].drafted < by_draft["hybrid"].k / 2
+    assert by_draft["draft-l2"].drafted == pytest.approx(by_draft["draft-l2"].k, rel=0.05)
 
 
 def test_a_prefill_round_does_not_teach_the_verify_time() -> None:
