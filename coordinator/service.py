@@ -28,6 +28,7 @@ from broker.topics import (
     verifier_subscription,
 )
 from coordinator.db.engine import make_sessionmaker
+from coordinator.db.models import SessionStatus
 from coordinator.events import EventLog
 from coordinator.fleet import Fleet
 from coordinator.registry import DeviceRegistry
@@ -113,6 +114,7 @@ class Coordinator:
         ]
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._rebuilt: list[LiveSession] = []
+        self._connections = 0
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         client = self._client
@@ -165,9 +167,15 @@ class Coordinator:
             await client.subscribe(verifier_subscription(vchannel))
         self._client = client
         self.connected.set()
-        if self._rebuilt:  # their devices may wait on a verdict lost with the old process
-            rebuilt, self._rebuilt = self._rebuilt, []
-            task = asyncio.create_task(self.book.announce(rebuilt), name="announce-rebuilt")
+        if self._connections:
+            # A reconnect: drafts, opens and results may have been lost while we were away.
+            self.verifiers.reroute_all("the coordinator's bus connection dropped")
+            waiting = [s for s in self.book.live.values() if s.status is SessionStatus.ACTIVE]
+        else:  # the first connection: devices may wait on a verdict lost with the old process
+            waiting, self._rebuilt = self._rebuilt, []
+        self._connections += 1
+        if waiting:
+            task = asyncio.create_task(self.book.announce(waiting), name="announce-sessions")
             self._handler_tasks.add(task)
             task.add_done_callback(self._handler_tasks.discard)
         async for incoming in client.messages():

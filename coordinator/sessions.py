@@ -779,7 +779,7 @@ class RoundWriter:
         """Commit the batch as one transaction; if that fails, each round alone, so that one bad
         round (or a connection lost mid-batch) fails no other. One failure per round, or None."""
         try:
-            self._commit(batch)
+            self._commit_reconnecting(batch)
             return [None] * len(batch)
         except Exception as exc:
             self._close()
@@ -799,6 +799,18 @@ class RoundWriter:
         for item in batch:
             failures += self._commit_batch([item])
         return failures
+
+    def _commit_reconnecting(self, batch: list[_Write]) -> None:
+        """A connection the database dropped (a restart, a failover, an administrator) is
+        noticed only when used: then the batch goes again, once, on a new one."""
+        try:
+            self._commit(batch)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            log.warning("the database dropped the writer's connection (%s); reconnecting", exc.orig)
+            self._close()
+            self._commit(batch)
 
     def _commit(self, batch: list[_Write]) -> None:
         if self._connection is None:
