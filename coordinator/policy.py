@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from broker import messages as m
@@ -185,6 +185,8 @@ class VerifyCost:
     xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])  # [4, 4]
     xty: list[float] = field(default_factory=lambda: [0.0] * 4)  # [4]
     rounds: float = 0.0
+    # The solution, kept until the next update: a decision predicts hundreds of windows.
+    _solved: tuple[float, float, float, float] | None = field(default=None, repr=False)
 
     @staticmethod
     def features(k: float, load: float) -> tuple[float, float, float, float]:
@@ -197,15 +199,19 @@ class VerifyCost:
             for j in range(4):
                 self.xtx[i][j] = self.xtx[i][j] * decay + x[i] * x[j]
         self.rounds = self.rounds * decay + 1.0
+        self._solved = None
 
     def coefficients(self) -> tuple[float, float, float, float]:
+        if self._solved is not None:
+            return self._solved
         matrix = [row[:] for row in self.xtx]
         rhs = self.xty[:]
         for i, scale in enumerate(VERIFY_FEATURE_SCALE):
             matrix[i][i] += VERIFY_PRIOR_ROUNDS * scale**2
             rhs[i] += VERIFY_PRIOR_ROUNDS * scale**2 * self.prior[i]
         a, b, c, d = (max(0.0, value) for value in _solve(matrix, rhs))
-        return (a, b, c, d)
+        self._solved = (a, b, c, d)
+        return self._solved
 
     def predict(self, k: float, load: float) -> float:
         return sum(c * x for c, x in zip(self.coefficients(), self.features(k, load), strict=True))
@@ -412,14 +418,20 @@ class Decision:
 
     def to_json(self) -> dict[str, Any]:
         """The round's `policy` column: the Policy's fields, and under `decision` its inputs."""
-        inputs = asdict(self)
-        for name in m.Policy.model_fields:
-            inputs.pop(name, None)
+        # Field by field rather than dataclasses.asdict, whose deep copies cost a millisecond a
+        # round here, on the path of every verdict.
+        inputs: dict[str, Any] = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in m.Policy.model_fields
+        }
         inputs["verify_coefficients"] = list(self.verify_coefficients)
         inputs["cloud_verify_coefficients"] = list(self.cloud_verify_coefficients)
         inputs["current_mode"] = self.current_mode.value
-        for candidate in inputs["candidates"]:
-            candidate["mode"] = candidate["mode"].value
+        inputs["candidates"] = [
+            {**{f.name: getattr(c, f.name) for f in fields(c)}, "mode": c.mode.value}
+            for c in self.candidates
+        ]
         return {**self.policy.model_dump(mode="json"), "decision": inputs}
 
 
@@ -552,17 +564,20 @@ class AdaptivePolicy:
         """(k, E, T, n(k)) with the highest E / T for k in [K_MIN, k_max]; `fixed_ms` is RTT +
         queue in distributed mode, and the RTT's share plus queue in cloud mode. Without `fill`
         the drafter fills its window."""
-        survival = (fill or ProposalLength()).survival(self.k_max)
+        survival = fill.survival(self.k_max) if fill is not None else [1.0] * self.k_max
+        a, b, c, d = self._verify_cost(mode).coefficients()
+        per_token = draft_ms_per_token * (1.0 + load if mode is m.Mode.CLOUD else 1.0)
         best: tuple[int, float, float, float] | None = None
-        for k in range(K_MIN, self.k_max + 1):
-            reach = survival[:k] if fill is not None else [1.0] * k
-            tokens = expected_tokens_capped(alpha, reach)
-            drafted = sum(reach)
-            verify = self._verify_cost(mode).predict(drafted, load)
-            if mode is m.Mode.CLOUD:
-                total = drafted * draft_ms_per_token * (1.0 + load) + fixed_ms + verify
-            else:
-                total = drafted * draft_ms_per_token + fixed_ms + verify
+        # E and n(k) grow a position at a time (expected_tokens_capped, summed as it goes).
+        tokens, drafted, accepted = 1.0, 0.0, 1.0
+        for k in range(1, self.k_max + 1):
+            accepted *= alpha
+            tokens += survival[k - 1] * accepted
+            drafted += survival[k - 1]
+            if k < K_MIN:
+                continue
+            verify = a + b * drafted + c * load + d * drafted * load  # VerifyCost.predict
+            total = drafted * per_token + fixed_ms + verify
             if best is None or tokens / total > best[1] / best[2]:
                 best = (k, tokens, total, drafted)
         assert best is not None
