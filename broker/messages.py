@@ -382,6 +382,9 @@ class VerifyResult(_Message):
     queue_ms: Milliseconds = 0.0
     verify_ms: Milliseconds = 0.0
     batch_size: int = Field(default=1, ge=1)
+    # Positions the pass that verified this request also prefilled (a session new to the
+    # verifier, or one that lost its cache): verify_ms is then not the windows' alone.
+    batch_prefilled: int = Field(default=0, ge=0)
     error: str = Field(default="", max_length=1024)  # set when the round could not be verified
     # A cloud round: what the verifier drafted, q' when sampling, and what drafting took.
     draft_tokens: tuple[TokenId, ...] | None = Field(default=None, max_length=MAX_CLOUD_K)

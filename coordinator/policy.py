@@ -12,10 +12,10 @@ the costs count n(k) = sum_i S(1..i) drafted tokens; with S = 1 this is E(a, k) 
 Every input is measured: a is an exponentially weighted count of accepted over tried tokens per
 (device, draft, task type); t_draft per (device, draft); RTT per device, from telemetry and from
 the uplink leg of rounds; queue time over the fleet; and t_verify(k, load) is a ridge regression
-on [1, k, load, k * load] over recent rounds (one per mode; a session's first round, which
-prefills, is left out), pulled toward a prior so it is defined from the first round. The k * load
-term is what makes k shrink under load: a verifier batching many
-sessions pays each drafted token once per sequence in the batch.
+on [1, k, load, k * load, waits] over recent rounds (waits: the round waited on a device rather
+than being streamed; rounds whose pass also prefilled are left out), pulled toward a prior so it
+is defined from the first round. The k * load term is what makes k shrink under load: a verifier
+batching many sessions pays each drafted token once per sequence in the batch.
 
 The mode is chosen too. In distributed mode the device drafts, and every round pays the RTT. In
 cloud mode the verifier host drafts with its own copy of the draft and the coordinator streams
@@ -67,13 +67,14 @@ PRIOR_DRAFT_MS_PER_TOKEN = {"lookup": 0.05, "ngram": 0.1, "hybrid": 0.2}
 PRIOR_NEURAL_DRAFT_MS_PER_TOKEN = 8.0
 PRIOR_RTT_MS = 20.0
 PRIOR_QUEUE_MS = 1.0
-# t_verify = a + b k + c load + d k load, in ms: a rough guess for a CPU verifier of the 135M
-# target, not a measurement; measured rounds replace it within a few rounds.
-PRIOR_VERIFY = (25.0, 2.0, 5.0, 2.0)
+# t_verify = a + b k + c load + d k load + e waits, in ms: a rough guess for a CPU verifier of the
+# 135M target, not a measurement; measured rounds replace it within a few rounds.
+PRIOR_VERIFY = (25.0, 2.0, 5.0, 2.0, 0.0)
 VERIFY_PRIOR_ROUNDS = 4.0  # how many rounds' worth of belief the prior holds
-# Typical sizes of k, load and k * load; the intercept is held only lightly (0.05), since every
-# round measures it and a prior intercept far off would bias the whole fit through collinearity.
-VERIFY_FEATURE_SCALE = (0.05, 4.0, 1.0, 4.0)
+# Typical sizes of k, load, k * load and waits; the intercept is held only lightly (0.05), since
+# every round measures it and a prior intercept far off would bias the whole fit through
+# collinearity.
+VERIFY_FEATURE_SCALE = (0.05, 4.0, 1.0, 4.0, 1.0)
 ALPHA_CAP = 0.98  # E(a, k) grows without bound as a -> 1; a few misses always happen
 PRIOR_FILL_WEIGHT = 1.0  # in rounds: a drafter is taken to fill its window until seen not to
 
@@ -174,34 +175,47 @@ class AcceptanceRate:
 
 @dataclass
 class VerifyCost:
-    """t_verify(k, load) = a + b k + c load + d k load, fitted online by decayed ridge regression.
+    """t_verify = a + b k + c load + d k load + e waits, fitted online by decayed ridge regression.
 
-    Solves (X'WX + n S^2) theta = X'Wy + n S^2 theta0: the prior theta0 weighs like n =
-    VERIFY_PRIOR_ROUNDS rounds at typical feature sizes S, holds alone until rounds arrive, and
-    fades as they do. Coefficients are kept >= 0: time never falls with k or load.
+    `waits` is 1 for a round that waited on a device (distributed) and 0 for one streamed back to
+    back (cloud): the verifier of the first sat idle and cold (caches, clocks, and on a shared
+    host the devices' own work) and pays for it, and e is what the measured rounds say it pays.
+    Both modes teach the other coefficients. Solves (X'WX + n S^2) theta = X'Wy + n S^2 theta0:
+    the prior theta0 weighs like n = VERIFY_PRIOR_ROUNDS rounds at typical feature sizes S,
+    holds alone until rounds arrive, and fades as they do; so e, unmeasured for a while, drifts
+    back to 0, and a mode judged on old rounds gets tried again. a..d are kept >= 0: time never
+    falls with k or load.
     """
 
-    prior: tuple[float, float, float, float] = PRIOR_VERIFY
-    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])  # [4, 4]
-    xty: list[float] = field(default_factory=lambda: [0.0] * 4)  # [4]
+    prior: tuple[float, ...] = PRIOR_VERIFY  # [5]
+    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 5 for _ in range(5)])  # [5, 5]
+    xty: list[float] = field(default_factory=lambda: [0.0] * 5)  # [5]
     rounds: float = 0.0
     # The solution, kept until the next update: a decision predicts hundreds of windows.
-    _solved: tuple[float, float, float, float] | None = field(default=None, repr=False)
+    _solved: tuple[float, ...] | None = field(default=None, repr=False)
 
     @staticmethod
-    def features(k: float, load: float) -> tuple[float, float, float, float]:
-        return (1.0, float(k), load, k * load)
+    def features(k: float, load: float, waits: bool = True) -> tuple[float, ...]:
+        return (1.0, float(k), load, k * load, 1.0 if waits else 0.0)
 
-    def update(self, k: int, load: float, verify_ms: float, decay: float = VERIFY_DECAY) -> None:
-        x = self.features(k, load)
-        for i in range(4):
+    def update(
+        self,
+        k: int,
+        load: float,
+        verify_ms: float,
+        decay: float = VERIFY_DECAY,
+        waits: bool = True,
+    ) -> None:
+        x = self.features(k, load, waits)
+        for i in range(5):
             self.xty[i] = self.xty[i] * decay + x[i] * verify_ms
-            for j in range(4):
+            for j in range(5):
                 self.xtx[i][j] = self.xtx[i][j] * decay + x[i] * x[j]
         self.rounds = self.rounds * decay + 1.0
         self._solved = None
 
-    def coefficients(self) -> tuple[float, float, float, float]:
+    def coefficients(self) -> tuple[float, ...]:
+        """(a, b, c, d, e)."""
         if self._solved is not None:
             return self._solved
         matrix = [row[:] for row in self.xtx]
@@ -209,12 +223,14 @@ class VerifyCost:
         for i, scale in enumerate(VERIFY_FEATURE_SCALE):
             matrix[i][i] += VERIFY_PRIOR_ROUNDS * scale**2
             rhs[i] += VERIFY_PRIOR_ROUNDS * scale**2 * self.prior[i]
-        a, b, c, d = (max(0.0, value) for value in _solve(matrix, rhs))
-        self._solved = (a, b, c, d)
+        solution = _solve(matrix, rhs)
+        self._solved = (*(max(0.0, value) for value in solution[:4]), solution[4])
         return self._solved
 
-    def predict(self, k: float, load: float) -> float:
-        return sum(c * x for c, x in zip(self.coefficients(), self.features(k, load), strict=True))
+    def predict(self, k: float, load: float, waits: bool = True) -> float:
+        coefficients = self.coefficients()
+        features = self.features(k, load, waits)
+        return max(0.0, sum(c * x for c, x in zip(coefficients, features, strict=True)))
 
 
 @dataclass
@@ -402,8 +418,7 @@ class Decision:
     rtt_ms: float
     queue_ms: float
     verifier_load: float
-    verify_coefficients: tuple[float, float, float, float]  # a, b, c, d of t_verify
-    cloud_verify_coefficients: tuple[float, float, float, float]  # the same, of cloud rounds
+    verify_coefficients: tuple[float, ...]  # a, b, c, d, e of t_verify
     candidates: tuple[Candidate, ...]
     reason: str
 
@@ -426,7 +441,6 @@ class Decision:
             if f.name not in m.Policy.model_fields
         }
         inputs["verify_coefficients"] = list(self.verify_coefficients)
-        inputs["cloud_verify_coefficients"] = list(self.cloud_verify_coefficients)
         inputs["current_mode"] = self.current_mode.value
         inputs["candidates"] = [
             {**{f.name: getattr(c, f.name) for f in fields(c)}, "mode": c.mode.value}
@@ -446,11 +460,7 @@ class AdaptivePolicy:
         self._draft_ms: dict[tuple[str, str], Ewma] = {}
         self._rtt_ms: dict[str, Ewma] = {}
         self._queue_ms = Ewma(PRIOR_QUEUE_MS)
-        # t_verify is learned per mode: rounds streamed back to back find the verifier busy and
-        # warm, rounds that wait on a device's RTT find it idle and cold (caches, clocks, and on
-        # a shared host the devices' own work), and the difference is the measured rounds' own.
-        self.verify_cost = VerifyCost()
-        self.cloud_verify_cost = VerifyCost()
+        self.verify_cost = VerifyCost()  # with its `waits` term, for both modes
         self._device_drafts: dict[str, tuple[str, ...]] = {}
         self._used_drafts: dict[str, set[str]] = {}
         self._refused: dict[str, set[str]] = {}  # device -> drafts it did not switch to
@@ -485,8 +495,8 @@ class AdaptivePolicy:
             self._rtt(round_.device_id).update(2.0 * round_.t_uplink_ms, TIME_DECAY)
         self._queue_ms.update(round_.t_queue_ms, TIME_DECAY)
         if not round_.prefill:
-            self._verify_cost(round_.mode).update(
-                round_.k, round_.verifier_load, round_.t_verify_ms
+            self.verify_cost.update(
+                round_.k, round_.verifier_load, round_.t_verify_ms, waits=not cloud
             )
         if not cloud:  # a cloud round says nothing of what the device has or obeys
             self._used_drafts.setdefault(round_.device_id, set()).add(round_.draft_model)
@@ -508,9 +518,6 @@ class AdaptivePolicy:
     def forget_session(self, session_id: str) -> None:
         self._asked.pop(session_id, None)
         self._in_mode.pop(session_id, None)
-
-    def _verify_cost(self, mode: m.Mode) -> VerifyCost:
-        return self.cloud_verify_cost if mode is m.Mode.CLOUD else self.verify_cost
 
     def _rtt(self, device_id: str) -> Ewma:
         return self._rtt_ms.setdefault(device_id, Ewma(PRIOR_RTT_MS))
@@ -565,7 +572,8 @@ class AdaptivePolicy:
         queue in distributed mode, and the RTT's share plus queue in cloud mode. Without `fill`
         the drafter fills its window."""
         survival = fill.survival(self.k_max) if fill is not None else [1.0] * self.k_max
-        a, b, c, d = self._verify_cost(mode).coefficients()
+        a, b, c, d, e = self.verify_cost.coefficients()
+        waits = 0.0 if mode is m.Mode.CLOUD else e
         per_token = draft_ms_per_token * (1.0 + load if mode is m.Mode.CLOUD else 1.0)
         best: tuple[int, float, float, float] | None = None
         # E and n(k) grow a position at a time (expected_tokens_capped, summed as it goes).
@@ -576,7 +584,7 @@ class AdaptivePolicy:
             drafted += survival[k - 1]
             if k < K_MIN:
                 continue
-            verify = a + b * drafted + c * load + d * drafted * load  # VerifyCost.predict
+            verify = max(0.0, a + b * drafted + c * load + d * drafted * load + waits)
             total = drafted * per_token + fixed_ms + verify
             if best is None or tokens / total > best[1] / best[2]:
                 best = (k, tokens, total, drafted)
@@ -673,7 +681,6 @@ class AdaptivePolicy:
             queue_ms=queue_ms,
             verifier_load=verifier_load,
             verify_coefficients=self.verify_cost.coefficients(),
-            cloud_verify_coefficients=self.cloud_verify_cost.coefficients(),
             candidates=(*distributed, *cloud),
             reason=reason,
         )

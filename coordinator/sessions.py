@@ -394,7 +394,7 @@ class SessionBook:
         )
         # A provisional tail is no window the policy chose: it teaches the policy nothing.
         if live.policy_task is not None and not draft.provisional:
-            live.policy, row.policy = self._adapt(live, row)
+            live.policy, row.policy = self._adapt(live, row, result.batch_prefilled > 0)
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
         await self._writer.write(
@@ -464,7 +464,9 @@ class SessionBook:
             cloud_k=min(live.policy.k, m.MAX_CLOUD_K),
         )
 
-    def _adapt(self, live: LiveSession, row: Round) -> tuple[m.Policy, dict[str, Any]]:
+    def _adapt(
+        self, live: LiveSession, row: Round, prefilled: bool = False
+    ) -> tuple[m.Policy, dict[str, Any]]:
         """Learn from this round, choose the next; the decision and its inputs go on the round."""
         assert live.policy_task is not None
         load = verifier_load(v.load for v in self.pool.live())
@@ -484,7 +486,9 @@ class SessionBook:
                 mode=m.Mode(row.mode.value),
                 # An adaptive session's first round is the agent's empty window (k = 0).
                 window=live.policy.k if row.round_index > 0 else 0,
-                prefill=row.round_index == 0,
+                # A pass that also prefilled (this session's first, or another's in the batch)
+                # says nothing of what verifying a window costs.
+                prefill=prefilled or row.round_index == 0,
             )
         )
         decision = self.policy.decide(

@@ -395,8 +395,9 @@ class VerifierWorker:
         # Cloud rounds were drafted inside the same call; what the target took is the rest.
         drafting_ms = sum(v.draft_ms for v in reply.verifications)
         verify_ms = max(0.0, reply.compute_ms - drafting_ms)
+        prefilled = sum(v.prefilled for v in reply.verifications)
         for pending, verification in zip(batch, reply.verifications, strict=True):
-            self._emit(pending, verification, dispatched, verify_ms)
+            self._emit(pending, verification, dispatched, verify_ms, prefilled=prefilled)
 
     def _emit(
         self,
@@ -405,6 +406,7 @@ class VerifierWorker:
         dispatched: float,
         compute_ms: float,
         error: str = "",
+        prefilled: int = 0,
     ) -> None:
         request = pending.request
         result = VerifyResult(
@@ -418,6 +420,7 @@ class VerifierWorker:
             queue_ms=max(0.0, (dispatched - pending.received_at) * 1e3),
             verify_ms=compute_ms,
             batch_size=verification.batch_size if verification is not None else 1,
+            batch_prefilled=prefilled,
             error=(error or (verification.error if verification is not None else ""))[:1024],
         )
         if verification is not None and verification.draft_tokens is not None:

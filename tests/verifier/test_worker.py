@@ -142,6 +142,17 @@ def test_a_cloud_round_over_the_bus_comes_back_with_the_hosts_draft(
         committed = [*result.draft_tokens[: result.n_accepted], result.next_token]
         assert committed == list(reference[: len(committed)])
         assert result.verify_ms > 0 and result.draft_ms >= 0
+        assert result.batch_prefilled > 0  # a session new to this verifier: its prompt
+        again = request.model_copy(
+            update={
+                "request_id": "cloud-2",
+                "round": 1,
+                "context_ids": (*request.context_ids, *committed),
+            }
+        )
+        await publish(worker, listener, encode(again))
+        second = await listener.result(again.request_id)
+        assert not second.error and second.batch_prefilled == 0  # its cache held the context
 
     run_with_worker(mosquitto, body)
 
