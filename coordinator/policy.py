@@ -183,8 +183,8 @@ class VerifyCost:
     Both modes teach the other coefficients. Solves (X'WX + n S^2) theta = X'Wy + n S^2 theta0:
     the prior theta0 weighs like n = VERIFY_PRIOR_ROUNDS rounds at typical feature sizes S,
     holds alone until rounds arrive, and fades as they do; so e, unmeasured for a while, drifts
-    back to 0, and a mode judged on old rounds gets tried again. a..d are kept >= 0: time never
-    falls with k or load.
+    back to 0, and a mode judged on old rounds gets tried again. Coefficients are kept >= 0: time
+    never falls with k or load, nor by waiting (what noise says otherwise is noise).
     """
 
     prior: tuple[float, ...] = PRIOR_VERIFY  # [5]
@@ -223,8 +223,8 @@ class VerifyCost:
         for i, scale in enumerate(VERIFY_FEATURE_SCALE):
             matrix[i][i] += VERIFY_PRIOR_ROUNDS * scale**2
             rhs[i] += VERIFY_PRIOR_ROUNDS * scale**2 * self.prior[i]
-        solution = _solve(matrix, rhs)
-        self._solved = (*(max(0.0, value) for value in solution[:4]), solution[4])
+        a, b, c, d, e = (max(0.0, value) for value in _solve(matrix, rhs))
+        self._solved = (a, b, c, d, e)
         return self._solved
 
     def predict(self, k: float, load: float, waits: bool = True) -> float:

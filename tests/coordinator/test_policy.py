@@ -480,12 +480,20 @@ def test_the_cost_of_waiting_fades_when_no_streamed_round_measures_it() -> None:
     """A mode judged on old rounds is judged again: without streamed rounds, e drifts to 0."""
     cost = VerifyCost()
     for _ in range(30):
-        cost.update(4, 0.0, 200.0, waits=False)  # streamed rounds that happened to be slow
-        cost.update(4, 0.0, 60.0, waits=True)
-    assert cost.coefficients()[4] < -80.0
+        cost.update(4, 0.0, 20.0, waits=False)  # streamed rounds, when the host was quiet
+        cost.update(4, 0.0, 160.0, waits=True)
+    assert cost.coefficients()[4] > 80.0
     for _ in range(300):
+        cost.update(4, 0.0, 60.0, waits=True)  # the host got busy; nothing streamed since
+    assert cost.coefficients()[4] < 20.0
+
+
+def test_waiting_never_makes_a_round_cheaper() -> None:
+    cost = VerifyCost()
+    for _ in range(30):
+        cost.update(4, 0.0, 200.0, waits=False)  # streamed rounds that met a busy host
         cost.update(4, 0.0, 60.0, waits=True)
-    assert abs(cost.coefficients()[4]) < 20.0
+    assert cost.coefficients()[4] == 0.0
 
 
 def test_a_round_whose_pass_prefilled_does_not_teach_the_verify_time() -> None:
