@@ -90,14 +90,15 @@ def _spec_from(document: dict[str, Any]) -> SessionSpec:
 class SessionJournal:
     """`record` an open session's progress, `forget` it when it ends, `open_sessions` on start.
 
-    Used from the agent's event loop only.
+    Used from the agent's event loop only; that loop may run in another thread than the one
+    that built the agent (an embedding app's loop thread), hence `check_same_thread=False`.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(path, isolation_level=None)
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
