@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.models import BenchPrompt, read_prompts
-from bench.report import format_table, write_json
+from bench.report import add_json_argument, format_table, write_json
 
 if TYPE_CHECKING:
     import httpx
@@ -124,15 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a short run (about 2 minutes), as the tests run it"
     )
-    parser.add_argument(
-        "--json",
-        type=Path,
-        nargs="?",
-        const=DEFAULT_JSON,
-        default=None,
-        metavar="PATH",
-        help=f"write the results as JSON (default path {DEFAULT_JSON})",
-    )
+    add_json_argument(parser, DEFAULT_JSON)
 
 
 # -- plan ------------------------------------------------------------------------------------

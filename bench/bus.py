@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.report import format_table, median, percentile, write_json
+from bench.report import add_json_argument, format_table, median, percentile, write_json
 from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.mosquitto import MosquittoError, PrivateMosquitto
@@ -44,14 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the private Mosquitto started with the production setting set_tcp_nodelay",
     )
     parser.add_argument("--embedded", action="store_true", help="also measure the embedded amqtt")
-    parser.add_argument(
-        "--json",
-        type=Path,
-        nargs="?",
-        const=Path("bench-results/bus.json"),
-        default=None,
-        help="write the results as JSON (default path bench-results/bus.json)",
-    )
+    add_json_argument(parser, Path("bench-results/bus.json"))
 
 
 def sample_draft(round_index: int) -> m.Draft:

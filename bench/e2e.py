@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from bench.models import BenchPrompt, read_prompts
-from bench.report import format_table, median, percentile, write_json
+from bench.report import add_json_argument, format_table, median, percentile, write_json
 
 if TYPE_CHECKING:
     import httpx
@@ -157,15 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an external broker instead of the private Mosquitto",
     )
     parser.add_argument("--database-url", metavar="URL", default=None, help="instead of SQLite")
-    parser.add_argument(
-        "--json",
-        type=Path,
-        nargs="?",
-        const=DEFAULT_JSON,
-        default=None,
-        metavar="PATH",
-        help=f"write the results as JSON (default path {DEFAULT_JSON})",
-    )
+    add_json_argument(parser, DEFAULT_JSON)
 
 
 # -- plan ------------------------------------------------------------------------------------

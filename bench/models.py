@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import format_table, median, write_json
+from bench.report import add_json_argument, format_table, median, write_json
 from inference.runtime import KVCache, Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -140,14 +140,7 @@ class RunTotals:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json",
-        type=Path,
-        nargs="?",
-        const=DEFAULT_JSON,
-        default=None,
-        help=f"write the results as JSON (default path {DEFAULT_JSON})",
-    )
+    add_json_argument(parser, DEFAULT_JSON)
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument(
         "--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL of {id, task, prompt}"

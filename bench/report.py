@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+
+def add_json_argument(parser: argparse.ArgumentParser, default_path: Path) -> None:
+    """`--json [PATH]`: every benchmark writes its results there (default_path when bare)."""
+    parser.add_argument(
+        "--json",
+        type=Path,
+        nargs="?",
+        const=default_path,
+        default=None,
+        metavar="PATH",
+        help=f"write the results as JSON (default path {default_path})",
+    )
 
 
 def percentile(values: Sequence[float], q: float) -> float:
