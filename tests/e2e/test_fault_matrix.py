@@ -31,6 +31,7 @@ import httpx
 import psycopg
 import pytest
 import sqlalchemy as sa
+from rounds_check import assert_rounds_rebuild
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session
 from test_dsd_bus import shared_prompts, target_answer
@@ -50,7 +51,7 @@ AGENTS = [
     AgentSpec("fault-phone", "phone", "hybrid+draft-l2", "onnx"),
 ]
 VERIFIERS = ["fault-verifier-1", "fault-verifier-2"]
-MAX_TOKENS = 48
+MAX_TOKENS = 40
 MID_GENERATION_TOKENS = 6  # every session has streamed this many tokens when the fault hits
 START_TIMEOUT_S = 180.0
 SESSION_TIMEOUT_S = 240.0
@@ -263,20 +264,8 @@ async def _watch(rig: Rig, watched: Watched) -> None:
 def _check_database(rig: Rig, watched: list[Watched]) -> None:
     with Session(rig.engine) as db:
         for w in watched:
-            session_id = uuid.UUID(w.session_id)
-            session = db.get(DecodingSession, session_id)
-            assert session is not None
-            assert session.status is SessionStatus.FINISHED
-            rounds = db.scalars(
-                sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
-            ).all()
-            assert [r.round_index for r in rounds] == list(range(len(rounds)))
-            rebuilt: list[int] = []
-            for r in rounds:
-                assert r.base_len == len(session.prompt_ids) + len(rebuilt)
-                rebuilt += [*r.draft_tokens[: r.n_accepted], r.next_token]
             assert w.summary is not None
-            assert rebuilt == session.committed_ids == w.summary["token_ids"]
+            assert_rounds_rebuild(db, w.session_id, w.summary["token_ids"])
 
 
 def run_fault(
@@ -284,7 +273,7 @@ def run_fault(
     name: str,
     inject: Callable[[], Awaitable[float]],
     restore: Callable[[], object] | None = None,
-) -> None:
+) -> list[Watched]:
     """Three sessions, one per agent; `inject` hits them once each has streamed a few tokens and
     returns the monotonic time the fault ended; `restore` makes the fleet whole again once the
     sessions are done. Then every check of the matrix."""
@@ -328,6 +317,7 @@ def run_fault(
         "sessions_hit": hit,
         "identical": identical,
     }
+    return watched
 
 
 def _pg_terminate(rig: Rig) -> int:
@@ -371,14 +361,39 @@ def test_coordinator_sigkilled_and_restarted(rig: Rig) -> None:
     run_fault(rig, "coordinator SIGKILL + restart", inject)
 
 
+def _serving_verifiers(rig: Rig, session_ids: list[str] | None = None) -> dict[str, set[str]]:
+    """Per session (the given ones, else those active now), the verifiers its rounds ran on."""
+    with Session(rig.engine) as db:
+        query = sa.select(Round.session_id, Round.verifier_id).join(DecodingSession)
+        if session_ids is None:
+            query = query.where(DecodingSession.status == SessionStatus.ACTIVE)
+        else:
+            query = query.where(Round.session_id.in_([uuid.UUID(s) for s in session_ids]))
+        served: dict[str, set[str]] = {}
+        for session_id, verifier_id in db.execute(query):
+            served.setdefault(str(session_id), set()).add(verifier_id or "")
+    return served
+
+
 def test_verifier_sigkilled(rig: Rig) -> None:
-    victim = VERIFIERS[0]
+    """The verifier that has served the most running sessions dies; they move to the other."""
+    victims: list[str] = []
 
     async def inject() -> float:
+        served = await asyncio.to_thread(_serving_verifiers, rig)
+        counts = {v: sum(v in s for s in served.values()) for v in VERIFIERS}
+        victim = max(VERIFIERS, key=lambda v: counts[v])
+        victims.append(victim)
         rig.fleet.verifiers[victim].kill()
         return time.monotonic()
 
-    run_fault(rig, "verifier SIGKILL", inject, lambda: rig.fleet.start_verifier(victim))
+    watched = run_fault(
+        rig, "verifier SIGKILL", inject, lambda: rig.fleet.start_verifier(victims[0])
+    )
+    served = _serving_verifiers(rig, [w.session_id for w in watched])
+    survivor = next(v for v in VERIFIERS if v != victims[0])
+    moved = [s for s, verifiers in served.items() if {victims[0], survivor} <= verifiers]
+    assert moved, f"no session moved from {victims[0]} to {survivor}: {served}"
 
 
 def test_postgresql_connections_dropped(rig: Rig) -> None:

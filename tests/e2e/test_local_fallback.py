@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
+from rounds_check import assert_rounds_rebuild
 from test_dsd_bus import shared_prompts, target_answer
 
 from broker.mosquitto import PrivateMosquitto
-from coordinator.db.models import DecodingSession, Event, Round, SessionStatus
+from coordinator.db.models import Event, Round
 from coordinator.localfleet import AgentSpec, LocalFleet, local_fleet
 from coordinator.settings import Settings
 from device_agent.local_api import HOST, ApiError, SseEvent, stream_session, watch_session
@@ -70,22 +72,8 @@ async def _fleet(
 def _check_rounds(fleet: LocalFleet, summary: dict[str, Any]) -> tuple[list[Round], int]:
     """Rounds contiguous from 0, rebuilding the committed tokens; returns them and the prompt's
     length."""
-    session_id = uuid.UUID(summary["session_id"])
     with fleet.coordinator.sessions() as db:
-        session = db.get(DecodingSession, session_id)
-        assert session is not None and session.status is SessionStatus.FINISHED
-        rounds = list(
-            db.scalars(
-                sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
-            )
-        )
-        assert [r.round_index for r in rounds] == list(range(len(rounds)))
-        rebuilt: list[int] = []
-        for r in rounds:
-            assert r.base_len == len(session.prompt_ids) + len(rebuilt)
-            rebuilt += [*r.draft_tokens[: r.n_accepted], r.next_token]
-            assert r.committed_len == len(session.prompt_ids) + len(rebuilt)
-        assert rebuilt == session.committed_ids == summary["token_ids"]
+        session, rounds = assert_rounds_rebuild(db, summary["session_id"], summary["token_ids"])
         return rounds, len(session.prompt_ids)
 
 
@@ -232,6 +220,7 @@ def test_a_tail_generated_before_the_coordinator_ever_answered_is_one_provisiona
     assert logged["session.reconciled"][0]["kept"] == spell["kept"]
 
 
+@pytest.mark.slow  # the fault matrix's agent SIGKILL row proves the same on every run
 def test_an_agent_sigkilled_mid_session_resumes_it_from_its_journal(
     tmp_path: Path, create_pg_database: Callable[[], str]
 ) -> None:
