@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bench.e2e import ask_one
 from bench.models import BenchPrompt, read_prompts
 from bench.report import add_json_argument, format_table, write_json
 
@@ -305,17 +306,6 @@ def _round_modes(fleet: LocalFleet, session_id: str) -> list[str]:
     return [mode.value for mode in modes]
 
 
-async def _ask(
-    client: httpx.AsyncClient, port: int, request: dict[str, Any], label: str
-) -> dict[str, Any]:
-    from coordinator.demo import ask
-
-    summary = await asyncio.wait_for(ask(client, port, request, label, False), SESSION_TIMEOUT_S)
-    if summary.get("status") != "finished":
-        raise RuntimeError(f"{label}: session ended {summary.get('status')}: {summary}")
-    return summary
-
-
 async def run_phase(
     fleet: LocalFleet,
     client: httpx.AsyncClient,
@@ -331,7 +321,7 @@ async def run_phase(
     async def one(prompt: BenchPrompt) -> dict[str, Any]:
         request = config.request(prompt, args.max_tokens)
         label = f"{phase} {config.name} {prompt.id}"
-        summary = await _ask(client, port, request, label)
+        summary = await ask_one(client, port, request, label, SESSION_TIMEOUT_S)
         modes = await asyncio.to_thread(_round_modes, fleet, summary["session_id"])
         return {**summary, "prompt_id": prompt.id, "task": prompt.task, "round_modes": modes}
 
@@ -431,11 +421,12 @@ async def run_trace(
                 warm = phase_work[0][:1]
                 await asyncio.gather(
                     *(
-                        _ask(
+                        ask_one(
                             client,
                             fleet.agent_ports[c.device_id],
                             c.request(warm[0], WARMUP_TOKENS),
                             f"warm-up {c.name}",
+                            SESSION_TIMEOUT_S,
                         )
                         for c in configs
                     )

@@ -544,11 +544,16 @@ def session_request(
 
 
 async def ask_one(
-    client: httpx.AsyncClient, port: int, request: dict[str, Any], label: str
+    client: httpx.AsyncClient,
+    port: int,
+    request: dict[str, Any],
+    label: str,
+    timeout_s: float = SESSION_TIMEOUT_S,
 ) -> dict[str, Any]:
+    """One session through an agent's local API; an error unless it finished."""
     from coordinator.demo import ask
 
-    summary = await asyncio.wait_for(ask(client, port, request, label, False), SESSION_TIMEOUT_S)
+    summary = await asyncio.wait_for(ask(client, port, request, label, False), timeout_s)
     if summary.get("status") != "finished":
         raise RuntimeError(f"{label}: session ended {summary.get('status')}: {summary}")
     return summary

@@ -260,10 +260,10 @@ class LocalApi:
     async def _bus_ready(self) -> bool:
         """Connected now, or within `connect_wait_s`: a reconnect in progress (a broker
         take-over, a short drop) delays a new session instead of refusing it."""
-        if self.health()["connected"]:
-            return True
         if self.connected is None:
-            return False
+            return bool(self.health()["connected"])
+        if self.connected.is_set():
+            return True
         try:
             await asyncio.wait_for(self.connected.wait(), self.connect_wait_s)
         except TimeoutError:
