@@ -59,6 +59,23 @@ def read_teacher(path: Path) -> list[TeacherRecord]:
     return records
 
 
+def without_benchmark(
+    records: Sequence[TeacherRecord], tokenizer: ChatTokenizer
+) -> list[TeacherRecord]:
+    """The records whose prompt is not a benchmark prompt.
+
+    Teacher files written before the stream skipped benchmark prompts hold answers to some of
+    them; training or counting on those would inflate the acceptance measured on them.
+    """
+    from inference.teacher_prompts import benchmark_prompts
+
+    banned = {tuple(tokenizer.apply_chat_template(text)) for text in benchmark_prompts()}
+    kept = [record for record in records if tuple(record.prompt_ids) not in banned]
+    if len(kept) < len(records):
+        log.warning("left out %d teacher answers to benchmark prompts", len(records) - len(kept))
+    return kept
+
+
 def teacher_tokens(records: Sequence[TeacherRecord]) -> int:
     return sum(len(record.answer_ids) for record in records)
 
@@ -164,9 +181,11 @@ def generate_teacher(
 def unseen_prompts(
     tokenizer: ChatTokenizer, start: int, seen: set[str], stop: int | None = None
 ) -> Iterator[tuple[int, str, list[int]]]:
-    """Generated prompts from index `start` whose text is not in `seen` (templates repeat)."""
-    from inference.teacher_prompts import teacher_prompt
+    """Generated prompts from index `start` whose text is not in `seen` (templates repeat) and
+    is not a benchmark prompt."""
+    from inference.teacher_prompts import benchmark_prompts, teacher_prompt
 
+    seen |= benchmark_prompts()
     index = start
     while stop is None or index < stop:
         prompt = teacher_prompt(index, PROMPT_SEED)
@@ -735,6 +754,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--teacher-tokens", type=int, default=300_000,
         help="answer tokens of teacher text to have before training (resumes where it stopped)",
     )  # fmt: skip
+    parser.add_argument(
+        "--teacher-minutes", type=float, default=None,
+        help="stop taking new teacher prompts after this many minutes (what is written is kept)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--teacher-only", action="store_true",
+        help="generate teacher text up to --teacher-tokens, then stop before training",
+    )  # fmt: skip
     parser.add_argument("--size", choices=sorted(SIZES), default="all", help="which drafts")
     parser.add_argument(
         "--resume", action="store_true", help="continue training from the last checkpoints"
@@ -759,6 +786,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.minutes <= 0 or args.teacher_tokens < 0 or args.threads < 1:
         raise CommandError("--minutes must be > 0, --teacher-tokens >= 0, --threads >= 1")
+    if args.teacher_minutes is not None and args.teacher_minutes <= 0:
+        raise CommandError(f"--teacher-minutes must be > 0, got {args.teacher_minutes}")
+    if args.teacher_only and args.export_only:
+        raise CommandError("--teacher-only and --export-only exclude each other")
     from inference.artifacts import default_models_dir
     from inference.target_build import ensure_target
 
@@ -781,13 +812,21 @@ def run(args: argparse.Namespace) -> int:
             target = OnnxRuntime(target_dir / "model.onnx", threads=args.threads)
             start = max((r.index for r in records), default=-1) + 1
             seen = {teacher_prompt(i, PROMPT_SEED).prompt for i in range(start)}
+            deadline = None
+            if args.teacher_minutes is not None:
+                deadline = time.monotonic() + args.teacher_minutes * 60
             generate_teacher(
                 target, tokenizer.eos_id, unseen_prompts(tokenizer, start, seen, HELD_OUT_START),
-                teacher_path, token_budget=missing,
+                teacher_path, token_budget=missing, deadline=deadline,
             )  # fmt: skip
             del target
             records = read_teacher(teacher_path)
+        records = without_benchmark(records, tokenizer)
         log.info("teacher text: %d answers, %d tokens", len(records), teacher_tokens(records))
+        if args.teacher_only:
+            print(f"teacher text in {teacher_path}: {len(records)} answers, "
+                  f"{teacher_tokens(records)} tokens")  # fmt: skip
+            return 0
         shares = sum(RECIPES[n].time_share for n in names)
         for name in names:
             recipe = RECIPES[name]

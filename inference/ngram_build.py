@@ -1,8 +1,10 @@
 """`specfleet models build-ngram`: a 4-gram table of the target's own greedy answers.
 
 The answers come from prompts made here from templates over the five task types (chat, code,
-translate, summarize, math), never from the shared benchmark prompts, so that acceptance
-measured on those stays honest. The same arguments give the same file.
+translate, summarize, math) and, with `--teacher`, from the teacher text that `specfleet models
+distill` generates (the target's greedy answers to the distillation prompts). Neither draws on
+the shared benchmark prompts, so that acceptance measured on those stays honest. The same
+arguments and teacher file give the same table.
 """
 
 from __future__ import annotations
@@ -241,11 +243,15 @@ class BuildPrompt:
 def build_prompts(count: int, seed: int = BUILD_SEED) -> list[BuildPrompt]:
     """Up to `count` distinct prompts, taking the five task types in turn; reproducible from `seed`.
 
+    A benchmark prompt is never one of them.
+
     A task whose templates run out of new combinations drops out, so it may get fewer.
     """
+    from inference.teacher_prompts import benchmark_prompts
+
     rng = random.Random(seed)
     prompts: list[BuildPrompt] = []
-    seen: set[str] = set()
+    seen: set[str] = set(benchmark_prompts())
     exhausted: set[str] = set()
     index = 0
     while len(prompts) < count and len(exhausted) < len(TASKS):
@@ -329,7 +335,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_NGRAM_TABLE, help="table file")
-    parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="how many prompts")
+    parser.add_argument(
+        "--prompts", type=int, default=DEFAULT_PROMPTS,
+        help="how many template prompts the target answers here (0: teacher text only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--teacher", type=Path, default=None,
+        help="also count the target's answers in this teacher file (`specfleet models distill "
+        "--teacher-only` writes one: models dir/distill/teacher.jsonl)",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--order", type=int, default=DEFAULT_ORDER, help="n of the n-grams")
     parser.add_argument("--seed", type=int, default=BUILD_SEED, help="prompt generator seed")
@@ -338,36 +352,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from inference.artifacts import default_models_dir, sha256_file
+    from inference.distill import read_teacher, without_benchmark
     from inference.proposers import NGramTable
-    from inference.target_build import load_target
+    from inference.target_build import DEFAULT_PRECISION, ensure_target, load_target
+    from inference.target_build import target_name as default_target_name
+    from inference.tokenizer import ChatTokenizer
     from specfleet.cli import CommandError
 
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        raise CommandError("--prompts and --max-new-tokens must be >= 1")
+    if args.prompts < 0 or args.max_new_tokens < 1:
+        raise CommandError("--prompts must be >= 0 and --max-new-tokens >= 1")
+    if args.prompts == 0 and args.teacher is None:
+        raise CommandError("--prompts 0 needs --teacher: the table would be empty")
     if args.order < 2:
         raise CommandError(f"--order must be >= 2, got {args.order}")
     started = time.perf_counter()
-    target, tokenizer = load_target(args.models_dir or default_models_dir(), threads=args.threads)
-    prompts = build_prompts(args.prompts, args.seed)
-    prompt_ids = [tokenizer.apply_chat_template(p.prompt) for p in prompts]
-    answers = greedy_answers(target, prompt_ids, args.max_new_tokens, tokenizer.eos_id)
-    sequences = [p + a for p, a in zip(prompt_ids, answers, strict=True)]
+    sequences: list[list[int]] = []
+    teacher_info: dict[str, object] = {}
+    teacher_tokens = 0
+    models_dir = args.models_dir or default_models_dir()
+    if args.teacher is not None:
+        if not args.teacher.is_file():
+            raise CommandError(f"no teacher file at {args.teacher}")
+        try:
+            records = read_teacher(args.teacher)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CommandError(f"{args.teacher}: not a teacher file ({exc})") from exc
+        records = without_benchmark(records, ChatTokenizer.load(ensure_target(models_dir)))
+        sequences += [r.prompt_ids + r.answer_ids for r in records]
+        teacher_tokens = sum(len(r.answer_ids) for r in records)
+        teacher_info = {
+            "teacher_answers": len(records),
+            "teacher_tokens": teacher_tokens,
+            "teacher_sha256": sha256_file(args.teacher),
+        }
+    answer_tokens = 0
+    # Teacher text comes from the default (fp32) target, as do the answers made here.
+    target_name = default_target_name(DEFAULT_PRECISION)
+    if args.prompts:
+        target, tokenizer = load_target(models_dir, threads=args.threads)
+        target_name = target.name
+        prompts = build_prompts(args.prompts, args.seed)
+        prompt_ids = [tokenizer.apply_chat_template(p.prompt) for p in prompts]
+        answers = greedy_answers(target, prompt_ids, args.max_new_tokens, tokenizer.eos_id)
+        sequences += [p + a for p, a in zip(prompt_ids, answers, strict=True)]
+        answer_tokens = sum(len(a) for a in answers)
     table = NGramTable.build(sequences, order=args.order)
     table.save(args.out)
     info = {
-        "target": target.name,
+        "target": target_name,
         "prompts": args.prompts,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
         "order": args.order,
-        "answer_tokens": sum(len(a) for a in answers),
+        "answer_tokens": answer_tokens,
+        **teacher_info,
         "contexts": len(table.entries),
         "sha256": sha256_file(args.out),
     }
     args.out.with_suffix(".json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     print(
         f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB, {len(table.entries)} "
-        f"contexts from {info['answer_tokens']} answer tokens) in "
+        f"contexts from {answer_tokens + teacher_tokens} answer tokens) in "
         f"{time.perf_counter() - started:.0f} s"
     )
     return 0

@@ -1,12 +1,35 @@
-"""Synthetic prompts over the five task types, from templates and word lists, for teacher text."""
+"""Synthetic prompts over the five task types, from templates and word lists, for teacher text.
+
+The templates can reproduce a benchmark prompt word for word; `benchmark_prompts` lists the
+prompts that acceptance is measured or tuned on, and teacher text must never answer one.
+"""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 TASKS = ("chat", "code", "translate", "summarize", "math")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# The shared benchmark prompts (beside the repository) and the tuning prompts kept in it.
+BENCHMARK_PROMPT_FILES = (
+    REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl",
+    REPO_ROOT / "bench" / "prompts" / "tune.jsonl",
+)
+
+
+def benchmark_prompts(files: tuple[Path, ...] = BENCHMARK_PROMPT_FILES) -> frozenset[str]:
+    """The text of every prompt in the benchmark files that exist (JSONL with a `prompt`)."""
+    texts: set[str] = set()
+    for path in files:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    texts.add(str(json.loads(line)["prompt"]))
+    return frozenset(texts)
 
 
 @dataclass(frozen=True)
