@@ -10,6 +10,11 @@ from specfleet.cli import add_module_command
 BENCHMARKS = (
     ("bus", "bench.bus", "round trip of a draft-sized message through the broker"),
     ("models", "bench.models", "draft and target costs, acceptance and speculative speedup"),
+    (
+        "replay",
+        "bench.replay",
+        "tokens per target pass of drafters, replayed along the target's greedy answers",
+    ),
     ("e2e", "bench.e2e", "DSD over the bus vs target-only: tokens/s, throughput, overhead"),
     (
         "adaptive",

@@ -222,3 +222,61 @@ def greedy_acceptance(
             matches += 1
         context.append(int(token))
     return matches, len(target_tokens)
+
+
+def replay_greedy(
+    proposer: Proposer,
+    prompt_ids: Sequence[int],
+    target_tokens: Sequence[int],
+    k: int,
+    max_new_tokens: int,
+) -> DecodeResult:
+    """Greedy speculative decoding replayed along the target's known greedy output.
+
+    Greedy speculative output equals the target's own, so a round's verdict follows from the
+    drafted tokens alone: the longest prefix that matches `target_tokens`, then the target's
+    next token. This gives the rounds of `decode_speculative` with greedy sampling without
+    running the target, in the drafter's time only (the rounds' verify_ms is 0): the same
+    passes and drafted counts, and the same accepted counts but where a draft runs past the
+    target's eos (the target may accept those positions too before they are cut).
+    `target_tokens` is the target's greedy output for `max_new_tokens`, ending at its eos if
+    it stopped there.
+    """
+    _check(prompt_ids, max_new_tokens)
+    if k < 1:
+        raise ValueError(f"k must be >= 1 with a drafter, got {k}")
+    path = [int(t) for t in target_tokens]
+    if len(path) > max_new_tokens:
+        raise ValueError(f"{len(path)} target tokens for max_new_tokens={max_new_tokens}")
+    committed = [int(t) for t in prompt_ids]
+    generated = 0
+    rounds: list[RoundStats] = []
+    proposer.rollback(0)
+    start = time.perf_counter()
+    while generated < len(path):
+        k_round = min(k, max_new_tokens - generated - 1)
+        t0 = time.perf_counter()
+        candidates = proposer.get_candidates(committed, k_round) if k_round > 0 else None
+        drafted = [] if candidates is None else candidates.tokens.tolist()
+        t1 = time.perf_counter()
+        n_accepted = 0
+        while (
+            n_accepted < len(drafted)
+            and generated + n_accepted < len(path)
+            and drafted[n_accepted] == path[generated + n_accepted]
+        ):
+            n_accepted += 1
+        rounds.append(RoundStats(len(drafted), n_accepted, (t1 - t0) * 1e3, 0.0))
+        proposer.update_candidate_strategy(n_accepted)
+        proposer.rollback(len(committed) + n_accepted)
+        # The accepted tokens and the target's own next one, never past its end (its eos).
+        new_tokens = path[generated : generated + n_accepted + 1]
+        committed += new_tokens
+        generated += len(new_tokens)
+    return DecodeResult(
+        tokens=path,
+        rounds=rounds,
+        prefill_ms=0.0,
+        decode_ms=(time.perf_counter() - start) * 1e3,
+        stopped_by="max_tokens" if len(path) == max_new_tokens else "eos",
+    )

@@ -24,7 +24,7 @@ from inference.target_build import load_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
-MAX_TOKENS = 24
+MAX_TOKENS = 16  # every shared prompt, on two backends: identity needs rounds, not length
 AGENTS = [
     AgentSpec("e2e-pi", "pi", "hybrid", "tflite"),
     AgentSpec("e2e-jetson", "jetson", "lookup", "onnx"),

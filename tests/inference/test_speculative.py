@@ -20,7 +20,13 @@ from inference.proposers import (
     Proposer,
 )
 from inference.sampling import SamplingParams, target_probs
-from inference.speculative import decode_speculative, decode_target, greedy_acceptance
+from inference.speculative import (
+    DecodeResult,
+    decode_speculative,
+    decode_target,
+    greedy_acceptance,
+    replay_greedy,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 TARGET = SyntheticLM.random(vocab_size=16, dim=8, seed=0, sharpness=0.6)
@@ -251,6 +257,48 @@ def test_real_target_greedy_identity_full_matrix() -> None:
         for prompt in shared_prompts():
             for k in range(1, 9):
                 check_identical(name, prompt.id, k)
+
+
+def assert_same_rounds(replayed: DecodeResult, decoded: DecodeResult) -> None:
+    assert replayed.tokens == decoded.tokens
+    assert [r.k for r in replayed.rounds] == [r.k for r in decoded.rounds]
+    accepted = [r.n_accepted for r in replayed.rounds]
+    assert accepted[:-1] == [r.n_accepted for r in decoded.rounds][:-1]
+    # In the last round the target may also accept drafted tokens past its eos, which are cut.
+    assert accepted[-1] <= decoded.rounds[-1].n_accepted
+
+
+@pytest.mark.parametrize("name", DRAFTER_NAMES)
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_replay_gives_the_rounds_of_greedy_speculative_decoding(name: str, k: int) -> None:
+    for prompt in PROMPTS:
+        for eos, max_new in ((None, 30), (decode_target(TARGET, prompt, 12, GREEDY).tokens[7], 30)):
+            decoded = decode_speculative(
+                TARGET, make_drafter(name), prompt, k, max_new, GREEDY, eos
+            )
+            answer = decode_target(TARGET, prompt, max_new, GREEDY, eos).tokens
+            assert_same_rounds(
+                replay_greedy(make_drafter(name), prompt, answer, k, max_new), decoded
+            )
+
+
+def test_replay_refuses_a_longer_answer_than_max_tokens() -> None:
+    with pytest.raises(ValueError, match="max_new_tokens=4"):
+        replay_greedy(PromptLookupProposer(), [1, 2], [3, 4, 5, 6, 7], 2, 4)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "hybrid+draft-l1"])
+def test_replay_on_the_real_target_gives_its_rounds(name: str) -> None:
+    from real_target import greedy_reference, one_prompt_per_task, prompt_ids, target_pair
+
+    target, tokenizer = target_pair()
+    for prompt in one_prompt_per_task()[:3]:
+        ids = prompt_ids(prompt.id)
+        decoded = decode_speculative(
+            target, real_drafter(name), ids, 8, 48, GREEDY, eos=tokenizer.eos_id
+        )
+        answer = list(greedy_reference(prompt.id, REAL_MAX_TOKENS)[:48])
+        assert_same_rounds(replay_greedy(real_drafter(name), ids, answer, 8, 48), decoded)
 
 
 def test_real_target_sampling_is_reproducible() -> None:

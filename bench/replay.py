@@ -1,0 +1,167 @@
+"""`specfleet bench replay`: committed tokens per target pass of many drafters, in seconds.
+
+Greedy speculative decoding commits exactly the target's own greedy output, so once that output
+is known, every round of a drafter follows from its drafts alone (`replay_greedy`): the target
+decodes each prompt once, and each (drafter, k) is then replayed along those answers in the
+drafter's own time. This is how drafter settings are tuned (on bench/prompts/tune.jsonl, never
+on the shared benchmark prompts); `specfleet bench models` measures the same counts in real
+speculative decoding, with wall-clock speedups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from bench.models import DEFAULT_PROMPTS, _int_list, read_prompts, solve_alpha
+from bench.report import add_json_argument, format_table, write_json
+
+DEFAULT_JSON = Path("bench-results/replay.json")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_json_argument(parser, DEFAULT_JSON)
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument(
+        "--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL of {id, task, prompt}"
+    )
+    parser.add_argument(
+        "--drafters",
+        default=None,
+        help="comma-separated drafter names (default: every drafter available)",
+    )
+    parser.add_argument(
+        "--k", default=None, help="comma-separated windows (default: each drafter's own k)"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
+    parser.add_argument(
+        "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from inference.artifacts import default_models_dir
+    from inference.drafters import DrafterError, default_k, drafter_names, make_proposer
+    from inference.sampling import SamplingParams
+    from inference.speculative import decode_target, replay_greedy
+    from inference.target_build import load_target
+    from specfleet.cli import CommandError
+
+    if args.max_tokens < 1:
+        raise CommandError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        prompts = read_prompts(args.prompts)
+    except (OSError, ValueError) as exc:
+        raise CommandError(str(exc)) from exc
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    models_dir: Path = args.models_dir or default_models_dir()
+    available = drafter_names(models_dir)
+    names = available if args.drafters is None else args.drafters.split(",")
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise CommandError(f"unknown drafters {unknown}; known: {', '.join(available)}")
+    windows = None if args.k is None else _int_list(args.k, "--k")
+
+    target, tokenizer = load_target(models_dir, threads=args.threads)
+    greedy = SamplingParams(temperature=0.0)
+    prompt_ids = [tokenizer.apply_chat_template(p.prompt) for p in prompts]
+    answers = [
+        decode_target(target, ids, args.max_tokens, greedy, tokenizer.eos_id).tokens
+        for ids in tqdm(prompt_ids, desc="target answers", unit="prompt")
+    ]
+
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        try:
+            proposer = make_proposer(name, models_dir, threads=args.threads)
+        except DrafterError as exc:
+            raise CommandError(str(exc)) from exc
+        for k in windows or [default_k(name)]:
+            # Per task: [tokens, passes, drafted, accepted, draft ms].
+            per_task: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0])
+            started = time.perf_counter()
+            for prompt, ids, answer in zip(prompts, prompt_ids, answers, strict=True):
+                result = replay_greedy(proposer, ids, answer, k, args.max_tokens)
+                for key in (prompt.task, "all"):
+                    totals = per_task[key]
+                    totals[0] += len(result.tokens)
+                    totals[1] += result.target_passes
+                    totals[2] += result.n_drafted
+                    totals[3] += result.n_accepted
+                    totals[4] += result.draft_ms
+            tokens, passes, drafted, accepted, draft_ms = per_task["all"]
+            rows.append(
+                {
+                    "drafter": name,
+                    "k": k,
+                    "tokens_per_pass": tokens / passes,
+                    "drafted_per_pass": drafted / passes,
+                    "acceptance_of_drafted": accepted / drafted if drafted else 0.0,
+                    "alpha_eff": solve_alpha(tokens / passes, k),
+                    "alpha_eff_at_mean_draft": solve_alpha(tokens / passes, drafted / passes),
+                    "draft_ms_per_token": draft_ms / drafted if drafted else 0.0,
+                    "tokens_per_pass_by_task": {
+                        task: t[0] / t[1] for task, t in sorted(per_task.items()) if task != "all"
+                    },
+                    "replay_s": time.perf_counter() - started,
+                }
+            )
+            print(f"replayed {name} k={k} in {rows[-1]['replay_s']:.1f} s", flush=True)
+
+    document = {
+        "target": target.name,
+        "prompts_file": str(args.prompts),
+        "n_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "target_tokens": sum(len(a) for a in answers),
+        "rows": rows,
+    }
+    print(report(document))
+    if args.json is not None:
+        write_json(args.json, document)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def report(document: dict[str, Any]) -> str:
+    tasks = sorted({t for row in document["rows"] for t in row["tokens_per_pass_by_task"]})
+    table = format_table(
+        (
+            "drafter",
+            "k",
+            "tok/pass",
+            *(f"{t}" for t in tasks),
+            "drafted/pass",
+            "accepted/drafted",
+            "alpha_eff",
+            "(at drafted/pass)",
+            "draft ms/token",
+        ),
+        [
+            (
+                row["drafter"],
+                row["k"],
+                row["tokens_per_pass"],
+                *(row["tokens_per_pass_by_task"].get(t, float("nan")) for t in tasks),
+                row["drafted_per_pass"],
+                row["acceptance_of_drafted"],
+                row["alpha_eff"],
+                row["alpha_eff_at_mean_draft"],
+                row["draft_ms_per_token"],
+            )
+            for row in document["rows"]
+        ],
+    )
+    return (
+        f"greedy speculative decoding replayed along the target's answers: "
+        f"{document['n_prompts']} prompts from {document['prompts_file']}, up to "
+        f"{document['max_tokens']} new tokens each ({document['target_tokens']} target tokens); "
+        f"tok/pass per task after the overall one\n{table}"
+    )
