@@ -6,6 +6,7 @@ models directory by its manifest name, and `hybrid+NAME` (lookup, the table, the
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,8 @@ DEFAULT_K = {LOOKUP: 2, NGRAM: 2, HYBRID: 8}
 DEFAULT_NEURAL_K = 2
 HYBRID_NEURAL_MIN_CONFIDENCE = 0.3
 HYBRID_NEURAL_MAX_TOKENS = 2
+LOOKUP_2_MAX_TOKENS = 5
+LOOKUP_1_MAX_TOKENS = 2
 
 
 class DrafterError(Exception):
@@ -82,10 +85,18 @@ def load_draft_runtime(models_dir: Path, name: str, threads: int | None = None) 
 
 
 def load_ngram_table(path: Path = DEFAULT_NGRAM_TABLE) -> NGramTable:
+    """The table at `path`, loaded once per process and file version and shared read-only by
+    every drafter: the shipped table takes seconds to load and tens of MB in memory."""
     if not path.exists():
         raise DrafterError(
             f"no n-gram table at {path}; build it with `specfleet models build-ngram`"
         )
+    stat = path.stat()
+    return _load_table(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_table(path: Path, mtime_ns: int, size: int) -> NGramTable:
     return NGramTable.load(path)
 
 
@@ -116,8 +127,9 @@ def make_proposer(
     if name == HYBRID:
         return HybridProposer(tiered_copying(load_ngram_table(ngram_path)), name=HYBRID)
     if name.startswith(HYBRID_PREFIX):
-        # The draft steps in where copying has only weak evidence: after the 1-token match, for
-        # at most two tokens, and only when it is itself fairly sure of them.
+        # The draft steps in where copying has only weak evidence: after the long matches and
+        # the 3-token table contexts, before the 1-token match, for at most a few tokens, and
+        # only when it is itself fairly sure of them.
         tiers = tiered_copying(load_ngram_table(ngram_path))
         draft = neural(
             name[len(HYBRID_PREFIX) :],
@@ -125,25 +137,25 @@ def make_proposer(
             min_tokens=0,
             max_tokens=HYBRID_NEURAL_MAX_TOKENS,
         )
-        return HybridProposer([*tiers[:4], draft, *tiers[4:]], name=name)
+        return HybridProposer([*tiers[:3], draft, *tiers[3:]], name=name)
     return neural(name)
 
 
 def tiered_copying(table: NGramTable) -> list[Proposer]:
     """Copying drafters from the most to the least reliable evidence, each capped accordingly.
 
-    A long match in the context predicts far ahead; a 3-token table context a little; a single
-    token of either only the next one or two.
+    A long match in the context predicts far ahead; a 3-token table context chains on for as
+    long as its contexts are in the table; a single token of either only the next one or two.
     Measured on the tuning prompts, the precision of the first proposed token falls from about
-    0.75 (a 3-4 token match) to 0.65 (2 tokens), 0.4 (a 3-token table context or a 1-token
-    match) and 0.2 (a 1-token table context), while verifying one or two more positions costs
-    the target only a few percent more than a decode step.
+    0.75 (a 3-4 token match) to 0.55 (2 tokens), 0.4 (a 3-token table context), 0.3 (a
+    1-token match) and 0.1 (a 1-token table context), while verifying a few more positions
+    costs the target only a few percent more than a decode step.
     """
     return [
         PromptLookupProposer(4, 3, name="lookup-long"),
-        PromptLookupProposer(2, 2, max_tokens=5, name="lookup-2"),
-        NGramTableProposer(table, min_context=3, max_tokens=2, name="ngram-3"),
-        PromptLookupProposer(1, 1, max_tokens=2, name="lookup-1"),
+        PromptLookupProposer(2, 2, max_tokens=LOOKUP_2_MAX_TOKENS, name="lookup-2"),
+        NGramTableProposer(table, min_context=3, name="ngram-3"),
+        PromptLookupProposer(1, 1, max_tokens=LOOKUP_1_MAX_TOKENS, name="lookup-1"),
         NGramTableProposer(table, min_context=2, max_tokens=2, name="ngram-2"),
         NGramTableProposer(table, min_context=1, max_tokens=1, name="ngram-1"),
     ]

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -133,12 +133,12 @@ _NGRAM_MAGIC = b"SFNG"
 _NGRAM_VERSION = 1
 
 
-@dataclass(frozen=True)
-class NGramEntry:
-    """The most frequent continuation of one context, with how often it was seen."""
+class NGramEntry(NamedTuple):
+    """The most frequent continuation of one context, with how often it was seen (a tuple, so
+    that loading a table of hundreds of thousands of them stays fast)."""
 
     next_token: int
-    count: int
+    seen: int  # how often the context was followed by next_token
     total: int  # how often the context itself was seen with any continuation
 
 
@@ -173,7 +173,7 @@ class NGramTable:
             keys = sorted(ctx for ctx in self.entries if len(ctx) == m)
             rows = np.array(
                 [
-                    [*ctx, e.next_token, e.count, e.total]
+                    [*ctx, e.next_token, e.seen, e.total]
                     for ctx in keys
                     for e in (self.entries[ctx],)
                 ],
@@ -198,8 +198,9 @@ class NGramTable:
             offset += 4
             rows = np.frombuffer(blob, dtype="<i4", count=n_rows * (m + 3), offset=offset)
             offset += rows.nbytes
-            for row in rows.reshape(n_rows, m + 3).tolist():
-                entries[tuple(row[:m])] = NGramEntry(row[m], row[m + 1], row[m + 2])
+            rows = rows.reshape(n_rows, m + 3)
+            contexts = map(tuple, rows[:, :m].tolist())
+            entries.update(zip(contexts, map(NGramEntry._make, rows[:, m:].tolist()), strict=True))
         return cls(order=order, entries=entries)
 
     def lookup(self, context: Sequence[int], min_context: int) -> NGramEntry | None:
@@ -248,8 +249,8 @@ class NGramTableProposer:
             entry = self.table.lookup(tail, self.min_context)
             if (
                 entry is None
-                or entry.count < self.min_count
-                or entry.count < self.min_share * entry.total
+                or entry.seen < self.min_count
+                or entry.seen < self.min_share * entry.total
             ):
                 break
             proposed.append(entry.next_token)

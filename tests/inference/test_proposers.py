@@ -80,8 +80,8 @@ def test_max_tokens_caps_the_proposal(max_tokens: int | None, k: int, expected: 
 def test_ngram_table_counts() -> None:
     table = NGramTable.build(CORPUS, order=4)
     # (2, 3, 4) was followed by 5 three times and by 6 once.
-    assert table.entries[(2, 3, 4)] == NGramEntry(next_token=5, count=3, total=4)
-    assert table.entries[(1,)] == NGramEntry(next_token=2, count=3, total=3)
+    assert table.entries[(2, 3, 4)] == NGramEntry(next_token=5, seen=3, total=4)
+    assert table.entries[(1,)] == NGramEntry(next_token=2, seen=3, total=3)
     assert all(1 <= len(ctx) <= 3 for ctx in table.entries)
 
 
