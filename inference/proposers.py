@@ -217,7 +217,9 @@ class NGramTableProposer:
 
     A continuation is proposed only when it was seen at least `min_count` times and makes up at
     least `min_share` of its context's continuations; drafting stops at the first that is not.
-    Deterministic, so q' is one-hot (see PromptLookupProposer).
+    With `gate_after`, the first `gate_after` tokens need only be in the table, and the gate
+    holds from there on: a chain's first steps are usually right, its long tails only where the
+    table is sure. Deterministic, so q' is one-hot (see PromptLookupProposer).
     """
 
     def __init__(
@@ -227,15 +229,19 @@ class NGramTableProposer:
         min_count: int = 1,
         min_share: float = 0.0,
         max_tokens: int | None = None,
+        gate_after: int = 0,
         name: str = "ngram",
     ) -> None:
         if not 1 <= min_context <= table.order - 1:
             raise ValueError(f"min_context must be in 1..{table.order - 1}, got {min_context}")
+        if gate_after < 0:
+            raise ValueError(f"gate_after must be >= 0, got {gate_after}")
         self.name = name
         self.table = table
         self.min_context = min_context
         self.min_count = min_count
         self.min_share = min_share
+        self.gate_after = gate_after
         self.max_tokens = max_tokens  # a cap below k, as chained guesses degrade quickly
 
     def get_candidates(
@@ -247,11 +253,10 @@ class NGramTableProposer:
         proposed: list[int] = []
         for _ in range(k):
             entry = self.table.lookup(tail, self.min_context)
-            if (
-                entry is None
-                or entry.seen < self.min_count
-                or entry.seen < self.min_share * entry.total
-            ):
+            if entry is None:
+                break
+            gated = len(proposed) >= self.gate_after
+            if gated and (entry.seen < self.min_count or entry.seen < self.min_share * entry.total):
                 break
             proposed.append(entry.next_token)
             tail = [*tail, entry.next_token][-(self.table.order - 1) :]

@@ -321,3 +321,16 @@ def test_batched_greedy_answers_match_the_target_alone() -> None:
     answers = greedy_answers(model, prompts, 20, eos, batch_size=2, progress=False)
     for prompt, answer in zip(prompts, answers, strict=True):
         assert answer == decode_target(model, prompt, 20, SamplingParams(), eos).tokens
+
+
+@pytest.mark.parametrize(
+    ("gate_after", "expected"), [(0, [2, 3, 4]), (3, [2, 3, 4]), (4, [2, 3, 4, 5])]
+)
+def test_ngram_gate_holds_from_gate_after_on(gate_after: int, expected: list[int]) -> None:
+    # 4 -> 5 is a 3-in-4 continuation: below a 0.8 share, so the chain stops there once gated.
+    proposer = NGramTableProposer(
+        NGramTable.build(CORPUS, order=4), min_context=1, min_share=0.8, gate_after=gate_after
+    )
+    assert proposer.get_candidates([0, 1], 8).tokens.tolist() == expected
+    with pytest.raises(ValueError, match="gate_after"):
+        NGramTableProposer(NGramTable.build(CORPUS), gate_after=-1)
