@@ -141,6 +141,11 @@ class RunTotals:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser, DEFAULT_JSON)
+    add_drafter_run_arguments(parser)
+
+
+def add_drafter_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the benchmarks of drafters on a prompt set share: prompts, drafters, windows."""
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument(
         "--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL of {id, task, prompt}"
@@ -162,33 +167,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads")
 
 
-def _int_list(text: str, option: str) -> list[int]:
-    from specfleet.cli import CommandError
+@dataclass(frozen=True)
+class DrafterRun:
+    """The checked arguments of a benchmark of drafters on a prompt set."""
 
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise CommandError(f"{option} must be comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise CommandError(f"{option} values must be >= 1, got {text!r}")
-    return values
+    prompts: list[BenchPrompt]
+    models_dir: Path
+    names: list[str]
+    windows: list[int] | None  # None: each drafter's own k
 
 
-def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
+def drafter_run(args: argparse.Namespace) -> DrafterRun:
+    """Prompts, models directory, drafter names and windows from `add_drafter_run_arguments`,
+    each checked; a bad one is a CommandError."""
     from inference.artifacts import default_models_dir
-    from inference.drafters import (
-        DrafterError,
-        default_k,
-        drafter_names,
-        load_draft_runtime,
-        make_proposer,
-    )
-    from inference.drafts import list_drafts
-    from inference.sampling import SamplingParams
-    from inference.speculative import decode_speculative, decode_target, greedy_acceptance
-    from inference.target_build import load_target
+    from inference.drafters import drafter_names
     from specfleet.cli import CommandError
 
     if args.max_tokens < 1:
@@ -206,6 +199,43 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise CommandError(f"unknown drafters {unknown}; known: {', '.join(available)}")
     windows = None if args.k is None else _int_list(args.k, "--k")
+    return DrafterRun(prompts, models_dir, names, windows)
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    from specfleet.cli import CommandError
+
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise CommandError(f"{option} must be comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise CommandError(f"{option} values must be >= 1, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from inference.drafters import (
+        DrafterError,
+        default_k,
+        load_draft_runtime,
+        make_proposer,
+    )
+    from inference.drafts import list_drafts
+    from inference.sampling import SamplingParams
+    from inference.speculative import decode_speculative, decode_target, greedy_acceptance
+    from inference.target_build import load_target
+    from specfleet.cli import CommandError
+
+    checked = drafter_run(args)
+    prompts, models_dir, names, windows = (
+        checked.prompts,
+        checked.models_dir,
+        checked.names,
+        checked.windows,
+    )
 
     greedy = SamplingParams(temperature=0.0)
     target, tokenizer = load_target(models_dir, threads=args.threads)

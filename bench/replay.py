@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.models import DEFAULT_PROMPTS, _int_list, read_prompts, solve_alpha
+from bench.models import add_drafter_run_arguments, drafter_run, solve_alpha
 from bench.report import add_json_argument, format_table, write_json
 
 DEFAULT_JSON = Path("bench-results/replay.json")
@@ -24,50 +24,20 @@ DEFAULT_JSON = Path("bench-results/replay.json")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser, DEFAULT_JSON)
-    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument(
-        "--prompts", type=Path, default=DEFAULT_PROMPTS, help="JSONL of {id, task, prompt}"
-    )
-    parser.add_argument(
-        "--drafters",
-        default=None,
-        help="comma-separated drafter names (default: every drafter available)",
-    )
-    parser.add_argument(
-        "--k", default=None, help="comma-separated windows (default: each drafter's own k)"
-    )
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
-    parser.add_argument(
-        "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
-    )
-    parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads")
+    add_drafter_run_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from inference.artifacts import default_models_dir
-    from inference.drafters import DrafterError, default_k, drafter_names, make_proposer
+    from inference.drafters import DrafterError, default_k, make_proposer
     from inference.sampling import SamplingParams
     from inference.speculative import decode_target, replay_greedy
     from inference.target_build import load_target
     from specfleet.cli import CommandError
 
-    if args.max_tokens < 1:
-        raise CommandError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    try:
-        prompts = read_prompts(args.prompts)
-    except (OSError, ValueError) as exc:
-        raise CommandError(str(exc)) from exc
-    if args.limit is not None:
-        prompts = prompts[: args.limit]
-    models_dir: Path = args.models_dir or default_models_dir()
-    available = drafter_names(models_dir)
-    names = available if args.drafters is None else args.drafters.split(",")
-    unknown = [name for name in names if name not in available]
-    if unknown:
-        raise CommandError(f"unknown drafters {unknown}; known: {', '.join(available)}")
-    windows = None if args.k is None else _int_list(args.k, "--k")
+    checked = drafter_run(args)
+    prompts, models_dir = checked.prompts, checked.models_dir
 
     target, tokenizer = load_target(models_dir, threads=args.threads)
     greedy = SamplingParams(temperature=0.0)
@@ -78,12 +48,12 @@ def run(args: argparse.Namespace) -> int:
     ]
 
     rows: list[dict[str, Any]] = []
-    for name in names:
+    for name in checked.names:
         try:
             proposer = make_proposer(name, models_dir, threads=args.threads)
         except DrafterError as exc:
             raise CommandError(str(exc)) from exc
-        for k in windows or [default_k(name)]:
+        for k in checked.windows or [default_k(name)]:
             # Per task: [tokens, passes, drafted, accepted, draft ms].
             per_task: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0])
             started = time.perf_counter()
