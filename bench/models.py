@@ -21,10 +21,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from bench.report import add_json_argument, format_table, median, write_json
 from inference.runtime import KVCache, Runtime
+
+if TYPE_CHECKING:
+    from inference.speculative import DecodeResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
@@ -138,6 +141,17 @@ class RunTotals:
     accepted: int = 0
     exact: bool = True
 
+    def add(self, result: DecodeResult) -> None:
+        """Count one prompt's decoding in."""
+        self.decode_ms += result.decode_ms
+        self.total_ms += result.total_ms
+        self.draft_ms += result.draft_ms
+        self.verify_ms += result.verify_ms
+        self.tokens += len(result.tokens)
+        self.passes += result.target_passes
+        self.drafted += result.n_drafted
+        self.accepted += result.n_accepted
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser, DEFAULT_JSON)
@@ -167,8 +181,7 @@ def add_drafter_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads")
 
 
-@dataclass(frozen=True)
-class DrafterRun:
+class DrafterRun(NamedTuple):
     """The checked arguments of a benchmark of drafters on a prompt set."""
 
     prompts: list[BenchPrompt]
@@ -229,13 +242,7 @@ def run(args: argparse.Namespace) -> int:
     from inference.target_build import load_target
     from specfleet.cli import CommandError
 
-    checked = drafter_run(args)
-    prompts, models_dir, names, windows = (
-        checked.prompts,
-        checked.models_dir,
-        checked.names,
-        checked.windows,
-    )
+    prompts, models_dir, names, windows = drafter_run(args)
 
     greedy = SamplingParams(temperature=0.0)
     target, tokenizer = load_target(models_dir, threads=args.threads)
@@ -305,15 +312,7 @@ def run(args: argparse.Namespace) -> int:
                     target, drafters[config], ids, config[1], args.max_tokens, greedy, eos
                 )
             outputs[config] = result.tokens
-            t = totals[config]
-            t.decode_ms += result.decode_ms
-            t.total_ms += result.total_ms
-            t.draft_ms += result.draft_ms
-            t.verify_ms += result.verify_ms
-            t.tokens += len(result.tokens)
-            t.passes += result.target_passes
-            t.drafted += result.n_drafted
-            t.accepted += result.n_accepted
+            totals[config].add(result)
         baseline_tokens.append(outputs[("", 0)])
         for config in configs[1:]:
             totals[config].exact &= outputs[config] == outputs[("", 0)]

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.models import add_drafter_run_arguments, drafter_run, solve_alpha
+from bench.models import RunTotals, add_drafter_run_arguments, drafter_run, solve_alpha
 from bench.report import add_json_argument, format_table, write_json
 
 DEFAULT_JSON = Path("bench-results/replay.json")
@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from inference.target_build import load_target
     from specfleet.cli import CommandError
 
-    checked = drafter_run(args)
-    prompts, models_dir = checked.prompts, checked.models_dir
+    prompts, models_dir, names, windows = drafter_run(args)
 
     target, tokenizer = load_target(models_dir, threads=args.threads)
     greedy = SamplingParams(temperature=0.0)
@@ -48,37 +47,34 @@ def run(args: argparse.Namespace) -> int:
     ]
 
     rows: list[dict[str, Any]] = []
-    for name in checked.names:
+    for name in names:
         try:
             proposer = make_proposer(name, models_dir, threads=args.threads)
         except DrafterError as exc:
             raise CommandError(str(exc)) from exc
-        for k in checked.windows or [default_k(name)]:
-            # Per task: [tokens, passes, drafted, accepted, draft ms].
-            per_task: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0, 0, 0.0])
+        for k in windows or [default_k(name)]:
+            per_task: dict[str, RunTotals] = defaultdict(RunTotals)
             started = time.perf_counter()
             for prompt, ids, answer in zip(prompts, prompt_ids, answers, strict=True):
                 result = replay_greedy(proposer, ids, answer, k, args.max_tokens)
-                for key in (prompt.task, "all"):
-                    totals = per_task[key]
-                    totals[0] += len(result.tokens)
-                    totals[1] += result.target_passes
-                    totals[2] += result.n_drafted
-                    totals[3] += result.n_accepted
-                    totals[4] += result.draft_ms
-            tokens, passes, drafted, accepted, draft_ms = per_task["all"]
+                per_task[prompt.task].add(result)
+                per_task["all"].add(result)
+            t = per_task["all"]
+            tokens, passes, drafted = t.tokens, t.passes, t.drafted
             rows.append(
                 {
                     "drafter": name,
                     "k": k,
                     "tokens_per_pass": tokens / passes,
                     "drafted_per_pass": drafted / passes,
-                    "acceptance_of_drafted": accepted / drafted if drafted else 0.0,
+                    "acceptance_of_drafted": t.accepted / drafted if drafted else 0.0,
                     "alpha_eff": solve_alpha(tokens / passes, k),
                     "alpha_eff_at_mean_draft": solve_alpha(tokens / passes, drafted / passes),
-                    "draft_ms_per_token": draft_ms / drafted if drafted else 0.0,
+                    "draft_ms_per_token": t.draft_ms / drafted if drafted else 0.0,
                     "tokens_per_pass_by_task": {
-                        task: t[0] / t[1] for task, t in sorted(per_task.items()) if task != "all"
+                        task: totals.tokens / totals.passes
+                        for task, totals in sorted(per_task.items())
+                        if task != "all"
                     },
                     "replay_s": time.perf_counter() - started,
                 }

@@ -42,6 +42,7 @@ DEFAULT_K = {LOOKUP: 2, NGRAM: 2, HYBRID: 8}
 DEFAULT_NEURAL_K = 2
 HYBRID_NEURAL_MIN_CONFIDENCE = 0.3
 HYBRID_NEURAL_MAX_TOKENS = 2
+HYBRID_NEURAL_BEFORE = "lookup-1"  # the copying tier a hybrid's neural draft goes before
 LOOKUP_2_MAX_TOKENS = 5
 LOOKUP_1_MAX_TOKENS = 2
 # A 3-token table context chains on while its contexts are in the table; past 4 tokens only
@@ -141,7 +142,8 @@ def make_proposer(
             min_tokens=0,
             max_tokens=HYBRID_NEURAL_MAX_TOKENS,
         )
-        return HybridProposer([*tiers[:3], draft, *tiers[3:]], name=name)
+        at = next(i for i, tier in enumerate(tiers) if tier.name == HYBRID_NEURAL_BEFORE)
+        return HybridProposer([*tiers[:at], draft, *tiers[at:]], name=name)
     return neural(name)
 
 
