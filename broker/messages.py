@@ -186,6 +186,13 @@ class Mode(str, Enum):
     DISTRIBUTED = "distributed"  # the device drafts
     CLOUD = "cloud"  # the verifier host drafts and streams tokens
     LOCAL = "local"  # the device drafts alone, offline; its output is provisional
+    # No drafter at all: the verifier host decodes the session in its batch (k = 0) and streams
+    # the tokens, as in cloud mode; what wins on a loaded, compute-bound verifier.
+    PLAIN = "plain"
+
+
+# The modes in which the verifier host runs the session's rounds by itself (a host stream).
+HOST_MODES = frozenset({Mode.CLOUD, Mode.PLAIN})
 
 
 class Policy(BaseModel):
@@ -290,7 +297,7 @@ class SessionOpen(_Message):
     mode: Mode = Mode.DISTRIBUTED
     # The modes the agent runs, so a coordinator chooses no other for it: an agent that predates
     # cloud mode sends none, and is never asked for it.
-    modes: tuple[Mode, ...] = Field(default=(Mode.DISTRIBUTED,), min_length=1, max_length=3)
+    modes: tuple[Mode, ...] = Field(default=(Mode.DISTRIBUTED,), min_length=1, max_length=4)
 
     @model_validator(mode="after")
     def _mode_is_chosen_online(self) -> SessionOpen:
@@ -341,6 +348,43 @@ class VerifierStatus(_Message):
     drafts: tuple[Name, ...] = Field(default=(), max_length=64)  # drafters for cloud rounds
 
 
+MAX_STREAM_ROUNDS = 256
+
+
+class StreamSpec(BaseModel):
+    """A host stream: the verifier runs up to `rounds` rounds of the session by itself, one per
+    batched pass, choosing each pass's window (0..cloud_k) for the goodput of its whole batch,
+    and returns one VerifyResult per round. It applies the stop rules to know when to stop; the
+    coordinator applies them again, as the truth, before it persists a round."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rounds: int = Field(ge=1, le=MAX_STREAM_ROUNDS)
+    max_new: int = Field(ge=1)  # tokens the session may still generate
+    eos_id: TokenId
+    task_type: Name = "chat"
+    # The coordinator's acceptance estimate for (device, drafter, task): a prior for a host that
+    # has not yet seen this drafter on this task.
+    alpha: Probability | None = None
+    # False: the session's window is fixed (opened with k > 0), every round drafts cloud_k.
+    adaptive: bool = True
+
+
+class PassChoice(BaseModel):
+    """The window a host pass chose for its streams, and why (recorded on the round)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    k: int = Field(ge=0, le=MAX_CLOUD_K)
+    rows: int = Field(ge=1)  # windows in the pass
+    # Predicted committed tokens/s of the whole pass for each window considered, by k.
+    goodput: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=MAX_CLOUD_K + 1
+    )
+    cost_ms: Milliseconds = 0.0  # the predicted pass time at the chosen k
+    reason: str = Field(default="", max_length=256)
+
+
 class VerifyRequest(_Message):
     """Score a draft against the target. `context_ids` is the whole committed sequence (prompt
     included), so a verifier that lost its cache rebuilds it without asking anyone."""
@@ -359,15 +403,26 @@ class VerifyRequest(_Message):
     # verifies them in the same pass; `tokens` and q' are then empty.
     cloud_draft: Name | None = None
     cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
+    # A host stream from `round` on (cloud_k is then the cap of each pass's window; without
+    # cloud_draft the stream is plain decoding).
+    stream: StreamSpec | None = None
 
     @model_validator(mode="after")
     def _sparse_q_matches_tokens(self) -> VerifyRequest:
         check_sparse_q(self.tokens, self.q_ids, self.q_probs)
         if (self.cloud_draft is None) != (self.cloud_k is None):
             raise ValueError("cloud_draft and cloud_k come together")
-        if self.cloud_k is not None and (self.tokens or self.q_ids):
-            raise ValueError("a cloud round request carries no tokens and no q'")
+        if (self.cloud_k is not None or self.stream is not None) and (self.tokens or self.q_ids):
+            raise ValueError("a cloud round or stream request carries no tokens and no q'")
         return self
+
+
+class StreamStop(_Message):
+    """The coordinator no longer wants a host stream's rounds (closed, moved, mode changed)."""
+
+    type: Literal["stream_stop"] = "stream_stop"
+    request_id: str = Field(min_length=1, max_length=64)
+    session_id: SessionId
 
 
 class VerifyResult(_Message):
@@ -391,6 +446,9 @@ class VerifyResult(_Message):
     q_ids: tuple[tuple[TokenId, ...], ...] | None = None  # [k, K]
     q_probs: tuple[tuple[Probability, ...], ...] | None = None  # [k, K]
     draft_ms: Milliseconds = 0.0
+    # A host stream's round: the pass's choice of window, and whether the stream ends with it.
+    pass_choice: PassChoice | None = None
+    stream_ends: bool = False
 
     @model_validator(mode="after")
     def _cloud_draft_adds_up(self) -> VerifyResult:
@@ -462,6 +520,7 @@ Message: TypeAlias = (
     | VerifierStatus
     | VerifyRequest
     | VerifyResult
+    | StreamStop
 )
 
 MESSAGE_TYPES: dict[str, type[_Message]] = {
@@ -480,6 +539,7 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
         VerifierStatus,
         VerifyRequest,
         VerifyResult,
+        StreamStop,
     )
 }
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {

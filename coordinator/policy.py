@@ -479,13 +479,15 @@ class AdaptivePolicy:
         self._rtt(device_id).update(rtt_ms, TIME_DECAY)
 
     def observe(self, round_: RoundObservation) -> None:
-        # The same draft accepts alike wherever it runs: a is shared by both modes.
-        key = (round_.device_id, round_.draft_model, round_.task_type)
-        self._alpha.setdefault(key, AcceptanceRate()).update(round_.k, round_.n_accepted)
-        # How far the drafter fills a window, an empty proposal included (lookup without a match).
-        fill = self._fill.setdefault((round_.device_id, round_.draft_model), ProposalLength())
-        fill.update(round_.window, round_.k)
-        cloud = round_.mode is m.Mode.CLOUD
+        if round_.mode is not m.Mode.PLAIN:  # a plain round drafted nothing, by choice
+            # The same draft accepts alike wherever it runs: a is shared by both modes.
+            key = (round_.device_id, round_.draft_model, round_.task_type)
+            self._alpha.setdefault(key, AcceptanceRate()).update(round_.k, round_.n_accepted)
+            # How far the drafter fills a window, an empty proposal included (lookup without a
+            # match).
+            fill = self._fill.setdefault((round_.device_id, round_.draft_model), ProposalLength())
+            fill.update(round_.window, round_.k)
+        cloud = round_.mode in m.HOST_MODES
         if round_.k > 0:
             self._draft_cost(HOST if cloud else round_.device_id, round_.draft_model).update(
                 round_.t_draft_ms / round_.k, TIME_DECAY
@@ -573,7 +575,7 @@ class AdaptivePolicy:
         the drafter fills its window."""
         survival = fill.survival(self.k_max) if fill is not None else [1.0] * self.k_max
         a, b, c, d, e = self.verify_cost.coefficients()
-        waits = 0.0 if mode is m.Mode.CLOUD else e
+        waits = 0.0 if mode in m.HOST_MODES else e
         per_token = draft_ms_per_token * (1.0 + load if mode is m.Mode.CLOUD else 1.0)
         best: tuple[int, float, float, float] | None = None
         # E and n(k) grow a position at a time (expected_tokens_capped, summed as it goes).
@@ -612,6 +614,15 @@ class AdaptivePolicy:
         rate = tokens / total_ms * 1000.0 if total_ms > 0 else math.inf
         return Candidate(draft, alpha, per_token, k, tokens, total_ms, rate, mode, drafted)
 
+    def _plain_candidate(
+        self, current_draft: str, rtt_ms: float, queue_ms: float, load: float
+    ) -> Candidate:
+        """Plain mode: one token a round, no drafting, streamed (the RTT paid once a stream)."""
+        verify = max(0.0, self.verify_cost.predict(0, load, waits=False))
+        total_ms = verify + queue_ms + rtt_ms / CLOUD_STREAM_ROUNDS
+        rate = 1000.0 / total_ms if total_ms > 0 else math.inf
+        return Candidate(current_draft, 0.0, 0.0, 0, 1.0, total_ms, rate, m.Mode.PLAIN, 0.0)
+
     def decide(
         self,
         session_id: str,
@@ -621,9 +632,10 @@ class AdaptivePolicy:
         verifier_load: float,
         current_mode: m.Mode = m.Mode.DISTRIBUTED,
         host_drafts: Sequence[str] = (),
+        plain: bool = False,
     ) -> Decision:
         """The next round's mode, draft and k. `host_drafts`: what the verifier hosts can draft
-        with (none: no cloud mode)."""
+        with (none: no cloud mode); `plain`: whether the agent runs plain mode."""
         rtt_ms = self._rtt(device_id).value
         queue_ms = self._queue_ms.value
         load = verifier_load
@@ -635,7 +647,14 @@ class AdaptivePolicy:
             self._candidate(m.Mode.CLOUD, device_id, d, task_type, rtt_ms, queue_ms, load)
             for d in dict.fromkeys(host_drafts)
         ]
-        by_mode = {m.Mode.DISTRIBUTED: distributed, m.Mode.CLOUD: cloud}
+        plain_candidates = (
+            [self._plain_candidate(current_draft, rtt_ms, queue_ms, load)] if plain else []
+        )
+        by_mode = {
+            m.Mode.DISTRIBUTED: distributed,
+            m.Mode.CLOUD: cloud,
+            m.Mode.PLAIN: plain_candidates,
+        }
         best = {
             mode: max(candidates, key=lambda c: c.tokens_per_s)
             for mode, candidates in by_mode.items()
@@ -681,6 +700,6 @@ class AdaptivePolicy:
             queue_ms=queue_ms,
             verifier_load=verifier_load,
             verify_coefficients=self.verify_cost.coefficients(),
-            candidates=(*distributed, *cloud),
+            candidates=(*distributed, *cloud, *plain_candidates),
             reason=reason,
         )

@@ -33,7 +33,13 @@ from coordinator.policy import (
     resolve_task,
     verifier_load,
 )
-from coordinator.verifiers import NoVerifierError, VerificationFailed, VerifierPool
+from coordinator.verifiers import (
+    NoVerifierError,
+    StreamLost,
+    VerificationFailed,
+    VerifierPool,
+)
+from inference.speculative import apply_stop_rules
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,9 @@ Publish = Callable[[str, bytes], Awaitable[None]]
 RoundObserver = Callable[["LiveSession", Round], None]
 
 DEFAULT_K = 4
+# Host streams of a session that may break off in a row (a verifier dies, the bus drops) before
+# its device is told to ask again.
+STREAM_ATTEMPTS = 4
 
 
 @dataclass
@@ -58,6 +67,7 @@ class LiveSession:
     policy: m.Policy
     status: SessionStatus
     in_flight_round: int | None = None
+    streaming: bool = False  # a host stream of it runs (one at a time)
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
@@ -96,22 +106,6 @@ class LiveSession:
             ),
             status=row.status,
         )
-
-
-def apply_stop_rules(
-    generated_len: int, accepted: list[int], next_token: int, max_tokens: int, eos_id: int
-) -> tuple[list[int], bool]:
-    """The tokens a target-only decoder would also have emitted, and whether the output ended.
-
-    It stops after the first eos (kept) or at max_tokens generated tokens. The caller reports
-    the last kept token as the round's `next_token`, so a verdict always commits >= 1 token.
-    """
-    kept: list[int] = []
-    for token in [*accepted, next_token]:
-        kept.append(token)
-        if token == eos_id or generated_len + len(kept) >= max_tokens:
-            return kept, True
-    return kept, False
 
 
 class SessionBook:
@@ -163,7 +157,9 @@ class SessionBook:
                 return
             live = await asyncio.to_thread(self._create, device_id, session_uuid, request)
             live.modes = frozenset({*request.modes, request.mode})
-            if request.k == 0:  # no window asked for: the coordinator chooses, round by round
+            # No window asked for: the coordinator chooses, round by round (plain mode asks for
+            # no window and wants none).
+            if request.k == 0 and request.mode is not m.Mode.PLAIN:
                 live.policy_task = resolve_task(request.task_type, request.prompt)
             self.live[live.id] = live
             log.info(
@@ -288,7 +284,12 @@ class SessionBook:
                     "a sampled session needs q' (q_ids, q_probs) with its draft",
                 )
                 return
-            if draft.cloud and not self.can_draft(draft.draft_model):
+            if draft.cloud and live.streaming:
+                # Re-sent while its stream runs (the agent timed out): the state catches it up.
+                await self._send_state(live)
+                return
+            plain = live.policy.mode is m.Mode.PLAIN
+            if draft.cloud and not plain and not self.can_draft(draft.draft_model):
                 await self._error(
                     device_id,
                     "draft",
@@ -299,22 +300,27 @@ class SessionBook:
                 return
             live.in_flight_round = draft.round
             try:
-                streamed = await self._verify_and_commit(live, draft, received_at)
+                if draft.cloud:
+                    # A cloud request: the verifier host runs the rounds from this one on.
+                    if live.policy.mode not in m.HOST_MODES:
+                        live.policy = live.policy.model_copy(
+                            update={
+                                "mode": m.Mode.CLOUD,
+                                "draft_model": draft.draft_model,
+                                "k": draft.cloud_k or live.policy.k,
+                            }
+                        )
+                    goes_on = True
+                else:
+                    goes_on = await self._verify_and_commit(live, draft, received_at)
             finally:
                 live.in_flight_round = None
-        # Cloud mode: the rounds after a request run here, one after another, each persisted and
-        # published as it ends; the lock is let go between them, so that a close gets in.
-        for index in range(1, CLOUD_STREAM_ROUNDS):
-            if streamed is None:
-                return
-            async with live.lock:
-                if live.status is not SessionStatus.ACTIVE or live.next_round != streamed.round:
-                    return  # closed meanwhile, or a re-sent request took the stream over
-                live.in_flight_round = streamed.round
-                try:
-                    streamed = await self._verify_and_commit(live, streamed, time.time(), index)
-                finally:
-                    live.in_flight_round = None
+        if goes_on and not live.streaming:
+            live.streaming = True
+            try:
+                await self._host_stream(live)
+            finally:
+                live.streaming = False
 
     def can_draft(self, draft_model: str) -> bool:
         """Whether a live verifier drafts cloud rounds with this drafter (True with none live:
@@ -326,16 +332,18 @@ class SessionBook:
         """The drafters the live verifiers draft cloud rounds with."""
         return tuple(sorted({d for v in self.pool.live() for d in v.status.drafts}))
 
+    def _hosted(self, live: LiveSession) -> bool:
+        """Whether the session's next rounds run as a host stream (cloud or plain mode)."""
+        policy = live.policy
+        if live.status is not SessionStatus.ACTIVE or policy.mode not in m.HOST_MODES:
+            return False
+        return policy.mode is m.Mode.PLAIN or (policy.k > 0 and self.can_draft(policy.draft_model))
+
     async def _verify_and_commit(
-        self, live: LiveSession, draft: m.Draft, received_at: float, streamed: int = 0
-    ) -> m.Draft | None:
-        """Verify one round, persist it, publish its verdict. In cloud mode, when the verdict
-        says the coordinator goes on, the request of the next round (else None); `streamed`
-        counts the rounds of the request before this one."""
-        cloud_k = None
-        if draft.cloud_k is not None:
-            # As the agent cuts a window: the accepted tokens plus the target's must fit.
-            cloud_k = min(draft.cloud_k, live.max_tokens - len(live.generated) - 1)
+        self, live: LiveSession, draft: m.Draft, received_at: float
+    ) -> bool:
+        """Verify one device-drafted round, persist it, publish its verdict; True when the
+        session goes on as a host stream."""
         request = m.VerifyRequest(
             request_id="pending",
             session_id=live.id,
@@ -345,8 +353,6 @@ class SessionBook:
             q_ids=draft.q_ids,
             q_probs=draft.q_probs,
             sampling=live.sampling,
-            cloud_draft=draft.draft_model if cloud_k and cloud_k > 0 else None,
-            cloud_k=cloud_k if cloud_k and cloud_k > 0 else None,
         )
         queued_at = time.perf_counter()
         try:
@@ -355,97 +361,182 @@ class SessionBook:
             # Nothing was committed; the agent re-sends this round when it hears the state.
             log.error("round %d of %s not verified: %s", draft.round, live.id, exc)
             await self._error(live.device_id, "draft", live.id, draft.round, f"not verified: {exc}")
-            return None
+            return False
         round_trip_ms = (time.perf_counter() - queued_at) * 1000.0
-        drafted, q_ids, q_probs = draft.tokens, draft.q_ids, draft.q_probs
-        if draft.cloud:
-            drafted, q_ids, q_probs = result.draft_tokens or (), result.q_ids, result.q_probs
+        uplink_ms = max(0.0, (received_at - draft.timings.sent_at) * 1000.0)
+        row = self._round_row(live, draft.round, draft.base_len, result)
+        row.draft_tokens = list(draft.tokens)
+        row.draft_model = draft.draft_model
+        row.provisional = draft.provisional
+        row.q_ids = [list(r) for r in draft.q_ids] if draft.q_ids else None
+        row.q_probs = [list(r) for r in draft.q_probs] if draft.q_probs else None
+        row.k = len(draft.tokens)
+        row.mode = SessionMode.DISTRIBUTED
+        row.t_draft_ms = draft.timings.draft_ms
+        row.t_uplink_ms = uplink_ms if draft.timings.sent_at else None
+        # Everything between handing the draft to the pool and the verifier's compute:
+        # transport both ways and the verifier's own queue.
+        row.t_queue_ms = max(0.0, round_trip_ms - result.verify_ms)
+        return await self._commit(
+            live, row, result, draft.tokens, draft.timings.downlink_ms, draft.provisional
+        )
+
+    async def _host_stream(self, live: LiveSession) -> None:
+        """Run the session on the verifier host while its policy says cloud or plain: each
+        stream's rounds are persisted and published one by one as they come, while the verifier
+        already runs the next. A stream that breaks off opens again from the last persisted
+        round (a result never persisted is computed again, identically)."""
+        failures = 0
+        while self._hosted(live) and failures < STREAM_ATTEMPTS:
+            request = self._stream_request(live)
+            stream = self.pool.stream(request)
+            try:
+                async for result in stream:
+                    async with live.lock:
+                        if live.next_round != result.round or not self._hosted(live):
+                            return  # closed, moved back to distributed, or taken over
+                        live.in_flight_round = result.round
+                        try:
+                            goes_on = await self._commit_streamed(live, request, result)
+                        finally:
+                            live.in_flight_round = None
+                    failures = 0
+                    if not goes_on:
+                        return
+            except StreamLost as exc:
+                failures += 1
+                log.warning("stream of %s broke off at round %d: %s", live.id, live.next_round, exc)
+            except NoVerifierError as exc:
+                log.error("no verifier for the stream of %s: %s", live.id, exc)
+                failures = STREAM_ATTEMPTS
+            finally:
+                await stream.aclose()
+        if self._hosted(live):
+            # The agent re-sends its cloud request when it hears the state.
+            await self._error(
+                live.device_id, "draft", live.id, live.next_round, "the host stream broke off"
+            )
+            await self._send_state(live)
+
+    def _stream_request(self, live: LiveSession) -> m.VerifyRequest:
+        policy = live.policy
+        cloud_k = min(policy.k, m.MAX_CLOUD_K) if policy.mode is m.Mode.CLOUD else 0
+        alpha = None
+        if live.policy_task is not None and cloud_k:
+            alpha = self.policy.alpha(live.device_id, policy.draft_model, live.policy_task)
+        return m.VerifyRequest(
+            request_id="pending",
+            session_id=live.id,
+            round=live.next_round,
+            context_ids=tuple(live.prompt_ids + live.generated),
+            tokens=(),
+            sampling=live.sampling,
+            cloud_draft=policy.draft_model if cloud_k else None,
+            cloud_k=cloud_k or None,
+            stream=m.StreamSpec(
+                rounds=CLOUD_STREAM_ROUNDS,
+                max_new=max(1, live.max_tokens - len(live.generated)),
+                eos_id=self.eos_id,
+                task_type=live.policy_task or live.task_type or "chat",
+                alpha=alpha,
+                adaptive=live.policy_task is not None,
+            ),
+        )
+
+    async def _commit_streamed(
+        self, live: LiveSession, request: m.VerifyRequest, result: m.VerifyResult
+    ) -> bool:
+        drafted = result.draft_tokens or ()
+        row = self._round_row(live, result.round, result.base_len, result)
+        row.draft_tokens = list(drafted)
+        row.draft_model = request.cloud_draft if drafted else None
+        row.q_ids = [list(r) for r in result.q_ids] if result.q_ids else None
+        row.q_probs = [list(r) for r in result.q_probs] if result.q_probs else None
+        window = result.pass_choice.k if result.pass_choice is not None else len(drafted)
+        adaptive = request.stream is None or request.stream.adaptive
+        row.k = len(drafted)
+        # Plain: no drafter was asked for, or the pass chose none (a fixed window cut to 0 at
+        # the end of the output is still the session's cloud mode).
+        plain = request.cloud_draft is None or (adaptive and window == 0)
+        row.mode = SessionMode.PLAIN if plain else SessionMode.CLOUD
+        row.t_draft_ms = result.draft_ms
+        row.t_queue_ms = result.queue_ms
+        if result.pass_choice is not None:
+            row.policy = {"pass": result.pass_choice.model_dump(mode="json")}
+        return await self._commit(live, row, result, drafted, None, False)
+
+    def _round_row(
+        self, live: LiveSession, round_index: int, base_len: int, result: m.VerifyResult
+    ) -> Round:
+        return Round(
+            session_id=uuid.UUID(live.id),
+            round_index=round_index,
+            base_len=base_len,
+            verifier_id=result.verifier_id,
+            t_verify_ms=result.verify_ms,
+            t_downlink_ms=None,
+            n_accepted=result.n_accepted,
+            next_token=result.next_token if result.next_token is not None else 0,
+            committed_len=base_len,
+        )
+
+    async def _commit(
+        self,
+        live: LiveSession,
+        row: Round,
+        result: m.VerifyResult,
+        drafted: tuple[int, ...],
+        downlink_ms: float | None,
+        provisional: bool,
+    ) -> bool:
+        """Apply the stop rules to a verified round, persist it, then publish its verdict.
+        True when the session goes on as a host stream."""
         accepted = list(drafted[: result.n_accepted])
         next_token = result.next_token if result.next_token is not None else accepted.pop()
         kept, finished = apply_stop_rules(
             len(live.generated), accepted, next_token, live.max_tokens, self.eos_id
         )
         n_accepted = len(kept) - 1
-        uplink_ms = max(0.0, (received_at - draft.timings.sent_at) * 1000.0)
-        row = Round(
-            session_id=uuid.UUID(live.id),
-            round_index=draft.round,
-            base_len=draft.base_len,
-            draft_tokens=list(drafted),
-            draft_model=draft.draft_model,
-            provisional=draft.provisional,
-            q_ids=[list(row) for row in q_ids] if q_ids else None,
-            q_probs=[list(row) for row in q_probs] if q_probs else None,
-            k=len(drafted),
-            mode=SessionMode.CLOUD if draft.cloud else SessionMode.DISTRIBUTED,
-            n_accepted=n_accepted,
-            next_token=kept[-1],
-            committed_len=draft.base_len + len(kept),
-            verifier_id=result.verifier_id,
-            policy=live.policy.model_dump(mode="json"),
-            # A cloud round was drafted on the verifier host, inside the pool's round trip.
-            t_draft_ms=result.draft_ms if draft.cloud else draft.timings.draft_ms,
-            t_uplink_ms=uplink_ms if draft.timings.sent_at else None,
-            # Everything between handing the draft to the pool and the verifier's compute:
-            # transport both ways and the verifier's own queue.
-            t_queue_ms=max(0.0, round_trip_ms - result.verify_ms - result.draft_ms),
-            t_verify_ms=result.verify_ms,
-            t_downlink_ms=None,
-        )
+        row.n_accepted = n_accepted
+        row.next_token = kept[-1]
+        row.committed_len = row.base_len + len(kept)
+        pass_choice = (row.policy or {}).get("pass")
         # A provisional tail is no window the policy chose: it teaches the policy nothing.
-        if live.policy_task is not None and not draft.provisional:
+        if live.policy_task is not None and not provisional:
             live.policy, row.policy = self._adapt(live, row, result.batch_prefilled > 0)
+        else:
+            row.policy = live.policy.model_dump(mode="json")
+        if pass_choice is not None:
+            row.policy = {**row.policy, "pass": pass_choice}
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
         await self._writer.write(
-            row, generated, status, device_id=live.device_id, downlink_ms=draft.timings.downlink_ms
+            row, generated, status, device_id=live.device_id, downlink_ms=downlink_ms
         )
         live.generated = generated
-        live.next_round = draft.round + 1
+        live.next_round = row.round_index + 1
         live.status = status
-        # The stream goes on while the policy says cloud, up to CLOUD_STREAM_ROUNDS a request; a
-        # distributed round whose decision turns to cloud starts one without another RTT.
-        continues = (
-            not finished
-            and live.policy.mode is m.Mode.CLOUD
-            and live.policy.k > 0
-            and streamed + 1 < CLOUD_STREAM_ROUNDS
-            and self.can_draft(live.policy.draft_model)
-        )
+        continues = self._hosted(live)
+        hosted_round = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
         verdict = m.Verdict(
             session_id=live.id,
-            round=draft.round,
-            base_len=draft.base_len,
+            round=row.round_index,
+            base_len=row.base_len,
             n_accepted=n_accepted,
             next_token=kept[-1],
             committed_len=live.committed_len,
             finished=finished,
-            policy=live.policy,
+            policy=self._agent_policy(live),
             verifier_id=result.verifier_id,
-            draft_tokens=tuple(drafted) if draft.cloud else None,
+            draft_tokens=tuple(drafted) if hosted_round else None,
             continues=continues,
         )
         live.last_verdict = verdict
         await self._send_verdict(live, verdict)
         for observe in self.round_observers:
             observe(live, row)
-        if draft.provisional:
-            # Kept: the provisional tokens the committed ones confirm (the stop rules may end
-            # the output on one of them, which then comes as the round's next token).
-            confirmed = n_accepted
-            if confirmed < len(draft.tokens) and kept[-1] == draft.tokens[confirmed]:
-                confirmed += 1
-            await asyncio.to_thread(
-                self._event,
-                "session.reconciled",
-                live,
-                {
-                    "round": draft.round,
-                    "provisional": len(draft.tokens),
-                    "kept": confirmed,
-                    "replaced": len(draft.tokens) - confirmed,
-                },
-            )
+        if provisional:
+            await self._reconciled(live, row.round_index, drafted, n_accepted, kept[-1])
         if finished:
             log.info(
                 "session %s finished: %d tokens in %d rounds",
@@ -453,15 +544,34 @@ class SessionBook:
                 len(live.generated),
                 live.next_round,
             )
-        if not continues:
-            return None
-        return m.Draft(
-            session_id=live.id,
-            round=live.next_round,
-            base_len=live.committed_len,
-            tokens=(),
-            draft_model=live.policy.draft_model,
-            cloud_k=min(live.policy.k, m.MAX_CLOUD_K),
+        return continues
+
+    def _agent_policy(self, live: LiveSession) -> m.Policy:
+        """The policy as the agent reads it: plain mode is cloud mode to an agent that predates
+        it (both stream; a plain round's window is empty)."""
+        policy = live.policy
+        if policy.mode is m.Mode.PLAIN and m.Mode.PLAIN not in live.modes:
+            return policy.model_copy(update={"mode": m.Mode.CLOUD})
+        return policy
+
+    async def _reconciled(
+        self, live: LiveSession, round_index: int, tail: tuple[int, ...], n_accepted: int, last: int
+    ) -> None:
+        """Log what the target kept of a provisional tail (the stop rules may end the output on
+        one of its tokens, which then comes as the round's next token)."""
+        confirmed = n_accepted
+        if confirmed < len(tail) and last == tail[confirmed]:
+            confirmed += 1
+        await asyncio.to_thread(
+            self._event,
+            "session.reconciled",
+            live,
+            {
+                "round": round_index,
+                "provisional": len(tail),
+                "kept": confirmed,
+                "replaced": len(tail) - confirmed,
+            },
         )
 
     def _adapt(
@@ -485,7 +595,7 @@ class SessionBook:
                 verifier_load=load,
                 mode=m.Mode(row.mode.value),
                 # An adaptive session's first round is the agent's empty window (k = 0).
-                window=live.policy.k if row.round_index > 0 else 0,
+                window=_window(live, row),
                 # A pass that also prefilled (this session's first, or another's in the batch)
                 # says nothing of what verifying a window costs.
                 prefill=prefilled or row.round_index == 0,
@@ -499,6 +609,7 @@ class SessionBook:
             load,
             current_mode=live.policy.mode,
             host_drafts=self.host_drafts() if m.Mode.CLOUD in live.modes else (),
+            plain=m.Mode.PLAIN in live.modes or m.Mode.CLOUD in live.modes,
         )
         return decision.policy, decision.to_json()
 
@@ -566,7 +677,11 @@ class SessionBook:
             seed=request.sampling.seed,
             max_tokens=request.max_tokens,
             # A session that leaves the window to the coordinator starts where its agent does.
-            mode=SessionMode(request.mode.value) if request.k else SessionMode.DISTRIBUTED,
+            mode=(
+                SessionMode(request.mode.value)
+                if request.k or request.mode is m.Mode.PLAIN
+                else SessionMode.DISTRIBUTED
+            ),
             draft_model=request.draft_model or self.default_draft,
             k=request.k or DEFAULT_K,
             status=SessionStatus.ACTIVE,
@@ -642,6 +757,15 @@ class SessionBook:
             append_event(
                 db, kind, device_id=live.device_id, session_id=uuid.UUID(live.id), detail=detail
             )
+
+
+def _window(live: LiveSession, row: Round) -> int:
+    """The window a round was allowed: a host pass's choice, else the policy's k (an adaptive
+    session's first round is the agent's empty window)."""
+    chosen = (row.policy or {}).get("pass")
+    if isinstance(chosen, dict):
+        return int(chosen["k"])
+    return live.policy.k if row.round_index > 0 else 0
 
 
 def _restore(db: Session, row: DecodingSession) -> LiveSession:

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from broker import messages as m
@@ -42,12 +42,22 @@ class Pending:
 
 
 @dataclass
+class StreamPending:
+    """A host stream in flight on a verifier: its results, in the order they come."""
+
+    request: m.VerifyRequest
+    verifier_id: str
+    results: asyncio.Queue[m.VerifyResult | _Reroute] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
 class VerifierInfo:
     verifier_id: str
     status: m.VerifierStatus
     last_heartbeat: float  # monotonic, coordinator clock
     sessions: set[str] = field(default_factory=set)
     in_flight: dict[str, Pending] = field(default_factory=dict)  # request_id -> pending
+    streams: dict[str, StreamPending] = field(default_factory=dict)  # request_id -> stream
 
     @property
     def alive(self) -> bool:
@@ -55,8 +65,9 @@ class VerifierInfo:
 
     @property
     def load(self) -> int:
-        """What this verifier has to do: our requests in flight plus its own reported queue."""
-        return len(self.in_flight) + self.status.queue_depth
+        """What this verifier has to do: our requests in flight, the streams it runs (a round of
+        each in every pass) and its own reported queue."""
+        return len(self.in_flight) + len(self.streams) + self.status.queue_depth
 
 
 class VerifierPool:
@@ -85,6 +96,12 @@ class VerifierPool:
 
     async def on_result(self, verifier_id: str, result: m.VerifyResult) -> None:
         info = self.verifiers.get(verifier_id)
+        stream = info.streams.get(result.request_id) if info else None
+        if info is not None and stream is not None:
+            info.last_heartbeat = time.monotonic()
+            info.sessions.add(result.session_id)
+            stream.results.put_nowait(result)
+            return
         pending = info.in_flight.pop(result.request_id, None) if info else None
         if pending is None:
             log.info("late result %s from %s (already resent)", result.request_id, verifier_id)
@@ -151,6 +168,44 @@ class VerifierPool:
             return result
         raise VerificationFailed(last_error)
 
+    async def stream(self, request: m.VerifyRequest) -> AsyncGenerator[m.VerifyResult, None]:
+        """Open a host stream on the best verifier and yield its results as they come, until
+        one says the stream ends. StreamLost when the verifier dies, goes silent or the bus
+        drops; the caller opens a new stream from what it has persisted."""
+        info = await self._wait_for_verifier(request.session_id, set())
+        attempt = request.model_copy(
+            update={"request_id": secrets.token_hex(8), "sent_at": time.time()}
+        )
+        pending = StreamPending(attempt, info.verifier_id)
+        info.streams[attempt.request_id] = pending
+        try:
+            await self._publish(
+                verifier_topic(info.verifier_id, VerifierChannel.WORK), m.encode(attempt)
+            )
+            ended = False
+            while not ended:
+                try:
+                    item = await asyncio.wait_for(pending.results.get(), VERIFY_TIMEOUT_S)
+                except asyncio.TimeoutError:
+                    raise StreamLost(f"{info.verifier_id} timed out") from None
+                if isinstance(item, _Reroute):
+                    raise StreamLost(str(item))
+                if item.error:
+                    raise StreamLost(f"{info.verifier_id}: {item.error}")
+                ended = item.stream_ends
+                yield item
+        finally:
+            # A stream left before its end is stopped, so the verifier spends no more on it.
+            mine = info.streams.pop(attempt.request_id, None) is not None
+            if mine and not ended and info.alive:
+                stop = m.StreamStop(request_id=attempt.request_id, session_id=request.session_id)
+                try:
+                    await self._publish(
+                        verifier_topic(info.verifier_id, VerifierChannel.WORK), m.encode(stop)
+                    )
+                except Exception as exc:  # the stream ends anyway with the stream's rounds
+                    log.debug("could not stop stream %s: %s", attempt.request_id, exc)
+
     async def _wait_for_verifier(self, session_id: str, tried: set[str]) -> VerifierInfo:
         deadline = time.monotonic() + NO_VERIFIER_WAIT_S
         while True:
@@ -176,6 +231,9 @@ class VerifierPool:
                     pending.future.set_exception(_Reroute(why))
                     moved += 1
             info.in_flight.clear()
+            for stream in info.streams.values():
+                stream.results.put_nowait(_Reroute(why))
+                moved += 1
         if moved:
             log.warning("%s; resending %d verifications", why, moved)
         return moved
@@ -207,6 +265,12 @@ class VerifierPool:
             if not pending.future.done():
                 pending.future.set_exception(_Reroute(f"{info.verifier_id} {why}"))
         info.in_flight.clear()
+        for stream in info.streams.values():
+            stream.results.put_nowait(_Reroute(f"{info.verifier_id} {why}"))
+
+
+class StreamLost(Exception):
+    """A host stream broke off before its end; what it persisted stands."""
 
 
 class _Reroute(Exception):

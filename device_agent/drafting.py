@@ -69,7 +69,8 @@ class SessionSpec:
     max_tokens: int
     draft_model: str
     k: int
-    mode: m.Mode = m.Mode.DISTRIBUTED  # cloud: the verifier host drafts (with a fixed k > 0)
+    # cloud: the verifier host drafts (with a fixed k > 0); plain: it decodes with no drafter.
+    mode: m.Mode = m.Mode.DISTRIBUTED
 
     def open_message(self) -> m.SessionOpen:
         return m.SessionOpen(
@@ -82,7 +83,8 @@ class SessionSpec:
             draft_model=self.draft_model,
             k=self.k,
             mode=self.mode,
-            modes=(m.Mode.DISTRIBUTED, m.Mode.CLOUD),  # this agent streams cloud rounds too
+            # This agent streams host rounds too: cloud (the host drafts) and plain (no drafter).
+            modes=(m.Mode.DISTRIBUTED, m.Mode.CLOUD, m.Mode.PLAIN),
         )
 
 
@@ -365,8 +367,8 @@ class SessionDrafter:
                 "session %s: a coordinator does not ask for local mode; drafting on",
                 self.spec.session_id,
             )
-        self.mode = m.Mode.CLOUD if policy.mode is m.Mode.CLOUD else m.Mode.DISTRIBUTED
-        if self.mode is m.Mode.CLOUD:
+        self.mode = policy.mode if policy.mode in m.HOST_MODES else m.Mode.DISTRIBUTED
+        if self.mode in m.HOST_MODES:
             self.cloud_draft = policy.draft_model
             return  # the host drafts; the device's own drafter waits as it is
         # The swap itself waits for `draft`, which may load a model and so runs off the loop.
@@ -396,7 +398,7 @@ class SessionDrafter:
             raise RuntimeError("the session has finished")
         if self.provisional:
             return self._provisional_window()
-        if self.mode is m.Mode.CLOUD:
+        if self.mode in m.HOST_MODES:
             return self._cloud_window()
         self._swap_if_wanted()
         if self.min_confidence is not None:

@@ -74,7 +74,8 @@ class SessionRequest(BaseModel):
     proactive: bool | None = None  # None: the agent's setting
     # cloud: the verifier host drafts every window (needs k > 0; k = 0 lets the coordinator
     # choose the mode too).
-    mode: Literal["distributed", "cloud"] = "distributed"
+    # plain: the host decodes with no drafter at all (k is then ignored).
+    mode: Literal["distributed", "cloud", "plain"] = "distributed"
 
     @classmethod
     def parse_json(cls, body: bytes) -> SessionRequest:

@@ -280,3 +280,19 @@ def replay_greedy(
         decode_ms=(time.perf_counter() - start) * 1e3,
         stopped_by="max_tokens" if len(path) == max_new_tokens else "eos",
     )
+
+
+def apply_stop_rules(
+    generated_len: int, accepted: list[int], next_token: int, max_tokens: int, eos_id: int
+) -> tuple[list[int], bool]:
+    """The tokens a target-only decoder would also have emitted, and whether the output ended.
+
+    It stops after the first eos (kept) or at max_tokens generated tokens. The caller reports
+    the last kept token as the round's `next_token`, so a verdict always commits >= 1 token.
+    """
+    kept: list[int] = []
+    for token in [*accepted, next_token]:
+        kept.append(token)
+        if token == eos_id or generated_len + len(kept) >= max_tokens:
+            return kept, True
+    return kept, False

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from broker.compat import timeout
 from broker.messages import VerifyRequest
+from inference.runtime import Runtime
 from verifier.core import MAX_SESSIONS, CoreStats, Verification
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ChildConfig:
     max_sessions: int = MAX_SESSIONS
     max_cache_mb: int = MAX_CACHE_MB
     cloud_drafts: bool = True  # draft cloud rounds with the drafters of the models directory
+    profile: bool = True  # time a few pass shapes after loading, to seed the worker's cost model
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class ChildReady:
     target: str  # model name@sha256 prefix
     load_s: float
     drafts: tuple[str, ...] = ()  # the drafters it runs for cloud rounds
+    # Pass costs timed at start: (rows, positions per row, ms), for goodput control.
+    profile: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             f"{manifest.name}@{manifest.sha256[:12]}",
             time.perf_counter() - started,
             drafts=() if drafters is None else drafters.names,
+            profile=profile_passes(runtime) if config.profile else (),
         )
     # Whatever stops the load is reported to the worker, which decides to retry or give up.
     except Exception as exc:
@@ -133,6 +138,30 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         reply = ChildReply(verifications, (time.perf_counter() - t0) * 1e3, core.stats())
         if not _send_or_exit(conn, reply):
             return
+
+
+# The pass shapes timed at start: enough distinct (rows, positions) for the three terms of
+# cost(B, T) = a + b B + c B T; about 0.5 s on a 2-core host for SmolLM2-135M.
+PROFILE_SHAPES = ((1, 1), (1, 5), (8, 1), (8, 5), (4, 3))
+PROFILE_CONTEXT = 32  # positions already in each row's cache, as in a session under way
+PROFILE_REPEATS = 2
+
+
+def profile_passes(runtime: Runtime) -> tuple[tuple[int, int, float], ...]:
+    """Time one pass per shape (the best of a few), on caches holding a short context."""
+    runtime.forward_batch([([1], runtime.new_cache())])  # the first pass pays for warm-up
+    samples = []
+    for rows, positions in PROFILE_SHAPES:
+        best = float("inf")
+        for _ in range(PROFILE_REPEATS):
+            caches = [runtime.new_cache() for _ in range(rows)]
+            for cache in caches:
+                runtime.forward(list(range(1, PROFILE_CONTEXT + 1)), cache)
+            t0 = time.perf_counter()
+            runtime.forward_batch([(list(range(2, positions + 2)), cache) for cache in caches])
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+        samples.append((rows, positions, best))
+    return tuple(samples)
 
 
 def _send_or_exit(conn: Connection, message: object) -> bool:

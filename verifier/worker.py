@@ -31,20 +31,26 @@ from broker.compat import task_group, timeout
 from broker.messages import (
     BusError,
     DeviceState,
+    PassChoice,
+    StreamStop,
     VerifierStatus,
     VerifyRequest,
     VerifyResult,
-    decode_as,
+    decode,
     encode,
 )
 from broker.topics import VerifierChannel, validate_device_id, verifier_topic
 from verifier.child import ChildConfig, ChildDied, ChildStartError, InferenceChild
 from verifier.core import Verification
+from verifier.goodput import GoodputControl
+from verifier.streams import HostStream, HostStreams
 
 log = logging.getLogger(__name__)
 
 # Defaults of WorkerConfig and of the command's flags; the restart constants are read at run time.
-MAX_BATCH = 16
+# The widest pass: DESIGN.md's table goes to 32 rows, and plain serving of 32 sessions batches
+# them all; rows past it wait for the next pass.
+MAX_BATCH = 32
 # After the first request of a batch, wait at most this long for more, and only while another
 # session is due back within it (see ReturnTimes).
 BATCH_WINDOW_MS = 2.0
@@ -206,6 +212,10 @@ class VerifierWorker:
         self._in_flight: list[_Pending] = []
         self._outbox = _Outbox()
         self._returns = ReturnTimes()
+        self.streams = HostStreams()
+        self.goodput = GoodputControl()
+        self._work_ready = asyncio.Event()
+        self._passes = 0
         self._sessions_cached = 0
         self._target = ""
         self._drafts: tuple[str, ...] = ()
@@ -218,7 +228,8 @@ class VerifierWorker:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        """Requests in the pass under way, and the streams that have a round in every pass."""
+        return len(self._in_flight) + len(self.streams)
 
     @property
     def sessions_cached(self) -> int:
@@ -249,6 +260,8 @@ class VerifierWorker:
                 raise VerifierError(f"cannot start the inference process: {exc}") from exc
             self._target = ready.target
             self._drafts = ready.drafts
+            for rows, positions, ms in ready.profile:
+                self.goodput.observe_pass(rows, positions, ms)
             options = ConnectOptions(
                 client_id=f"specfleet-verifier-{self.config.verifier_id}",
                 username=self.username,
@@ -294,7 +307,14 @@ class VerifierWorker:
                 continue
             self.counters.received += 1
             try:
-                request = decode_as(incoming.payload, VerifyRequest)
+                message = decode(incoming.payload)
+                if isinstance(message, StreamStop):
+                    if self.streams.stop(message.session_id, message.request_id) is not None:
+                        log.debug("stream of %s stopped", message.session_id)
+                    continue
+                if not isinstance(message, VerifyRequest):
+                    raise BusError(f"expected verify_request or stream_stop, got {message.type}")
+                request = message
             except BusError as exc:
                 self.counters.refused += 1
                 log.warning("refused a payload on %s: %s", incoming.topic, exc.reason)
@@ -303,8 +323,16 @@ class VerifierWorker:
                     self._outbox.put(self.result_topic, encode(reply))
                 continue
             received_at = time.perf_counter()
+            if request.stream is not None:
+                self.streams.open(HostStream.open(request, received_at))
+                self._work_ready.set()
+                continue
+            # A device-drafted round of a session ends any stream of it (the coordinator moved
+            # it back to distributed mode; the stop may still be on its way).
+            self.streams.stop(request.session_id)
             self._returns.arrived(request.session_id, received_at)
             self._queue.put_nowait(_Pending(request, received_at))
+            self._work_ready.set()
         raise BusConnectionError("the broker ended the message stream")
 
     async def _publish_results(self, client: BusClient) -> None:
@@ -337,12 +365,18 @@ class VerifierWorker:
 
     async def _collect(self) -> list[_Pending]:
         """Up to max_batch requests: the first, whatever else is queued, and what arrives within
-        the batch window while another session is due back within it."""
-        first = await self._queue.get()
-        batch = [first]
+        the batch window while another session is due back within it. With streams open the
+        pass goes at once: it has their rounds to run, and they must not wait on devices."""
+        if not self.streams:
+            await self._wait_for_work()
+        batch: list[_Pending] = []
+        while len(batch) < self.config.max_batch and not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        if self.streams or not batch:
+            return batch
         window_s = self.config.batch_window_ms / 1e3
-        deadline = first.received_at + window_s
-        while len(batch) < self.config.max_batch:
+        deadline = batch[0].received_at + window_s
+        while len(batch) < self.config.max_batch and not self.streams:
             if not self._queue.empty():
                 batch.append(self._queue.get_nowait())
                 continue
@@ -361,43 +395,132 @@ class VerifierWorker:
                 break
         return batch
 
+    async def _wait_for_work(self) -> None:
+        """Until a request is queued or a stream opens."""
+        while self._queue.empty() and not self.streams:
+            self._work_ready.clear()
+            await self._work_ready.wait()
+
     async def _serve_batches(self) -> None:
         while True:
             batch = await self._collect()
+            busy = {pending.request.session_id for pending in batch}
+            self._passes += 1
+            turn = self.streams.turn(self.config.max_batch - len(batch), self._passes, busy)
+            if not batch and not turn:
+                continue
+            choice = None
+            if turn:
+                fixed = [len(p.request.tokens) or (p.request.cloud_k or 0) for p in batch]
+                fixed += [stream.cap for stream in turn if not stream.adaptive]
+                choice = self.goodput.choose(
+                    [stream.row() for stream in turn if stream.adaptive], fixed
+                )
             self._in_flight = batch
             try:
-                await self._verify(batch)
+                await self._verify(batch, turn, choice)
             finally:
                 self._in_flight = []
 
-    async def _verify(self, batch: list[_Pending]) -> None:
+    async def _verify(
+        self, batch: list[_Pending], turn: list[HostStream], choice: PassChoice | None
+    ) -> None:
+        """One pass: the device-drafted requests of `batch` and a round of each stream in
+        `turn`, at the window `choice` picked for them."""
         dispatched = time.perf_counter()
+        k = 0 if choice is None else choice.k
+        requests = [p.request for p in batch] + [stream.request(k) for stream in turn]
         try:
-            reply = await self.child.verify(
-                [p.request for p in batch], timeout_s=self.config.batch_timeout_s
-            )
+            reply = await self.child.verify(requests, timeout_s=self.config.batch_timeout_s)
         except ChildDied as exc:
-            log.error("inference process lost with %d requests in flight: %s", len(batch), exc)
+            log.error("inference process lost with %d requests in flight: %s", len(requests), exc)
+            error = f"verifier lost its inference process: {exc}"
             for pending in batch:
-                self._emit(
-                    pending,
-                    None,
-                    dispatched,
-                    0.0,
-                    error=f"verifier lost its inference process: {exc}",
-                )
+                self._emit(pending, None, dispatched, 0.0, error=error)
+            for stream, request in zip(turn, requests[len(batch) :], strict=True):
+                self._emit_stream(stream, request, None, 0.0, 0, choice, error=error)
             await self._restart_child()
             return
         roundtrip_ms = (time.perf_counter() - dispatched) * 1e3
         self.counters.batches += 1
-        self.counters.timings.append(BatchTiming(len(batch), roundtrip_ms, reply.compute_ms))
+        self.counters.timings.append(BatchTiming(len(requests), roundtrip_ms, reply.compute_ms))
         self._sessions_cached = reply.stats.sessions_cached
         # Cloud rounds were drafted inside the same call; what the target took is the rest.
-        drafting_ms = sum(v.draft_ms for v in reply.verifications)
+        verifications = reply.verifications
+        drafting_ms = sum(v.draft_ms for v in verifications)
         verify_ms = max(0.0, reply.compute_ms - drafting_ms)
-        prefilled = sum(v.prefilled for v in reply.verifications)
-        for pending, verification in zip(batch, reply.verifications, strict=True):
+        prefilled = sum(v.prefilled for v in verifications)
+        if not prefilled:
+            widest = max(
+                (len(r.tokens) or len(v.draft_tokens or ()))
+                for r, v in zip(requests, verifications, strict=True)
+            )
+            self.goodput.observe_pass(len(requests), widest + 1, verify_ms)
+        for pending, verification in zip(batch, verifications, strict=False):
             self._emit(pending, verification, dispatched, verify_ms, prefilled=prefilled)
+        streamed = zip(turn, requests[len(batch) :], verifications[len(batch) :], strict=True)
+        for stream, request, verification in streamed:
+            self._emit_stream(stream, request, verification, verify_ms, prefilled, choice)
+
+    def _emit_stream(
+        self,
+        stream: HostStream,
+        request: VerifyRequest,
+        verification: Verification | None,
+        compute_ms: float,
+        prefilled: int,
+        choice: PassChoice | None,
+        error: str = "",
+    ) -> None:
+        """A stream's round to the coordinator; the stream goes on or ends with it."""
+        error = error or (verification.error if verification is not None else "")
+        window = request.cloud_k or 0
+        drafted: tuple[int, ...] = ()
+        goes_on = False
+        if verification is not None and not error and verification.next_token is not None:
+            drafted = verification.draft_tokens or ()
+            if stream.opening.cloud_draft is not None and window:
+                self.goodput.observe_round(
+                    stream.opening.cloud_draft,
+                    stream.spec.task_type,
+                    window,
+                    len(drafted),
+                    verification.n_accepted,
+                )
+                self.goodput.observe_draft_ms(
+                    stream.opening.cloud_draft, window, verification.draft_ms
+                )
+            goes_on = self.streams.is_current(stream) and stream.advance(
+                drafted, verification.n_accepted, verification.next_token
+            )
+        elif not error:
+            error = "the target gave no next token"
+        if not goes_on:
+            self.streams.stop(stream.session_id, stream.request_id)
+        result = VerifyResult(
+            request_id=stream.request_id,
+            session_id=stream.session_id,
+            round=request.round,
+            base_len=len(request.context_ids),
+            n_accepted=verification.n_accepted if verification is not None and not error else 0,
+            next_token=None if error or verification is None else verification.next_token,
+            verifier_id=self.config.verifier_id,
+            verify_ms=compute_ms,
+            batch_size=verification.batch_size if verification is not None else 1,
+            batch_prefilled=prefilled,
+            error=error[:1024],
+            draft_tokens=None if error or verification is None else drafted,
+            q_ids=None if error or verification is None else verification.q_ids,
+            q_probs=None if error or verification is None else verification.q_probs,
+            draft_ms=verification.draft_ms if verification is not None else 0.0,
+            pass_choice=_row_choice(stream, choice, window),
+            stream_ends=not goes_on,
+        )
+        if result.error:
+            self.counters.failed += 1
+        else:
+            self.counters.served += 1
+        self._outbox.put(self.result_topic, encode(result))
 
     def _emit(
         self,
@@ -458,6 +581,16 @@ class VerifierWorker:
             self._drafts = ready.drafts
             return
         raise VerifierError(f"the inference process failed to restart {RESTART_ATTEMPTS} times")
+
+
+def _row_choice(stream: HostStream, choice: PassChoice | None, window: int) -> PassChoice:
+    """The pass's choice as one stream's round saw it: its own window, cut to what fitted."""
+    if not stream.adaptive:
+        return PassChoice(
+            k=window, rows=1 if choice is None else choice.rows, reason="the session's own window"
+        )
+    assert choice is not None
+    return choice.model_copy(update={"k": window})
 
 
 def refusal_reply(payload: bytes, reason: str, verifier_id: str) -> VerifyResult | None:

@@ -116,6 +116,7 @@ class SessionMode(str, enum.Enum):
     DISTRIBUTED = "distributed"
     CLOUD = "cloud"
     LOCAL = "local"
+    PLAIN = "plain"
 
 
 class SessionStatus(str, enum.Enum):

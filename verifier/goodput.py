@@ -1,0 +1,221 @@
+"""Goodput control of a host pass: the window of its streams that commits the most tokens/s.
+
+A pass of B rows with T positions each costs cost(B, T) on this verifier (every row is padded to
+the longest, so the pass pays for its widest window). A stream's window of k commits E(k) tokens
+on average, from the acceptance per draft position its drafter has shown on this task here. The
+pass's window k is the one that maximises (sum of E over its rows) / (cost(B, T(k)) + drafting):
+SmartSpec's goodput rule, over the whole batch rather than one session, with k = 0 (plain
+decoding, no drafter) always a candidate. On a compute-bound CPU verifier a loaded batch picks
+k = 0, and a lone session a wide window (DESIGN.md, "What a batch costs on this machine").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from broker.messages import PassChoice
+
+# The windows a pass considers (beyond its streams' caps they are cut to the cap).
+WINDOWS = (0, 1, 2, 3, 4, 6, 8)
+# Forgetting of the cost fit: a sample weighs half after this many passes, so the fit follows
+# a host whose load drifts (other processes, thermal limits) within a minute or so.
+COST_HALF_LIFE_PASSES = 400.0
+# Forgetting of acceptance: per window position, per (drafter, task).
+ACCEPT_HALF_LIFE = 200.0
+# What a drafter is taken to achieve before this host has seen it on a task: the coordinator's
+# estimate when it sends one, else this; worth PRIOR_WEIGHT observations.
+PRIOR_ACCEPT = 0.5
+PRIOR_WEIGHT = 4.0
+# A copying drafter's draft costs ~0.05 ms a token and a small neural one 1-2 ms on this CPU
+# (bench models); until measured, a drafter is taken to cost this.
+PRIOR_DRAFT_MS_PER_TOKEN = 1.0
+# A speculative window must promise this much more goodput than the plain pass to be chosen:
+# the estimates are noisy, and a wrong wide window costs a whole padded pass.
+SPECULATION_MARGIN = 1.05
+
+
+def _decay(half_life: float) -> float:
+    return float(0.5 ** (1.0 / half_life))
+
+
+class PassCost:
+    """cost(B, T) = a + b B + c B T in ms, fitted by exponentially weighted least squares.
+
+    a is the fixed cost of a pass, b a row's, c a position's. Seeded with the profile the
+    verifier takes when it starts, refined by every pass without a prefill.
+    """
+
+    def __init__(self, half_life: float = COST_HALF_LIFE_PASSES) -> None:
+        self._forget = _decay(half_life)
+        self._xtx = [[0.0] * 3 for _ in range(3)]
+        self._xty = [0.0] * 3
+        self._coefficients = (30.0, 2.0, 2.5)  # the shape of DESIGN.md's table, before any data
+        self.samples = 0
+
+    @staticmethod
+    def _features(rows: int, positions: int) -> tuple[float, float, float]:
+        return (1.0, float(rows), float(rows * positions))
+
+    def observe(self, rows: int, positions: int, ms: float, weight: float = 1.0) -> None:
+        x = self._features(rows, positions)
+        for i in range(3):
+            self._xty[i] = self._xty[i] * self._forget + weight * x[i] * ms
+            for j in range(3):
+                self._xtx[i][j] = self._xtx[i][j] * self._forget + weight * x[i] * x[j]
+        self.samples += 1
+        solved = _solve3(self._xtx, self._xty)
+        if solved is not None:
+            # Negative terms fit noise; a pass never costs less for more rows or positions.
+            a, b, c = solved
+            self._coefficients = (max(0.0, a), max(0.0, b), max(1e-3, c))
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        return self._coefficients
+
+    def predict(self, rows: int, positions: int) -> float:
+        a, b, c = self._coefficients
+        return a + b * rows + c * rows * positions
+
+
+def _solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float] | None:
+    """The 3x3 system by Cramer's rule; None when it is singular (too few distinct samples)."""
+
+    def det(m: list[list[float]]) -> float:
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
+
+    d = det(matrix)
+    scale = max(abs(v) for row in matrix for v in row) or 1.0
+    if abs(d) <= 1e-9 * scale**3:
+        return None
+    out = []
+    for col in range(3):
+        replaced = [[rhs[r] if c == col else matrix[r][c] for c in range(3)] for r in range(3)]
+        out.append(det(replaced) / d)
+    return out[0], out[1], out[2]
+
+
+@dataclass
+class _Position:
+    reached: float = 0.0  # windows that allowed a token here and had all before it accepted
+    accepted: float = 0.0  # of those, the ones whose token here was drafted and accepted
+
+
+@dataclass
+class PositionAcceptance:
+    """P(token i is drafted and accepted | tokens 1..i-1 were), for i = 1..MAX, decayed."""
+
+    positions: list[_Position] = field(default_factory=list)
+
+    def observe(self, window: int, drafted: int, accepted: int, forget: float) -> None:
+        """A round with a window of `window`, `drafted` tokens proposed, `accepted` kept."""
+        while len(self.positions) < window:
+            self.positions.append(_Position())
+        for i in range(min(window, accepted + 1)):
+            position = self.positions[i]
+            position.reached = position.reached * forget + 1.0
+            position.accepted = position.accepted * forget + (1.0 if i < accepted else 0.0)
+        del drafted  # a short proposal reads as a rejection at its end: both stop the round
+
+    def rate(self, i: int, prior: float) -> float:
+        """The chance of the (i+1)-th token, with the prior worth PRIOR_WEIGHT rounds."""
+        seen = self.positions[i] if i < len(self.positions) else _Position()
+        return (seen.accepted + prior * PRIOR_WEIGHT) / (seen.reached + PRIOR_WEIGHT)
+
+    def expected_tokens(self, k: int, prior: float) -> float:
+        """E(k) = 1 + sum over i of the chance that tokens 1..i are all accepted."""
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.rate(i, prior)
+            total += survive
+        return total
+
+
+@dataclass(frozen=True)
+class StreamRow:
+    """What the pass knows of one stream it is about to run a round of."""
+
+    draft: str | None  # None: a plain stream (no drafter)
+    task_type: str
+    cap: int  # the most tokens it may draft this round (cloud_k, cut to fit max_new)
+    prior: float  # the coordinator's acceptance estimate, or PRIOR_ACCEPT
+
+
+class GoodputControl:
+    """The verifier's cost model and acceptance statistics, and the pass rule over them."""
+
+    def __init__(self, windows: Sequence[int] = WINDOWS) -> None:
+        self.cost = PassCost()
+        self.windows = tuple(sorted(set(windows)))
+        self._accept: dict[tuple[str, str], PositionAcceptance] = {}
+        self._draft_ms: dict[str, float] = {}
+        self._accept_forget = _decay(ACCEPT_HALF_LIFE)
+
+    # -- learning ---------------------------------------------------------------------------
+
+    def observe_pass(self, rows: int, positions: int, ms: float, weight: float = 1.0) -> None:
+        self.cost.observe(rows, positions, ms, weight)
+
+    def observe_round(
+        self, draft: str, task_type: str, window: int, drafted: int, accepted: int
+    ) -> None:
+        if window <= 0:
+            return
+        stats = self._accept.setdefault((draft, task_type), PositionAcceptance())
+        stats.observe(window, drafted, accepted, self._accept_forget)
+
+    def observe_draft_ms(self, draft: str, tokens: int, ms: float) -> None:
+        if tokens <= 0:
+            return
+        per_token = ms / tokens
+        old = self._draft_ms.get(draft)
+        self._draft_ms[draft] = per_token if old is None else 0.9 * old + 0.1 * per_token
+
+    def expected_tokens(self, row: StreamRow, k: int) -> float:
+        if row.draft is None or k <= 0:
+            return 1.0
+        stats = self._accept.get((row.draft, row.task_type), PositionAcceptance())
+        return stats.expected_tokens(min(k, row.cap), row.prior)
+
+    def draft_ms(self, draft: str) -> float:
+        return self._draft_ms.get(draft, PRIOR_DRAFT_MS_PER_TOKEN)
+
+    # -- the rule ---------------------------------------------------------------------------
+
+    def choose(self, streams: Sequence[StreamRow], fixed: Iterable[int]) -> PassChoice:
+        """The window of this pass's streams. `fixed`: the windows (drafted tokens) of the
+        device-drafted rows that share the pass, which the pass must score whatever it picks."""
+        fixed = list(fixed)
+        rows = len(streams) + len(fixed)
+        widest_fixed = max(fixed, default=0)
+        # A device-drafted row is worth about 1 + a window's half (its acceptance is unknown here).
+        fixed_tokens = sum(1.0 + 0.5 * k for k in fixed)
+        top_cap = max((s.cap for s in streams if s.draft is not None), default=0)
+        goodput: dict[str, float] = {}
+        cost_at: dict[int, float] = {}
+        for k in self.windows:
+            if k > top_cap and k > 0:
+                continue
+            tokens = fixed_tokens + sum(self.expected_tokens(s, k) for s in streams)
+            drafting = sum(
+                self.draft_ms(s.draft) * min(k, s.cap) for s in streams if s.draft is not None
+            )
+            ms = self.cost.predict(rows, max(k, widest_fixed) + 1) + drafting
+            cost_at[k] = ms
+            goodput[str(k)] = tokens / ms * 1000.0 if ms > 0 else math.inf
+        plain = goodput["0"]
+        best = max((int(k) for k in goodput), key=lambda k: (goodput[str(k)], -k))
+        if best > 0 and goodput[str(best)] < plain * SPECULATION_MARGIN:
+            best = 0
+        reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
+            "" if best == 0 else f" (plain {plain:.1f})"
+        )
+        return PassChoice(
+            k=best, rows=rows, goodput=goodput, cost_ms=cost_at[best], reason=reason[:256]
+        )

@@ -1,0 +1,134 @@
+"""Host streams: sessions whose rounds the verifier runs by itself, one per batched pass.
+
+A stream opens with a VerifyRequest that carries a `StreamSpec` (cloud or plain mode). From then
+on every pass of the worker holds one round of each stream it has room for, next to the drafts
+that devices sent, with no bus round trip between a session's rounds: the results go to the
+coordinator, which persists each round before its verdict leaves, while the next pass already
+runs. A result the coordinator never persisted (a crash, a move) is computed again from the
+committed tokens, deterministically, so running ahead of persistence loses nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from broker.messages import MAX_CLOUD_K, StreamSpec, VerifyRequest
+from inference.speculative import apply_stop_rules
+from verifier.goodput import PRIOR_ACCEPT, StreamRow
+
+
+@dataclass
+class HostStream:
+    """One session's stream: where it stands and how far it may go."""
+
+    opening: VerifyRequest  # the request that opened it (request_id, sampling, drafter, cap)
+    spec: StreamSpec
+    received_at: float  # time.perf_counter() of its opening
+    round: int
+    context: list[int]  # the committed sequence, prompt included, as this stream has it
+    generated: int = 0  # tokens committed by this stream's rounds
+    rounds_done: int = 0
+    last_pass: int = -1  # the pass that last ran a round of it, for fair turns
+
+    @classmethod
+    def open(cls, request: VerifyRequest, received_at: float) -> HostStream:
+        assert request.stream is not None
+        return cls(
+            opening=request,
+            spec=request.stream,
+            received_at=received_at,
+            round=request.round,
+            context=list(request.context_ids),
+        )
+
+    @property
+    def session_id(self) -> str:
+        return self.opening.session_id
+
+    @property
+    def request_id(self) -> str:
+        return self.opening.request_id
+
+    @property
+    def cap(self) -> int:
+        """The widest window of its next round: the stream's cap, cut so that the accepted
+        tokens plus the target's own fit in what the session may still generate."""
+        if self.opening.cloud_draft is None or self.opening.cloud_k is None:
+            return 0
+        left = self.spec.max_new - self.generated - 1
+        return max(0, min(self.opening.cloud_k, left, MAX_CLOUD_K))
+
+    def row(self) -> StreamRow:
+        prior = PRIOR_ACCEPT if self.spec.alpha is None else self.spec.alpha
+        return StreamRow(self.opening.cloud_draft, self.spec.task_type, self.cap, prior)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.spec.adaptive
+
+    def request(self, k: int) -> VerifyRequest:
+        """This round as the core verifies it: drafted here with a window of k (0: plain), or
+        its own fixed window."""
+        window = min(k, self.cap) if self.spec.adaptive else self.cap
+        return self.opening.model_copy(
+            update={
+                "round": self.round,
+                "context_ids": tuple(self.context),
+                "cloud_draft": self.opening.cloud_draft if window > 0 else None,
+                "cloud_k": window if window > 0 else None,
+                "stream": None,
+            }
+        )
+
+    def advance(self, drafted: tuple[int, ...], n_accepted: int, next_token: int) -> bool:
+        """Take a verified round; True while the stream goes on."""
+        kept, finished = apply_stop_rules(
+            self.generated,
+            list(drafted[:n_accepted]),
+            next_token,
+            self.spec.max_new,
+            self.spec.eos_id,
+        )
+        self.context += kept
+        self.generated += len(kept)
+        self.round += 1
+        self.rounds_done += 1
+        return not finished and self.rounds_done < self.spec.rounds
+
+
+@dataclass
+class HostStreams:
+    """The streams of one worker, by session (a session has at most one)."""
+
+    by_session: dict[str, HostStream] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.by_session)
+
+    def open(self, stream: HostStream) -> HostStream | None:
+        """Open a stream; the one it replaces for the same session, if any."""
+        replaced = self.by_session.pop(stream.session_id, None)
+        self.by_session[stream.session_id] = stream
+        return replaced
+
+    def stop(self, session_id: str, request_id: str | None = None) -> HostStream | None:
+        """End a session's stream (only the one opened by `request_id`, when given)."""
+        stream = self.by_session.get(session_id)
+        if stream is None or (request_id is not None and stream.request_id != request_id):
+            return None
+        return self.by_session.pop(session_id)
+
+    def is_current(self, stream: HostStream) -> bool:
+        return self.by_session.get(stream.session_id) is stream
+
+    def turn(self, room: int, pass_index: int, busy: Iterable[str]) -> list[HostStream]:
+        """Up to `room` streams for this pass, those that waited longest first; a session
+        whose device-drafted round is in the pass already sits this one out."""
+        taken = set(busy)
+        ready = [s for s in self.by_session.values() if s.session_id not in taken]
+        ready.sort(key=lambda s: s.last_pass)
+        chosen = ready[: max(0, room)]
+        for stream in chosen:
+            stream.last_pass = pass_index
+        return chosen
