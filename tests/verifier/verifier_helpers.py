@@ -92,6 +92,7 @@ class BusListener:
     def __init__(self, client: BusClient) -> None:
         self.client = client
         self.results: dict[str, VerifyResult] = {}
+        self.streamed: dict[str, list[VerifyResult]] = {}  # a host stream's rounds, by request id
         self.deliveries: Counter[str] = Counter()  # results received, by request id
         self.statuses: list[tuple[VerifierStatus, bool]] = []  # with the retain flag
         self._changed = asyncio.Condition()
@@ -102,6 +103,7 @@ class BusListener:
             async with self._changed:
                 if isinstance(message, VerifyResult):
                     self.results[message.request_id] = message
+                    self.streamed.setdefault(message.request_id, []).append(message)
                     self.deliveries[message.request_id] += 1
                 elif isinstance(message, VerifierStatus):
                     self.statuses.append((message, incoming.retain))
@@ -111,6 +113,16 @@ class BusListener:
         async with timeout(timeout_s), self._changed:
             await self._changed.wait_for(lambda: request_id in self.results)
         return self.results[request_id]
+
+    async def stream_end(self, request_id: str, timeout_s: float = 90.0) -> list[VerifyResult]:
+        """Every round of a host stream, once one says the stream ends."""
+
+        def ended() -> bool:
+            return any(r.stream_ends for r in self.streamed.get(request_id, []))
+
+        async with timeout(timeout_s), self._changed:
+            await self._changed.wait_for(ended)
+        return self.streamed[request_id]
 
     async def status(
         self, predicate: Callable[[VerifierStatus], bool], timeout_s: float = 90.0

@@ -1,0 +1,96 @@
+"""Goodput control: the cost fit, acceptance per position, and the window of a pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from verifier.goodput import GoodputControl, PassCost, PositionAcceptance, StreamRow
+
+# DESIGN.md, "What a batch costs on this machine": (rows, tokens per row) -> ms.
+TABLE = {
+    (1, 1): 37, (1, 3): 40, (1, 5): 43, (1, 9): 52,
+    (4, 1): 44, (4, 3): 59, (4, 5): 84, (4, 9): 122,
+    (16, 1): 102, (16, 3): 183, (16, 5): 267, (16, 9): 439,
+    (32, 1): 171, (32, 3): 351, (32, 5): 498, (32, 9): 816,
+}  # fmt: skip
+
+
+def fitted() -> GoodputControl:
+    control = GoodputControl()
+    for _ in range(3):
+        for (rows, positions), ms in TABLE.items():
+            control.observe_pass(rows, positions, ms)
+    return control
+
+
+def test_the_cost_fit_follows_the_measured_table() -> None:
+    cost = fitted().cost
+    errors = [abs(cost.predict(b, t) - ms) / ms for (b, t), ms in TABLE.items()]
+    assert max(errors) < 0.25
+    assert sum(errors) / len(errors) < 0.12
+
+
+def test_the_cost_fit_follows_a_host_that_slows_down() -> None:
+    cost = PassCost(half_life=20)
+    for _ in range(20):
+        for (rows, positions), ms in TABLE.items():
+            cost.observe(rows, positions, ms)
+    before = cost.predict(16, 1)
+    for _ in range(20):
+        for (rows, positions), ms in TABLE.items():
+            cost.observe(rows, positions, 2 * ms)
+    assert cost.predict(16, 1) == pytest.approx(2 * before, rel=0.15)
+
+
+@pytest.mark.parametrize(
+    ("accepted", "expected"),
+    [
+        ([4] * 200, 5.0),  # every token of every window of 4
+        ([0] * 200, 1.0),  # none: the target's own token only
+        ([2] * 200, 3.0),  # always two
+        ([0, 2] * 100, 2.0),  # half the windows none, half two
+    ],
+)
+def test_expected_tokens_come_from_acceptance_per_position(
+    accepted: list[int], expected: float
+) -> None:
+    stats = PositionAcceptance()
+    for n in accepted:
+        stats.observe(4, 4, n, forget=1.0)
+    assert stats.expected_tokens(4, prior=0.5) == pytest.approx(expected, abs=0.2)
+
+
+def learned(control: GoodputControl, draft: str, accepted: list[int]) -> None:
+    for _ in range(100):
+        for n in accepted:
+            control.observe_round(draft, "chat", 8, 8, n)
+    control.observe_draft_ms(draft, 8, 0.4)
+
+
+@pytest.mark.parametrize(
+    ("streams", "accepted", "plain"),
+    [
+        (1, [4], False),  # a lone session with good drafts: speculate
+        (4, [4], False),  # a few: still
+        (32, [0, 1], True),  # a full CPU batch with poor drafts: plain decoding wins
+        (32, [1], False),  # ... but a first token always right pays even there (k = 1)
+        (16, [0], True),  # drafts that never hold: never speculate
+    ],
+)
+def test_the_pass_window_maximises_the_batchs_goodput(
+    streams: int, accepted: list[int], plain: bool
+) -> None:
+    control = fitted()
+    learned(control, "hybrid", accepted)
+    rows = [StreamRow("hybrid", "chat", 8, 0.5)] * streams
+    choice = control.choose(rows, [])
+    assert (choice.k == 0) is plain, choice.reason
+    best = max(choice.goodput.values())
+    assert choice.goodput[str(choice.k)] >= best / 1.05
+    assert choice.rows == streams
+
+
+def test_plain_streams_and_device_rows_set_the_pass_alone() -> None:
+    control = fitted()
+    choice = control.choose([StreamRow(None, "chat", 0, 0.5)] * 3, [4, 2])
+    assert choice.k == 0 and set(choice.goodput) == {"0"} and choice.rows == 5

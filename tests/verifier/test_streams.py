@@ -1,0 +1,125 @@
+"""Host streams on a real worker: plain and cloud sessions run by the verifier round after round."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from test_worker import run_with_worker
+from verifier_helpers import BusListener, greedy_reference, prompt_ids, target_pair
+
+from broker.messages import StreamSpec, StreamStop, VerifyRequest, VerifyResult, encode
+from broker.mosquitto import PrivateMosquitto
+from verifier.worker import VerifierWorker
+
+MAX_NEW = 12
+
+
+def stream_request(
+    prompt: int,
+    draft: str | None,
+    rounds: int = 64,
+    adaptive: bool = True,
+    max_new: int = MAX_NEW,
+) -> VerifyRequest:
+    _, tokenizer = target_pair()
+    return VerifyRequest(
+        request_id=uuid.uuid4().hex,
+        session_id=f"stream-{uuid.uuid4().hex[:8]}",
+        round=0,
+        context_ids=prompt_ids(prompt),
+        tokens=(),
+        cloud_draft=draft,
+        cloud_k=None if draft is None else 4,
+        stream=StreamSpec(
+            rounds=rounds, max_new=max_new, eos_id=tokenizer.eos_id, adaptive=adaptive
+        ),
+    )
+
+
+def committed(rounds: list[VerifyResult]) -> list[int]:
+    tokens: list[int] = []
+    for result in rounds:
+        assert result.next_token is not None and result.draft_tokens is not None
+        tokens += [*result.draft_tokens[: result.n_accepted], result.next_token]
+    return tokens
+
+
+@pytest.mark.parametrize(("draft", "adaptive"), [(None, True), ("hybrid", True), ("hybrid", False)])
+def test_a_stream_runs_to_the_end_of_the_targets_answer(
+    mosquitto: PrivateMosquitto, draft: str | None, adaptive: bool
+) -> None:
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        request = stream_request(3, draft, adaptive=adaptive)
+        await listener.client.publish(worker.work_topic, encode(request))
+        rounds = await listener.stream_end(request.request_id)
+        assert [r.round for r in rounds] == list(range(len(rounds)))
+        assert committed(rounds)[:MAX_NEW] == list(greedy_reference(3, MAX_NEW))
+        assert [r.stream_ends for r in rounds] == [False] * (len(rounds) - 1) + [True]
+        assert all(not r.error and r.pass_choice is not None for r in rounds)
+        if draft is None:  # plain: one token a round, nothing drafted
+            assert len(rounds) == MAX_NEW
+            assert all(r.draft_tokens == () and r.pass_choice.k == 0 for r in rounds)  # type: ignore[union-attr]
+        if not adaptive:  # a fixed window is drafted every round it fits
+            assert all(r.pass_choice.k == min(4, MAX_NEW - 1 - n) for r, n in _generated(rounds))  # type: ignore[union-attr]
+        assert len(worker.streams) == 0
+
+    run_with_worker(mosquitto, body)
+
+
+def _generated(rounds: list[VerifyResult]) -> list[tuple[VerifyResult, int]]:
+    out, n = [], 0
+    for result in rounds:
+        out.append((result, n))
+        n += result.n_accepted + 1
+    return out
+
+
+def test_streams_share_passes_and_a_stop_ends_one(mosquitto: PrivateMosquitto) -> None:
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        kept = stream_request(1, None)
+        stopped = stream_request(2, None, rounds=200, max_new=200)
+        for request in (kept, stopped):
+            await listener.client.publish(worker.work_topic, encode(request))
+        rounds = await listener.stream_end(kept.request_id)
+        # Both ran in the same passes: rows of two.
+        assert any(r.batch_size == 2 for r in rounds)
+        stop = StreamStop(request_id=stopped.request_id, session_id=stopped.session_id)
+        await listener.client.publish(worker.work_topic, encode(stop))
+        for _ in range(100):
+            if not worker.streams:
+                break
+            await asyncio.sleep(0.05)
+        assert len(worker.streams) == 0
+        await asyncio.sleep(0.5)  # the pass under way at the stop may still report its round
+        seen = len(listener.streamed.get(stopped.request_id, []))
+        assert seen < 200
+        await asyncio.sleep(0.5)  # but no round of it runs after
+        assert len(listener.streamed.get(stopped.request_id, [])) == seen
+
+    run_with_worker(mosquitto, body)
+
+
+def test_a_device_drafted_round_of_a_streamed_session_ends_its_stream(
+    mosquitto: PrivateMosquitto,
+) -> None:
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        request = stream_request(0, None, rounds=200, max_new=200)
+        await listener.client.publish(worker.work_topic, encode(request))
+        while not listener.streamed.get(request.request_id):
+            await asyncio.sleep(0.01)
+        reference = greedy_reference(0, MAX_NEW)
+        device = VerifyRequest(
+            request_id=uuid.uuid4().hex,
+            session_id=request.session_id,
+            round=1,
+            context_ids=prompt_ids(0) + reference[:1],
+            tokens=reference[1:3],
+        )
+        await listener.client.publish(worker.work_topic, encode(device))
+        result = await listener.result(device.request_id)
+        assert (result.n_accepted, result.next_token) == (2, reference[3])
+        assert len(worker.streams) == 0
+
+    run_with_worker(mosquitto, body)
