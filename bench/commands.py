@@ -15,7 +15,11 @@ BENCHMARKS = (
         "bench.replay",
         "tokens per target pass of drafters, replayed along the target's greedy answers",
     ),
-    ("e2e", "bench.e2e", "DSD over the bus vs target-only: tokens/s, throughput, overhead"),
+    (
+        "e2e",
+        "bench.e2e",
+        "specfleet (fixed drafter, adaptive) vs plain serving: tokens/s, throughput, overhead",
+    ),
     (
         "adaptive",
         "bench.adaptive",

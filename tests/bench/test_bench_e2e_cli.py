@@ -17,14 +17,19 @@ from specfleet.cli import main
         (["--k", "0"], "--k must be in 1..64"),
         (["--k", "65"], "--k must be in 1..64"),
         (["--agents", "0"], "--agents must be in 1..16"),
-        (["--agents", "2", "--sessions", "9"], "--sessions must be in 1..8"),
-        (["--sessions", "0"], "--sessions must be in 1..16"),
+        (["--agents", "2", "--sessions", "17"], "--sessions must be in 1..16"),
+        (["--sessions", "0"], "--sessions must be in 1..32"),
+        (["--sessions", "33"], "--sessions must be in 1..32 (8 per agent)"),
         (["--sessions", "4", "4"], "--sessions lists a level twice"),
         (["--sessions", "1", "4", "--proactive-sessions", "16"], "are not among --sessions"),
         (["--broker", "http://127.0.0.1:1883"], "--broker must be an mqtt://"),
         (["--prompts", "/nonexistent/prompts.jsonl"], "no prompts file"),
         (["--drafter", "no-such-drafter"], "unknown drafter 'no-such-drafter'"),
-        (["--proactive-drafters", "hybrid", "nope"], "unknown drafter 'nope'"),
+        (["--proactive-drafters", "hybrid"], "--proactive-drafters needs --proactive-sessions"),
+        (
+            ["--sessions", "1", "--proactive-sessions", "1", "--proactive-drafters", "hybrid", "x"],
+            "unknown drafter 'x'",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(
@@ -64,3 +69,5 @@ def test_help_names_every_part(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in out
     for flag in ("--proactive-sessions", "--proactive-drafters", "--database-url", "--broker"):
         assert flag in out
+    assert "--bus-target-only" in out
+    assert "default: 1 4 16 32" in out

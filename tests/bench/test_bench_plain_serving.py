@@ -1,0 +1,54 @@
+"""The plain-serving baseline of `bench e2e` answers as the real target alone, batched or not."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.plain_serving import PlainServer, PlainServingError, serve_wave
+from tests.inference.real_target import greedy_reference, prompt_ids, target_pair
+
+# chat-01 runs past 24 tokens; the target ends translate-07 after 15 tokens and summarize-05
+# after 12, eos included, so the wave's batch shrinks as they stop.
+PROMPTS = ("chat-01", "translate-07", "summarize-05")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 12, 24])
+def test_a_wave_answers_as_the_target_decoding_alone(max_tokens: int) -> None:
+    target, tokenizer = target_pair()
+    wave = serve_wave(target, [prompt_ids(p) for p in PROMPTS], max_tokens, tokenizer.eos_id)
+    assert wave.token_ids == [list(greedy_reference(p, max_tokens)) for p in PROMPTS]
+    assert wave.passes == [len(tokens) for tokens in wave.token_ids]
+    assert wave.wall_s == max(wave.elapsed_s)
+    # One prefill per session gives its first token; each decode pass, one token per session.
+    assert sum(wave.batch_sizes) == sum(wave.passes) - len(PROMPTS)
+    assert wave.batch_sizes == sorted(wave.batch_sizes, reverse=True)
+
+
+def test_sessions_stop_at_the_first_eos_which_is_kept() -> None:
+    target, tokenizer = target_pair()
+    wave = serve_wave(target, [prompt_ids(p) for p in PROMPTS], 24, tokenizer.eos_id)
+    lengths = [len(tokens) for tokens in wave.token_ids]
+    assert lengths == [24, 15, 12]
+    for tokens in wave.token_ids[1:]:
+        assert tokens[-1] == tokenizer.eos_id
+        assert tokenizer.eos_id not in tokens[:-1]
+    assert wave.batch_sizes == [3] * 11 + [2] * 3 + [1] * 9
+
+
+def test_the_process_serves_one_wave_after_another_and_refuses_a_bad_one() -> None:
+    _, tokenizer = target_pair()
+    with PlainServer() as server:
+        assert server.load_s is not None and server.load_s > 0
+        first = server.serve([prompt_ids(p) for p in PROMPTS], 16, tokenizer.eos_id)
+        with pytest.raises(PlainServingError, match="at least one token"):
+            server.serve([[]], 16, tokenizer.eos_id)
+        alone = server.serve([prompt_ids(PROMPTS[0])], 16, tokenizer.eos_id)
+    assert first.token_ids == [list(greedy_reference(p, 16)) for p in PROMPTS]
+    assert alone.token_ids == [list(greedy_reference(PROMPTS[0], 16))]
+    assert alone.batch_sizes == [1] * 15
+
+
+def test_a_stopped_server_refuses_waves() -> None:
+    server = PlainServer()
+    with pytest.raises(PlainServingError, match="not running"):
+        server.serve([[1, 2]], 4, 2)
