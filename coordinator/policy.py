@@ -328,6 +328,11 @@ class RoundObservation:
     window: int = 0
     # The verifier prefilled the context (a session's first round): its time is no t_verify(k).
     prefill: bool = False
+    # A distributed round's turn beyond compute: the time from the previous round's draft
+    # reaching the coordinator to this one's, less that round's verification and this round's
+    # drafting. It holds everything RTT + queue stand for, and what they miss (persisting, both
+    # bus hops to the verifier, the agent's own turn). None when not measured.
+    overhead_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -460,6 +465,7 @@ class AdaptivePolicy:
         self._draft_ms: dict[tuple[str, str], Ewma] = {}
         self._rtt_ms: dict[str, Ewma] = {}
         self._queue_ms = Ewma(PRIOR_QUEUE_MS)
+        self._overhead_ms: dict[str, Ewma] = {}  # device -> a distributed round's turn
         self.verify_cost = VerifyCost()  # with its `waits` term, for both modes
         self._device_drafts: dict[str, tuple[str, ...]] = {}
         self._used_drafts: dict[str, set[str]] = {}
@@ -492,6 +498,12 @@ class AdaptivePolicy:
             self._draft_cost(HOST if cloud else round_.device_id, round_.draft_model).update(
                 round_.t_draft_ms / round_.k, TIME_DECAY
             )
+        if round_.overhead_ms is not None:
+            overhead = self._overhead_ms.get(round_.device_id)
+            if overhead is None:
+                self._overhead_ms[round_.device_id] = Ewma(round_.overhead_ms)
+            else:
+                overhead.update(round_.overhead_ms, TIME_DECAY)
         if round_.t_uplink_ms is not None:
             # One leg measured; the way back crosses the same link.
             self._rtt(round_.device_id).update(2.0 * round_.t_uplink_ms, TIME_DECAY)
@@ -606,20 +618,33 @@ class AdaptivePolicy:
         alpha = self.alpha(device_id, draft, task_type)
         cloud = mode is m.Mode.CLOUD
         per_token = self._draft_cost(HOST if cloud else device_id, draft).value
-        link_ms = rtt_ms / CLOUD_STREAM_ROUNDS if cloud else rtt_ms
         fill = self._fill.get((device_id, draft))
         k, tokens, total_ms, drafted = self.best_window(
-            alpha, per_token, link_ms + queue_ms, load, mode, fill or ProposalLength()
+            alpha,
+            per_token,
+            self.fixed_ms(mode, device_id, rtt_ms, queue_ms),
+            load,
+            mode,
+            fill or ProposalLength(),
         )
         rate = tokens / total_ms * 1000.0 if total_ms > 0 else math.inf
         return Candidate(draft, alpha, per_token, k, tokens, total_ms, rate, mode, drafted)
+
+    def fixed_ms(self, mode: m.Mode, device_id: str, rtt_ms: float, queue_ms: float) -> float:
+        """What a round costs beyond drafting and verifying. Distributed: the turn measured on
+        the device's own rounds, else RTT + queue until there is one. A host stream pays the
+        RTT once a stream and waits in no queue: a round of it is in every pass."""
+        if mode in m.HOST_MODES:
+            return rtt_ms / CLOUD_STREAM_ROUNDS
+        measured = self._overhead_ms.get(device_id)
+        return rtt_ms + queue_ms if measured is None else max(0.0, measured.value)
 
     def _plain_candidate(
         self, current_draft: str, rtt_ms: float, queue_ms: float, load: float
     ) -> Candidate:
         """Plain mode: one token a round, no drafting, streamed (the RTT paid once a stream)."""
         verify = max(0.0, self.verify_cost.predict(0, load, waits=False))
-        total_ms = verify + queue_ms + rtt_ms / CLOUD_STREAM_ROUNDS
+        total_ms = verify + self.fixed_ms(m.Mode.PLAIN, current_draft, rtt_ms, queue_ms)
         rate = 1000.0 / total_ms if total_ms > 0 else math.inf
         return Candidate(current_draft, 0.0, 0.0, 0, 1.0, total_ms, rate, m.Mode.PLAIN, 0.0)
 

@@ -68,6 +68,10 @@ class LiveSession:
     status: SessionStatus
     in_flight_round: int | None = None
     streaming: bool = False  # a host stream of it runs (one at a time)
+    # The last device-drafted round: when its draft arrived (coordinator clock), its round, and
+    # what verifying it took; the next one's turn beyond compute is measured from them.
+    last_draft: tuple[float, int, float] | None = None
+    turn_overhead_ms: float | None = None  # of the round being committed, for the policy
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
@@ -364,6 +368,12 @@ class SessionBook:
             return False
         round_trip_ms = (time.perf_counter() - queued_at) * 1000.0
         uplink_ms = max(0.0, (received_at - draft.timings.sent_at) * 1000.0)
+        live.turn_overhead_ms = None
+        if live.last_draft is not None and live.last_draft[1] == draft.round - 1:
+            at, _, verify_ms = live.last_draft
+            turn_ms = (received_at - at) * 1000.0
+            live.turn_overhead_ms = max(0.0, turn_ms - verify_ms - draft.timings.draft_ms)
+        live.last_draft = (received_at, draft.round, result.verify_ms)
         row = self._round_row(live, draft.round, draft.base_len, result)
         row.draft_tokens = list(draft.tokens)
         row.draft_model = draft.draft_model
@@ -599,6 +609,7 @@ class SessionBook:
                 # A pass that also prefilled (this session's first, or another's in the batch)
                 # says nothing of what verifying a window costs.
                 prefill=prefilled or row.round_index == 0,
+                overhead_ms=live.turn_overhead_ms if row.mode is SessionMode.DISTRIBUTED else None,
             )
         )
         decision = self.policy.decide(

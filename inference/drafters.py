@@ -20,6 +20,8 @@ from inference.proposers import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from inference.runtime import Runtime
 
 LOOKUP = "lookup"
@@ -112,8 +114,11 @@ def make_proposer(
     temperature: float = 0.0,
     ngram_path: Path = DEFAULT_NGRAM_TABLE,
     threads: int | None = None,
+    load_runtime: Callable[[str], Runtime] | None = None,
 ) -> Proposer:
-    """A fresh drafter of the given name; a neural one samples at `temperature` from top-K q'."""
+    """A fresh drafter of the given name; a neural one samples at `temperature` from top-K q'.
+    `load_runtime` gives a draft's runtime by name (to share one loaded model between drafters
+    with caches of their own); by default each drafter loads its own."""
 
     def lookup() -> Proposer:
         return PromptLookupProposer(LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
@@ -122,7 +127,10 @@ def make_proposer(
         return NGramTableProposer(load_ngram_table(ngram_path), min_context=NGRAM_MIN_CONTEXT)
 
     def neural(draft_name: str, **options: Any) -> NeuralProposer:
-        runtime = load_draft_runtime(models_dir, draft_name, threads)
+        if load_runtime is not None:
+            runtime = load_runtime(draft_name)
+        else:
+            runtime = load_draft_runtime(models_dir, draft_name, threads)
         return NeuralProposer(runtime, temperature=temperature, top_k=NEURAL_TOP_K, **options)
 
     if name == LOOKUP:
