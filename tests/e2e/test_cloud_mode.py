@@ -1,9 +1,10 @@
 """Cloud mode across real processes: the verifier host drafts, the coordinator streams the rounds.
 
-One verifier, two agents on a private Mosquitto. One agent asks for cloud mode outright; the
-other leaves the mode to the coordinator and reaches the broker through an emulated 4G link
-(60 ms RTT), where drafting next to the target pays. Both must answer exactly as the target alone
-does, and their rounds must rebuild the committed tokens.
+One verifier, two agents on a private Mosquitto. One agent asks for cloud mode outright, and for
+plain mode (the host decodes with no drafter); the other leaves the mode to the coordinator and
+reaches the broker through an emulated 4G link (60 ms RTT), where drafting next to the target
+pays. Every session must answer exactly as the target alone does, and their rounds must rebuild
+the committed tokens.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
                     for prompt in prompts:
                         for spec, fields in (
                             (CLOUD, {"mode": "cloud", "k": 4, "draft": "hybrid"}),
+                            (CLOUD, {"mode": "plain", "draft": "hybrid"}),
                             (ADAPTIVE, {"k": 0, "draft": "hybrid"}),
                         ):
                             request = {
@@ -110,7 +112,7 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
                             }
                             port = fleet.agent_ports[spec.device_id]
                             summary = await ask(client, port, request, spec.device_id, False)
-                            answers.append({**summary, "prompt": prompt, "device": spec})
+                            answers.append({**summary, "prompt": prompt, "device": spec, **fields})
                 stored = {
                     a["session_id"]: await asyncio.to_thread(_rounds, fleet, a["session_id"])
                     for a in answers
@@ -127,7 +129,12 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
         assert session.status is SessionStatus.FINISHED
         assert _rebuilt(session, rounds) == session.committed_ids == expected
         modes = [r.mode for r in rounds]
-        if answer["device"] == CLOUD:
+        if answer.get("mode") == "plain":
+            # No drafter anywhere: one token a round, every round streamed from one request.
+            assert set(modes) == {SessionMode.PLAIN}
+            assert all(r.draft_tokens == [] and r.n_accepted == 0 for r in rounds)
+            assert len(rounds) == len(expected) and drafts[answer["session_id"]] == 1
+        elif answer["device"] == CLOUD:
             assert set(modes) == {SessionMode.CLOUD}
             # One request, every round streamed: far fewer Drafts than rounds.
             assert drafts[answer["session_id"]] == 1 < len(rounds)
