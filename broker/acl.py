@@ -17,6 +17,8 @@ from broker.topics import (
     ROOT,
     UPLINK_CHANNELS,
     VERIFIER_ROOT,
+    DeviceChannel,
+    device_subscription,
     device_topic,
     validate_device_id,
 )
@@ -97,7 +99,9 @@ class DeviceAccount:
 
 class ServiceRole(str, Enum):
     COORDINATOR = "coordinator"  # reads every uplink, writes every verdict and command
-    VERIFIER = "verifier"  # its own subtree only; devices are reached through the coordinator
+    # Its own subtree, and for direct rounds every device's drafts (it answers those of the
+    # sessions it holds) and verdicts; devices still write only their own topics.
+    VERIFIER = "verifier"
     OBSERVER = "observer"  # read-only view of the whole bus (dashboards, debugging)
 
 
@@ -105,7 +109,11 @@ def service_rules(role: ServiceRole) -> tuple[AclRule, ...]:
     if role is ServiceRole.COORDINATOR:
         return (AclRule(Access.READWRITE, f"{ROOT}/#"),)
     if role is ServiceRole.VERIFIER:
-        return (AclRule(Access.READWRITE, f"{VERIFIER_ROOT}/#"),)
+        return (
+            AclRule(Access.READWRITE, f"{VERIFIER_ROOT}/#"),
+            AclRule(Access.READ, device_subscription(DeviceChannel.DRAFT)),
+            AclRule(Access.WRITE, device_subscription(DeviceChannel.VERDICT)),
+        )
     return (AclRule(Access.READ, f"{ROOT}/#"),)
 
 

@@ -346,6 +346,10 @@ class VerifierStatus(_Message):
     heartbeat_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     target: str = Field(default="", max_length=128)  # target model name@sha256 prefix
     drafts: tuple[Name, ...] = Field(default=(), max_length=64)  # drafters for cloud rounds
+    # Direct rounds: whether it takes session leases (it has the database), and the sessions it
+    # holds now, so a coordinator that restarts knows whose drafts are not its to answer.
+    leases: bool = False
+    leased: tuple[SessionId, ...] = Field(default=(), max_length=4096)
 
 
 MAX_STREAM_ROUNDS = 256
@@ -415,6 +419,77 @@ class VerifyRequest(_Message):
         if (self.cloud_k is not None or self.stream is not None) and (self.tokens or self.q_ids):
             raise ValueError("a cloud round or stream request carries no tokens and no q'")
         return self
+
+
+class SessionLease(_Message):
+    """Coordinator -> verifier: own this session's device-drafted rounds from `next_round` on.
+
+    The verifier subscribes to the device's draft topic, verifies its drafts in its batches,
+    persists each round and publishes the verdict to the device itself: one bus round trip and
+    one commit a round. Sent again with the same `lease_id` to change the policy the verdicts
+    carry, or with `send_state` to have the verifier tell the device where the session stands.
+    """
+
+    type: Literal["session_lease"] = "session_lease"
+    lease_id: str = Field(min_length=1, max_length=64)
+    session_id: SessionId
+    device_id: Name
+    prompt_len: int = Field(ge=1)
+    context_ids: tuple[TokenId, ...] = Field(min_length=1, max_length=16384)  # committed
+    next_round: int = Field(ge=0)
+    sampling: SamplingSpec = SamplingSpec()
+    max_tokens: int = Field(ge=1, le=8192)
+    eos_id: TokenId
+    policy: Policy
+    # The policy column of the next round stored (the decision that chose the policy, if any).
+    policy_record: dict[str, Any] | None = None
+    send_state: bool = False
+
+
+class LeaseEnd(_Message):
+    """Coordinator -> verifier: give the session back (closed, host mode, moved)."""
+
+    type: Literal["lease_end"] = "lease_end"
+    lease_id: str = Field(min_length=1, max_length=64)
+    session_id: SessionId
+
+
+class LeaseAck(_Message):
+    """Verifier -> coordinator: a lease taken (or refused, with the reason) or given back; the
+    session's state as the verifier left it."""
+
+    type: Literal["lease_ack"] = "lease_ack"
+    lease_id: str = Field(min_length=1, max_length=64)
+    session_id: SessionId
+    verifier_id: Name
+    held: bool  # False: refused, or given back
+    next_round: int = Field(ge=0)
+    committed_len: int = Field(ge=0)
+    reason: str = Field(default="", max_length=256)
+
+
+class RoundDone(_Message):
+    """Verifier -> coordinator, after the verdict left: a direct round, for the policy, the
+    dashboard and the coordinator's view of the session (the database already holds it)."""
+
+    type: Literal["round_done"] = "round_done"
+    lease_id: str = Field(min_length=1, max_length=64)
+    session_id: SessionId
+    round: int = Field(ge=0)
+    base_len: int = Field(ge=0)
+    committed: tuple[TokenId, ...] = Field(min_length=1, max_length=MAX_DRAFT_TOKENS + 1)
+    drafted: int = Field(ge=0)
+    n_accepted: int = Field(ge=0)
+    finished: bool = False
+    draft_model: Name
+    provisional: bool = False
+    verifier_id: Name
+    t_draft_ms: Milliseconds = 0.0
+    t_uplink_ms: Milliseconds | None = None
+    t_queue_ms: Milliseconds = 0.0
+    t_verify_ms: Milliseconds = 0.0
+    batch_prefilled: int = Field(default=0, ge=0)
+    overhead_ms: Milliseconds | None = None  # the device's turn beyond compute (see policy)
 
 
 class StreamStop(_Message):
@@ -521,6 +596,10 @@ Message: TypeAlias = (
     | VerifyRequest
     | VerifyResult
     | StreamStop
+    | SessionLease
+    | LeaseEnd
+    | LeaseAck
+    | RoundDone
 )
 
 MESSAGE_TYPES: dict[str, type[_Message]] = {
@@ -540,6 +619,10 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
         VerifyRequest,
         VerifyResult,
         StreamStop,
+        SessionLease,
+        LeaseEnd,
+        LeaseAck,
+        RoundDone,
     )
 }
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {

@@ -162,6 +162,8 @@ class FleetProcesses:
             f"--password={self.credentials[VERIFIER_USER]}",
             "--threads",
             str(threads),
+            "--database-url",
+            self.settings.database_url,
         ]
         child = ChildProcess(
             verifier_id, argv, self._child_env(), self.workdir / f"{verifier_id}.log"

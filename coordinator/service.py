@@ -102,11 +102,17 @@ class Coordinator:
             m.Draft: self.book.on_draft,
         }
         # Drafts wait for a verifier; they run as tasks so the bus keeps flowing meanwhile.
-        self.concurrent_handlers: set[type[Any]] = {m.Draft, m.SessionOpen}
+        # A close may wait for a verifier to give the session back, whose answer comes here.
+        self.concurrent_handlers: set[type[Any]] = {m.Draft, m.SessionOpen, m.SessionClose}
         self.verifier_handlers: dict[type[Any], Callable[[str, Any], Awaitable[None]]] = {
             m.VerifierStatus: self.verifiers.on_status,
             m.VerifyResult: self.verifiers.on_result,
+            m.LeaseAck: self.verifiers.on_lease_ack,
+            m.RoundDone: self.book.on_round_done,
         }
+        # A direct round's report may take the session back (a host mode), waiting for an
+        # answer that comes through this same loop: it runs as a task.
+        self.concurrent_verifier_handlers: set[type[Any]] = {m.RoundDone}
         self.background: list[Callable[[], Coroutine[Any, Any, None]]] = [
             self.fleet.run_sweeper,
             self.verifiers.watch,
@@ -205,6 +211,14 @@ class Coordinator:
             handler = self.verifier_handlers.get(type(message))
             if handler is None:
                 log.warning("unexpected %s from verifier %s", message.type, verifier.verifier_id)
+                return
+            if type(message) in self.concurrent_verifier_handlers:
+                task = asyncio.create_task(
+                    self._guarded(handler, verifier.verifier_id, message),
+                    name=f"{message.type}-{verifier.verifier_id}",
+                )
+                self._handler_tasks.add(task)
+                task.add_done_callback(self._handler_tasks.discard)
                 return
             await handler(verifier.verifier_id, message)
             return

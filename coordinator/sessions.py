@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import messages as m
 from broker.client import BusConnectionError
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
+from coordinator.db.round_writer import RoundWriter
 from coordinator.events import append_event
 from coordinator.policy import (
     CLOUD_STREAM_ROUNDS,
@@ -72,6 +73,8 @@ class LiveSession:
     # what verifying it took; the next one's turn beyond compute is measured from them.
     last_draft: tuple[float, int, float] | None = None
     turn_overhead_ms: float | None = None  # of the round being committed, for the policy
+    # Direct rounds: the verifier that holds the session's lease, and the lease's id.
+    lease: tuple[str, str] | None = None
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
@@ -138,6 +141,8 @@ class SessionBook:
             raise TypeError("the session factory must be bound to an engine")
         self._writer = RoundWriter(engine)
         self.policy = AdaptivePolicy()
+        self._tasks: set[asyncio.Task[None]] = set()
+        pool.lost_observers.append(self.on_verifier_lost)
 
     async def run_writer(self) -> None:
         await self._writer.run()
@@ -202,6 +207,8 @@ class SessionBook:
             await asyncio.to_thread(
                 self._event, "session.fallback", live, request.fallback.model_dump(mode="json")
             )
+        if await self._leased_here(live, send_state=True):
+            return  # the holder tells the device where the session stands
         await self._send_state(live)
 
     async def on_session_close(self, device_id: str, request: m.SessionClose) -> None:
@@ -212,6 +219,7 @@ class SessionBook:
             )
             return
         async with live.lock:
+            await self._unlease(live)
             if live.status is SessionStatus.ACTIVE:
                 live.status = SessionStatus.CANCELLED
                 await asyncio.to_thread(self._finish, live, SessionStatus.CANCELLED, request.reason)
@@ -240,6 +248,8 @@ class SessionBook:
     async def announce(self, sessions: list[LiveSession]) -> None:
         """Send each session's state to its device; a failed send is retried by the device."""
         for live in sessions:
+            if self._holder(live) is not None:
+                continue  # its verifier holds it and answers its device meanwhile
             try:
                 await self._send_state(live)
             except (ConnectionError, BusConnectionError, m.BusError) as exc:
@@ -258,7 +268,13 @@ class SessionBook:
         if live is None or live.device_id != device_id:
             await self._error(device_id, "draft", draft.session_id, draft.round, "unknown session")
             return
+        if not draft.cloud and self._holder(live) is not None:
+            return  # a direct round: the verifier holding the lease answers it
         async with live.lock:
+            if draft.cloud:
+                await self._unlease(live)  # the coordinator runs a host stream itself
+            elif self._holder(live) is not None:
+                return
             if draft.round < live.next_round:
                 await self._resend_verdict(live, draft)
                 return
@@ -325,6 +341,189 @@ class SessionBook:
                 await self._host_stream(live)
             finally:
                 live.streaming = False
+
+    # --- direct rounds ------------------------------------------------------------------------
+
+    def _holder(self, live: LiveSession) -> str | None:
+        """The live verifier answering the session's drafts, if one holds its lease. A lease
+        this coordinator does not know of (it restarted) is learnt from the heartbeats."""
+        if live.lease is None:
+            holder = self.pool.holder(live.id)
+            if holder is None:
+                return None
+            live.lease = (holder, "adopted")
+        holder = live.lease[0]
+        if self.pool.is_alive(holder):
+            return holder
+        return None
+
+    async def _leased_here(self, live: LiveSession, *, send_state: bool = False) -> bool:
+        """Lease an active distributed session to a verifier that takes leases, or update the
+        lease it has; True when a verifier holds it (and, with send_state, tells the device)."""
+        if live.status is not SessionStatus.ACTIVE or live.policy.mode is not m.Mode.DISTRIBUTED:
+            return False
+        async with live.lock:
+            if live.streaming:
+                return False
+            holder = self._holder(live)
+            if holder is not None:
+                lease = self._lease_message(live, live.lease[1] if live.lease else "adopted")
+                await self.pool.tell(holder, lease.model_copy(update={"send_state": send_state}))
+                return True
+            if live.lease is not None:  # its verifier died: what it persisted stands
+                await self._reload(live)
+            info = self.pool.lessor(live.id)
+            if info is None:
+                return False
+            lease = self._lease_message(live, secrets.token_hex(8))
+            try:
+                ack = await self.pool.lease(
+                    info.verifier_id, lease.model_copy(update={"send_state": send_state})
+                )
+            except (TimeoutError, asyncio.TimeoutError, ConnectionError, BusConnectionError):
+                log.warning("verifier %s did not take session %s", info.verifier_id, live.id)
+                return False
+            if not ack.held:
+                log.info("verifier %s refused session %s: %s", ack.verifier_id, live.id, ack.reason)
+                return False
+            live.lease = (info.verifier_id, lease.lease_id)
+            log.info("session %s leased to verifier %s", live.id, info.verifier_id)
+            return True
+
+    def _lease_message(self, live: LiveSession, lease_id: str) -> m.SessionLease:
+        return m.SessionLease(
+            lease_id=lease_id,
+            session_id=live.id,
+            device_id=live.device_id,
+            prompt_len=len(live.prompt_ids),
+            context_ids=tuple(live.prompt_ids + live.generated),
+            next_round=live.next_round,
+            sampling=live.sampling,
+            max_tokens=live.max_tokens,
+            eos_id=self.eos_id,
+            policy=self._agent_policy(live),
+        )
+
+    async def _unlease(self, live: LiveSession) -> None:
+        """Take a leased session back (the caller holds its lock): the verifier answers after
+        the round it has in flight, and the session goes on from what the database holds."""
+        if live.lease is None:
+            return
+        holder, lease_id = live.lease
+        live.lease = None
+        if self.pool.is_alive(holder):
+            end = m.LeaseEnd(lease_id=lease_id, session_id=live.id)
+            try:
+                await self.pool.lease(holder, end)
+            except (TimeoutError, asyncio.TimeoutError, ConnectionError, BusConnectionError):
+                log.warning("verifier %s did not give session %s back in time", holder, live.id)
+        await self._reload(live)
+
+    async def _reload(self, live: LiveSession) -> None:
+        """The session's committed tokens and next round as the database holds them."""
+        stored = await asyncio.to_thread(self._load, live.id)
+        live.lease = None
+        if stored is None:
+            return
+        live.generated = stored.generated
+        live.next_round = stored.next_round
+        if live.status is SessionStatus.ACTIVE:
+            live.status = stored.status
+        live.last_verdict = None
+        live.last_draft = None
+
+    def on_verifier_lost(self, verifier_id: str) -> None:
+        """The sessions a dead verifier held: leased again (or answered here), devices told."""
+        for live in list(self.live.values()):
+            if live.lease is not None and live.lease[0] == verifier_id:
+                task = asyncio.create_task(self._take_over(live), name=f"take-over-{live.id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _take_over(self, live: LiveSession) -> None:
+        async with live.lock:
+            await self._reload(live)
+        log.warning("session %s: its verifier died; taking it over", live.id)
+        if not await self._leased_here(live, send_state=True):
+            await self._send_state(live)
+
+    async def on_round_done(self, verifier_id: str, done: m.RoundDone) -> None:
+        """A direct round, persisted and answered by the verifier holding the session."""
+        live = await self.get(done.session_id)
+        if live is None:
+            return
+        async with live.lock:
+            if done.round < live.next_round:
+                return  # already known (a re-sent report)
+            if done.round > live.next_round or done.base_len != live.committed_len:
+                await self._reload(live)  # reports were lost: the database has them all
+                live.lease = (verifier_id, done.lease_id)
+            else:
+                live.generated = live.generated + list(done.committed)
+                live.next_round = done.round + 1
+                if done.finished:
+                    live.status = SessionStatus.FINISHED
+            if done.finished:
+                live.lease = None
+            row = self._done_row(live, done)
+            before = live.policy
+            if live.policy_task is not None and not done.provisional and not done.finished:
+                live.turn_overhead_ms = done.overhead_ms
+                live.policy, record = self._adapt(live, row, done.batch_prefilled > 0)
+                if live.policy != before:
+                    await self._repolicy(live, record)
+            live.last_verdict = None
+        for observe in self.round_observers:
+            observe(live, row)
+        if done.provisional:
+            tail = tuple(done.committed[:-1])  # what is known of it: the kept prefix
+            await self._reconciled(live, done.round, tail, done.n_accepted, done.committed[-1])
+        if done.finished:
+            log.info(
+                "session %s finished: %d tokens in %d rounds",
+                live.id,
+                len(live.generated),
+                live.next_round,
+            )
+
+    async def _repolicy(self, live: LiveSession, record: dict[str, Any]) -> None:
+        """A new decision for a leased session: its verifier's next verdicts carry it, and its
+        next round records it; a host mode takes the session back (the device's next draft then
+        comes here, and its verdict starts the stream)."""
+        holder = self._holder(live)
+        if holder is None:
+            return
+        if live.policy.mode is not m.Mode.DISTRIBUTED:
+            await self._unlease(live)
+            # Its next draft may have reached neither (the verifier gave the session back, and
+            # here it was still leased): the state makes the device send it again, here.
+            await self._send_state(live)
+            return
+        assert live.lease is not None
+        lease = self._lease_message(live, live.lease[1])
+        await self.pool.tell(holder, lease.model_copy(update={"policy_record": record}))
+
+    def _done_row(self, live: LiveSession, done: m.RoundDone) -> Round:
+        """The round as the verifier stored it, for the policy and the observers."""
+        return Round(
+            session_id=uuid.UUID(live.id),
+            round_index=done.round,
+            base_len=done.base_len,
+            draft_tokens=list(done.committed[: done.n_accepted]),
+            draft_model=done.draft_model,
+            provisional=done.provisional,
+            k=done.drafted,
+            mode=SessionMode.DISTRIBUTED,
+            n_accepted=done.n_accepted,
+            next_token=done.committed[-1],
+            committed_len=done.base_len + len(done.committed),
+            verifier_id=done.verifier_id,
+            policy=self._agent_policy(live).model_dump(mode="json"),
+            t_draft_ms=done.t_draft_ms,
+            t_uplink_ms=done.t_uplink_ms,
+            t_queue_ms=done.t_queue_ms,
+            t_verify_ms=done.t_verify_ms,
+        )
 
     def can_draft(self, draft_model: str) -> bool:
         """Whether a live verifier drafts cloud rounds with this drafter (True with none live:
@@ -520,9 +719,17 @@ class SessionBook:
             row.policy = {**row.policy, "pass": pass_choice}
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
-        await self._writer.write(
-            row, generated, status, device_id=live.device_id, downlink_ms=downlink_ms
-        )
+        try:
+            await self._writer.write(
+                row, generated, status, device_id=live.device_id, downlink_ms=downlink_ms
+            )
+        except sa.exc.IntegrityError:
+            # Someone else answered this round (a verifier holding a lease this coordinator
+            # had not heard of yet): the stored round is the answer.
+            log.warning("round %d of %s was already stored; resending it", row.round_index, live.id)
+            await self._reload(live)
+            await self._send_state(live)
+            return False
         live.generated = generated
         live.next_round = row.round_index + 1
         live.status = status
@@ -799,223 +1006,3 @@ def _restore(db: Session, row: DecodingSession) -> LiveSession:
         if isinstance(decision, dict) and isinstance(decision.get("task_type"), str):
             live.policy_task = decision["task_type"]
     return live
-
-
-# Bound by name once, executed for every batch: the round rows, the sessions' committed tokens,
-# and the downlink leg of the round before (it is known only when the next draft comes).
-_INSERT_ROUNDS = sa.insert(Round)
-_UPDATE_SESSION = (
-    sa.update(DecodingSession)
-    .where(DecodingSession.id == sa.bindparam("b_session"))
-    .values(
-        committed_ids=sa.bindparam("b_committed_ids"),
-        committed_len=sa.bindparam("b_committed_len"),
-        status=sa.bindparam("b_status"),
-        updated_at=sa.bindparam("b_at"),
-        finished_at=sa.bindparam("b_finished_at"),
-    )
-)
-_UPDATE_DOWNLINK = (
-    sa.update(Round)
-    .where(Round.session_id == sa.bindparam("b_session"))
-    .where(Round.round_index == sa.bindparam("b_round"))
-    .values(t_downlink_ms=sa.bindparam("b_downlink_ms"))
-)
-_ROUND_COLUMNS = tuple(column for column in sa.inspect(Round).columns if column.key != "id")
-
-
-def _round_values(row: Round) -> dict[str, Any]:
-    """The INSERT parameters of a transient Round: what is set, else the column's default."""
-    assigned = sa.inspect(row).dict
-    values: dict[str, Any] = {}
-    for column in _ROUND_COLUMNS:
-        default = column.default
-        if column.key in assigned:
-            values[column.key] = assigned[column.key]
-        elif isinstance(default, sa.ColumnDefault) and default.is_scalar:
-            values[column.key] = default.arg
-        elif isinstance(default, sa.ColumnDefault) and default.is_callable:
-            values[column.key] = default.arg(None)  # SQLAlchemy's wrapper takes a context
-        else:
-            values[column.key] = None
-    return values
-
-
-@dataclass
-class _Write:
-    row: Round
-    generated: list[int]
-    status: SessionStatus
-    device_id: str
-    downlink_ms: float | None  # the downlink of round row.round_index - 1, when reported
-    done: asyncio.Future[None]
-
-
-class RoundWriter:
-    """Persists rounds, by group commit, before their verdicts may leave.
-
-    A commit starts as soon as a round is queued (no timer); the rounds queued while it runs
-    go together into the next one. The writer has a thread and a database connection of its
-    own, and each batch is one transaction of a few prepared statements, each executed once for
-    all its rounds. Durability: PostgreSQL keeps synchronous_commit on; SQLite runs in WAL with
-    synchronous=NORMAL (coordinator.db.engine), so a commit that returned survives a crash of
-    the coordinator process (the fault model), while a power cut of the host may lose the last
-    ones (never corrupting the file).
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._queue: asyncio.Queue[_Write] = asyncio.Queue()
-        self._connection: Connection | None = None  # used only from the writer's thread
-        self.batches = 0
-
-    async def write(
-        self,
-        row: Round,
-        generated: list[int],
-        status: SessionStatus,
-        *,
-        device_id: str,
-        downlink_ms: float | None = None,
-    ) -> None:
-        """Return once the round, the session's tokens and the downlink before are committed."""
-        if row.created_at is None:
-            row.created_at = utcnow()
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Write(row, generated, status, device_id, downlink_ms, done))
-        await done
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        # A thread of its own keeps the connection on one thread, and commits off the default
-        # executor, where slower database work of the API and the book would delay them.
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-writer")
-        batch: list[_Write] = []
-        try:
-            while True:
-                batch = [await self._queue.get()]
-                while not self._queue.empty():
-                    batch.append(self._queue.get_nowait())
-                failures = await loop.run_in_executor(thread, self._commit_batch, batch)
-                self.batches += 1
-                for item, failure in zip(batch, failures, strict=True):
-                    if item.done.done():
-                        continue
-                    if failure is None:
-                        item.done.set_result(None)
-                    else:
-                        item.done.set_exception(failure)
-                batch = []
-        finally:
-            for item in [*batch, *_drain(self._queue)]:
-                item.done.cancel()
-            thread.submit(self._close)
-            thread.shutdown(wait=False)
-
-    # --- the writer's thread ------------------------------------------------------------------
-
-    def _commit_batch(self, batch: list[_Write]) -> list[Exception | None]:
-        """Commit the batch as one transaction; if that fails, each round alone, so that one bad
-        round (or a connection lost mid-batch) fails no other. One failure per round, or None."""
-        try:
-            self._commit_reconnecting(batch)
-            return [None] * len(batch)
-        except Exception as exc:
-            self._close()
-            if len(batch) == 1:
-                log.exception(
-                    "could not persist round %d of %s",
-                    batch[0].row.round_index,
-                    batch[0].row.session_id,
-                )
-                return [exc]
-            log.warning(
-                "could not persist %d rounds together (%s); writing them one by one",
-                len(batch),
-                exc,
-            )
-        failures: list[Exception | None] = []
-        for item in batch:
-            failures += self._commit_batch([item])
-        return failures
-
-    def _commit_reconnecting(self, batch: list[_Write]) -> None:
-        """A connection the database dropped (a restart, a failover, an administrator) is
-        noticed only when used: then the batch goes again, once, on a new one."""
-        try:
-            self._commit(batch)
-        except sa.exc.DBAPIError as exc:
-            if not exc.connection_invalidated:
-                raise
-            log.warning("the database dropped the writer's connection (%s); reconnecting", exc.orig)
-            self._close()
-            self._commit(batch)
-
-    def _commit(self, batch: list[_Write]) -> None:
-        if self._connection is None:
-            self._connection = self._engine.connect()
-        connection = self._connection
-        now = utcnow()
-        with connection.begin():
-            # The rounds' foreign key makes a session that vanished fail the insert.
-            connection.execute(
-                _INSERT_ROUNDS,
-                [_round_values(item.row) for item in batch],
-            )
-            connection.execute(
-                _UPDATE_SESSION,
-                [
-                    {
-                        "b_session": item.row.session_id,
-                        "b_committed_ids": item.generated,
-                        "b_committed_len": item.row.committed_len,
-                        "b_status": item.status,
-                        "b_at": now,
-                        "b_finished_at": now if item.status is SessionStatus.FINISHED else None,
-                    }
-                    for item in batch
-                ],
-            )
-            downlinks = [
-                {
-                    "b_session": item.row.session_id,
-                    "b_round": item.row.round_index - 1,
-                    "b_downlink_ms": item.downlink_ms,
-                }
-                for item in batch
-                if item.downlink_ms is not None and item.row.round_index > 0
-            ]
-            if downlinks:
-                connection.execute(_UPDATE_DOWNLINK, downlinks)
-            finished = [item for item in batch if item.status is SessionStatus.FINISHED]
-            if finished:
-                # Joins the connection's transaction; it commits with the rounds.
-                with Session(bind=connection) as db:
-                    for item in finished:
-                        append_event(
-                            db,
-                            "session.finished",
-                            device_id=item.device_id,
-                            session_id=item.row.session_id,
-                            detail={
-                                "tokens": len(item.generated),
-                                "rounds": item.row.round_index + 1,
-                            },
-                            at=now,
-                        )
-                    db.flush()
-
-    def _close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            try:
-                connection.close()
-            except Exception:
-                log.debug("closing the round writer's connection failed", exc_info=True)
-
-
-def _drain(queue: asyncio.Queue[_Write]) -> list[_Write]:
-    items: list[_Write] = []
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items

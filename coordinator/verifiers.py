@@ -21,6 +21,8 @@ WATCH_INTERVAL_S = 0.25
 VERIFY_TIMEOUT_S = 30.0
 MAX_ATTEMPTS = 4
 NO_VERIFIER_WAIT_S = 30.0
+# How long a verifier has to take or give back a lease (it answers after the round in flight).
+LEASE_TIMEOUT_S = 5.0
 
 Publish = Callable[[str, bytes], Awaitable[None]]
 
@@ -76,6 +78,9 @@ class VerifierPool:
         self.verifiers: dict[str, VerifierInfo] = {}
         self._changed = asyncio.Event()
         self.failovers = 0
+        self._lease_acks: dict[str, asyncio.Future[m.LeaseAck]] = {}  # lease id -> its answer
+        # Called with the id of a verifier declared dead, after its requests were moved.
+        self.lost_observers: list[Callable[[str], None]] = []
 
     # --- what verifiers tell us ---------------------------------------------------------------
 
@@ -111,6 +116,51 @@ class VerifierPool:
             info.sessions.add(result.session_id)
         if not pending.future.done():
             pending.future.set_result(result)
+
+    async def on_lease_ack(self, verifier_id: str, ack: m.LeaseAck) -> None:
+        waiter = self._lease_acks.get(ack.lease_id)
+        if waiter is not None and not waiter.done() and ack.verifier_id == verifier_id:
+            waiter.set_result(ack)
+
+    # --- direct rounds ------------------------------------------------------------------------
+
+    def lessor(self, session_id: str) -> VerifierInfo | None:
+        """The live verifier that takes leases and suits the session best, if any."""
+        candidates = [v for v in self.live() if v.status.leases]
+        if not candidates:
+            return None
+        for info in candidates:
+            if session_id in info.sessions:
+                return info
+        return min(candidates, key=lambda v: (v.load, v.verifier_id))
+
+    def holder(self, session_id: str) -> str | None:
+        """The live verifier whose heartbeat says it holds the session's lease (what a
+        coordinator that restarted learns from the retained statuses)."""
+        for info in self.live():
+            if session_id in info.status.leased:
+                return info.verifier_id
+        return None
+
+    def is_alive(self, verifier_id: str) -> bool:
+        info = self.verifiers.get(verifier_id)
+        return info is not None and info.alive
+
+    async def lease(self, verifier_id: str, message: m.SessionLease | m.LeaseEnd) -> m.LeaseAck:
+        """Send a lease (or its end) and wait for the verifier's answer; TimeoutError if none."""
+        waiter: asyncio.Future[m.LeaseAck] = asyncio.get_running_loop().create_future()
+        self._lease_acks[message.lease_id] = waiter
+        try:
+            await self._publish(
+                verifier_topic(verifier_id, VerifierChannel.WORK), m.encode(message)
+            )
+            return await asyncio.wait_for(waiter, LEASE_TIMEOUT_S)
+        finally:
+            self._lease_acks.pop(message.lease_id, None)
+
+    async def tell(self, verifier_id: str, message: m.SessionLease) -> None:
+        """A lease update that needs no answer (a new policy, a state to send)."""
+        await self._publish(verifier_topic(verifier_id, VerifierChannel.WORK), m.encode(message))
 
     # --- routing ------------------------------------------------------------------------------
 
@@ -267,6 +317,8 @@ class VerifierPool:
         info.in_flight.clear()
         for stream in info.streams.values():
             stream.results.put_nowait(_Reroute(f"{info.verifier_id} {why}"))
+        for observe in self.lost_observers:
+            observe(info.verifier_id)
 
 
 class StreamLost(Exception):

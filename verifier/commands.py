@@ -98,6 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
     )
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        metavar="URL",
+        help="the fleet's database: with it the verifier takes session leases and answers "
+        "their devices' drafts itself (direct rounds: one bus round trip and one commit a "
+        "round); without it every round goes through the coordinator",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,13 +138,17 @@ def run(args: argparse.Namespace) -> int:
     if args.models_dir is not None and not args.models_dir.is_dir():
         raise CommandError(f"models directory {args.models_dir} does not exist")
 
-    worker = VerifierWorker(
-        config,
-        address,
-        username=args.username or settings.broker_username,
-        password=args.password or settings.broker_password,
-        protocol=settings.mqtt_protocol,
-    )
+    try:
+        worker = VerifierWorker(
+            config,
+            address,
+            username=args.username or settings.broker_username,
+            password=args.password or settings.broker_password,
+            protocol=settings.mqtt_protocol,
+            database_url=args.database_url,
+        )
+    except (ValueError, ImportError) as exc:  # sqlalchemy's ArgumentError is a ValueError
+        raise CommandError(f"--database-url: {exc}") from exc
     log.info(
         "verifier %s: broker %s, max batch %d, window %.1f ms",
         config.verifier_id,

@@ -15,8 +15,9 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Container
+from collections.abc import Container, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from broker.client import (
     BrokerAddress,
@@ -31,18 +32,35 @@ from broker.compat import task_group, timeout
 from broker.messages import (
     BusError,
     DeviceState,
+    Draft,
+    LeaseAck,
+    LeaseEnd,
+    Message,
     PassChoice,
+    SessionLease,
     StreamStop,
     VerifierStatus,
     VerifyRequest,
     VerifyResult,
     decode,
+    decode_as,
     encode,
 )
-from broker.topics import VerifierChannel, validate_device_id, verifier_topic
+from broker.topics import (
+    DeviceChannel,
+    VerifierChannel,
+    device_subscription,
+    device_topic,
+    parse_device_topic,
+    validate_device_id,
+    verifier_topic,
+)
+from coordinator.db.engine import make_engine
+from coordinator.db.round_writer import RoundWriter
 from verifier.child import ChildConfig, ChildDied, ChildStartError, InferenceChild
 from verifier.core import Verification
 from verifier.goodput import GoodputControl
+from verifier.leases import LeaseBook
 from verifier.streams import HostStream, HostStreams
 
 log = logging.getLogger(__name__)
@@ -99,6 +117,8 @@ class BatchTiming:
 class _Pending:
     request: VerifyRequest
     received_at: float  # time.perf_counter()
+    # A leased session's round: its result goes here, not to the coordinator.
+    done: asyncio.Future[VerifyResult] | None = None
 
 
 class _Outbox:
@@ -196,6 +216,7 @@ class VerifierWorker:
         username: str | None = None,
         password: str | None = None,
         protocol: Protocol = "auto",
+        database_url: str | None = None,
     ) -> None:
         self.config = config
         self.address = address
@@ -219,6 +240,15 @@ class VerifierWorker:
         self._sessions_cached = 0
         self._target = ""
         self._drafts: tuple[str, ...] = ()
+        # Direct rounds need the database: a verifier without one takes no leases.
+        self.leases: LeaseBook | None = None
+        self._writer: RoundWriter | None = None
+        self._lease_tasks: set[asyncio.Task[None]] = set()
+        if database_url is not None:
+            self._writer = RoundWriter(make_engine(database_url))
+            self.leases = LeaseBook(
+                vid, self._writer, self._verify_leased, self._to_device, self._to_coordinator
+            )
 
     # -- state, for the heartbeat and for tests --------------------------------------------
 
@@ -247,6 +277,8 @@ class VerifierWorker:
             heartbeat_s=self.config.heartbeat_s,
             target=self._target,
             drafts=self._drafts,
+            leases=self.leases is not None,
+            leased=() if self.leases is None else tuple(self.leases.sessions)[:4096],
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -271,6 +303,8 @@ class VerifierWorker:
             )
             async with task_group() as tasks:
                 tasks.create_task(self._serve_batches(), name=f"{self.child.name}-batches")
+                if self._writer is not None:
+                    tasks.create_task(self._writer.run(), name=f"{self.child.name}-round-writer")
                 tasks.create_task(
                     run_with_reconnect(self.address, options, self._session),
                     name=f"verifier-{self.config.verifier_id}-bus",
@@ -280,6 +314,9 @@ class VerifierWorker:
 
     async def _session(self, client: BusClient) -> None:
         await client.subscribe(self.work_topic)
+        if self.leases is not None:
+            # Every device's drafts: those of the sessions it holds are its to answer.
+            await client.subscribe(device_subscription(DeviceChannel.DRAFT))
         await client.publish(
             self.status_topic, encode(self.status(DeviceState.ONLINE)), retain=True
         )
@@ -303,7 +340,7 @@ class VerifierWorker:
     async def _receive(self, client: BusClient) -> None:
         async for incoming in client.messages():
             if incoming.topic != self.work_topic:
-                log.debug("ignoring a message on %s", incoming.topic)
+                self._on_device_message(incoming.topic, incoming.payload)
                 continue
             self.counters.received += 1
             try:
@@ -311,6 +348,9 @@ class VerifierWorker:
                 if isinstance(message, StreamStop):
                     if self.streams.stop(message.session_id, message.request_id) is not None:
                         log.debug("stream of %s stopped", message.session_id)
+                    continue
+                if isinstance(message, SessionLease | LeaseEnd):
+                    self._on_lease_message(message)
                     continue
                 if not isinstance(message, VerifyRequest):
                     raise BusError(f"expected verify_request or stream_stop, got {message.type}")
@@ -334,6 +374,67 @@ class VerifierWorker:
             self._queue.put_nowait(_Pending(request, received_at))
             self._work_ready.set()
         raise BusConnectionError("the broker ended the message stream")
+
+    # -- direct rounds -----------------------------------------------------------------------
+
+    def _on_lease_message(self, message: SessionLease | LeaseEnd) -> None:
+        if self.leases is None:
+            if isinstance(message, SessionLease):
+                self._to_coordinator(
+                    LeaseAck(
+                        lease_id=message.lease_id,
+                        session_id=message.session_id,
+                        verifier_id=self.config.verifier_id,
+                        held=False,
+                        next_round=message.next_round,
+                        committed_len=len(message.context_ids),
+                        reason="this verifier has no database: it takes no leases",
+                    )
+                )
+            return
+        if isinstance(message, SessionLease):
+            self._spawn(self.leases.on_lease(message), f"lease-{message.session_id}")
+        else:
+            self._spawn(self.leases.on_lease_end(message), f"lease-end-{message.session_id}")
+
+    def _on_device_message(self, topic: str, payload: bytes) -> None:
+        """A device's draft: answered here when its session is leased to this verifier."""
+        parsed = parse_device_topic(topic)
+        if self.leases is None or parsed is None or parsed.channel is not DeviceChannel.DRAFT:
+            log.debug("ignoring a message on %s", topic)
+            return
+        arrived = time.time()
+        try:
+            draft = decode_as(payload, Draft)
+        except BusError:
+            return  # the coordinator hears it too, and refuses it with the reason
+        if self.leases.holds(parsed.device_id, draft):
+            name = f"draft-{draft.session_id}-{draft.round}"
+            self._spawn(self.leases.on_draft(parsed.device_id, draft, arrived), name)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=f"verifier-{self.config.verifier_id}-{name}")
+        self._lease_tasks.add(task)
+        task.add_done_callback(self._lease_done)
+
+    def _lease_done(self, task: asyncio.Task[None]) -> None:
+        self._lease_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("direct round work failed", exc_info=task.exception())
+
+    async def _verify_leased(self, request: VerifyRequest, received_at: float) -> VerifyResult:
+        """A leased session's round through the same batches as every other request."""
+        done: asyncio.Future[VerifyResult] = asyncio.get_running_loop().create_future()
+        self._returns.arrived(request.session_id, received_at)
+        self._queue.put_nowait(_Pending(request, received_at, done))
+        self._work_ready.set()
+        return await done
+
+    def _to_device(self, device_id: str, message: Message) -> None:
+        self._outbox.put(device_topic(device_id, DeviceChannel.VERDICT), encode(message))
+
+    def _to_coordinator(self, message: Message) -> None:
+        self._outbox.put(self.result_topic, encode(message))
 
     async def _publish_results(self, client: BusClient) -> None:
         """Each result goes out as soon as it is ready, never behind the PUBACKs of the ones
@@ -559,7 +660,11 @@ class VerifierWorker:
             self.counters.failed += 1
         else:
             self.counters.served += 1
-        self._outbox.put(self.result_topic, encode(result))
+        if pending.done is not None:
+            if not pending.done.done():
+                pending.done.set_result(result)
+        else:
+            self._outbox.put(self.result_topic, encode(result))
         self._returns.answered(request.session_id, time.perf_counter())
 
     async def _restart_child(self) -> None:

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import DecodingSession, Event, Round, SessionMode, SessionStatus
+from coordinator.db.round_writer import RoundWriter
 from coordinator.registry import DeviceRegistry
-from coordinator.sessions import RoundWriter
 
 DEVICE = "writer-pi"
 PROMPT_IDS = [1, 2, 3, 4]

@@ -1,6 +1,11 @@
 """A round's legs on the database, and persist-before-publish, with a real agent, verifier and
 broker: no verdict leaves before its round and the session's tokens are committed, and each
-next draft brings the downlink of the verdict before it."""
+next draft brings the downlink of the verdict before it.
+
+The rounds are direct (the verifier holds the session's lease and answers the device itself),
+so the verdicts are checked where they arrive: a client on the device's verdict topic asks the
+database for the round of each verdict as it comes. The coordinator's own verdicts (none here,
+unless a lease fails) are checked as it hands them to the bus."""
 
 from __future__ import annotations
 
@@ -14,9 +19,11 @@ import pytest
 import sqlalchemy as sa
 
 from broker import messages as m
+from broker.client import BrokerAddress, ConnectOptions, connect
+from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round
 from coordinator.demo import ask
-from coordinator.localfleet import AgentSpec, local_fleet
+from coordinator.localfleet import VERIFIER_USER, AgentSpec, LocalFleet, local_fleet
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
 
@@ -29,6 +36,7 @@ def test_verdicts_leave_persisted_and_the_next_draft_records_their_downlink(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     published: list[m.Verdict] = []
+    relayed: list[m.Verdict] = []  # verdicts the coordinator published
     unpersisted: list[str] = []
     publish = Coordinator.publish
 
@@ -38,28 +46,51 @@ def test_verdicts_leave_persisted_and_the_next_draft_records_their_downlink(
         message = m.decode(payload)
         if isinstance(message, m.Verdict):
             # What the database holds at the moment the verdict is handed to the bus.
-            with self.sessions() as db:
-                session_id = uuid.UUID(message.session_id)
-                stored = db.scalar(
-                    sa.select(Round).where(
-                        Round.session_id == session_id, Round.round_index == message.round
-                    )
-                )
-                session = db.get(DecodingSession, session_id)
-                if stored is None or session is None:
-                    unpersisted.append(f"round {message.round} of {session_id}")
-                elif session.committed_len < message.committed_len:
-                    unpersisted.append(f"tokens of round {message.round} of {session_id}")
-            published.append(message)
+            check(self.sessions, message)
+            relayed.append(published.pop())  # counted by the watcher when it arrives
         await publish(self, topic, payload, retain)
 
     monkeypatch.setattr(Coordinator, "publish", publish_once_persisted)
+
+    def check(db_sessions: Any, message: m.Verdict) -> None:
+        """What the database holds when the verdict is seen."""
+        with db_sessions() as db:
+            session_id = uuid.UUID(message.session_id)
+            stored = db.scalar(
+                sa.select(Round).where(
+                    Round.session_id == session_id, Round.round_index == message.round
+                )
+            )
+            session = db.get(DecodingSession, session_id)
+            if stored is None or session is None:
+                unpersisted.append(f"round {message.round} of {session_id}")
+            elif session.committed_len < message.committed_len:
+                unpersisted.append(f"tokens of round {message.round} of {session_id}")
+        published.append(message)
+
+    async def watch(fleet: LocalFleet) -> None:
+        options = ConnectOptions(
+            client_id=f"legs-watch-{uuid.uuid4().hex[:6]}",
+            username=VERIFIER_USER,
+            password=fleet.credentials[VERIFIER_USER],
+        )
+        async with connect(BrokerAddress.from_url(fleet.broker_url), options) as client:
+            await client.subscribe(device_topic(AGENT.device_id, DeviceChannel.VERDICT))
+            watching.set()
+            async for incoming in client.messages():
+                message = m.decode(incoming.payload)
+                if isinstance(message, m.Verdict):
+                    await asyncio.to_thread(check, fleet.coordinator.sessions, message)
+
+    watching = asyncio.Event()
 
     async def main() -> list[dict[str, Any]]:
         settings = Settings(home=tmp_path / "home", coordinator_id=f"legs-{uuid.uuid4().hex[:8]}")
         async with local_fleet(
             settings, [AGENT], ["legs-verifier"], workdir=tmp_path / "fleet"
         ) as fleet:
+            watcher = asyncio.create_task(watch(fleet))
+            await asyncio.wait_for(watching.wait(), 30)
             async with httpx.AsyncClient() as client:
                 answers = []
                 for prompt in PROMPTS:
@@ -73,11 +104,15 @@ def test_verdicts_leave_persisted_and_the_next_draft_records_their_downlink(
                         .where(Round.session_id == uuid.UUID(answer["session_id"]))
                         .order_by(Round.round_index)
                     ).all()
+            await asyncio.sleep(0.5)  # the last verdicts reach the watcher
+            watcher.cancel()
             return answers
 
     answers = asyncio.run(main())
     assert not unpersisted, f"published before persisted: {unpersisted}"
     assert len(published) == sum(a["rounds"] for a in answers)
+    # Direct rounds: the verifier answered every one, one bus round trip each.
+    assert not relayed
     assert all(verdict.sent_at > 0 for verdict in published)
     for answer in answers:
         rounds: list[Round] = answer["rounds_stored"]

@@ -1,0 +1,241 @@
+"""The round writer: rounds persisted by group commit before their verdicts may leave.
+
+Used by whoever answers a round: the coordinator, and a verifier that holds a session's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+
+from coordinator.db.models import DecodingSession, Round, SessionStatus, utcnow
+from coordinator.events import append_event
+
+log = logging.getLogger(__name__)
+
+
+# Bound by name once, executed for every batch: the round rows, the sessions' committed tokens,
+# and the downlink leg of the round before (it is known only when the next draft comes).
+_INSERT_ROUNDS = sa.insert(Round)
+_UPDATE_SESSION = (
+    sa.update(DecodingSession)
+    .where(DecodingSession.id == sa.bindparam("b_session"))
+    .values(
+        committed_ids=sa.bindparam("b_committed_ids"),
+        committed_len=sa.bindparam("b_committed_len"),
+        status=sa.bindparam("b_status"),
+        updated_at=sa.bindparam("b_at"),
+        finished_at=sa.bindparam("b_finished_at"),
+    )
+)
+_UPDATE_DOWNLINK = (
+    sa.update(Round)
+    .where(Round.session_id == sa.bindparam("b_session"))
+    .where(Round.round_index == sa.bindparam("b_round"))
+    .values(t_downlink_ms=sa.bindparam("b_downlink_ms"))
+)
+_ROUND_COLUMNS = tuple(column for column in sa.inspect(Round).columns if column.key != "id")
+
+
+def _round_values(row: Round) -> dict[str, Any]:
+    """The INSERT parameters of a transient Round: what is set, else the column's default."""
+    assigned = sa.inspect(row).dict
+    values: dict[str, Any] = {}
+    for column in _ROUND_COLUMNS:
+        default = column.default
+        if column.key in assigned:
+            values[column.key] = assigned[column.key]
+        elif isinstance(default, sa.ColumnDefault) and default.is_scalar:
+            values[column.key] = default.arg
+        elif isinstance(default, sa.ColumnDefault) and default.is_callable:
+            values[column.key] = default.arg(None)  # SQLAlchemy's wrapper takes a context
+        else:
+            values[column.key] = None
+    return values
+
+
+@dataclass
+class _Write:
+    row: Round
+    generated: list[int]
+    status: SessionStatus
+    device_id: str
+    downlink_ms: float | None  # the downlink of round row.round_index - 1, when reported
+    done: asyncio.Future[None]
+
+
+class RoundWriter:
+    """Persists rounds, by group commit, before their verdicts may leave.
+
+    A commit starts as soon as a round is queued (no timer); the rounds queued while it runs
+    go together into the next one. The writer has a thread and a database connection of its
+    own, and each batch is one transaction of a few prepared statements, each executed once for
+    all its rounds. Durability: PostgreSQL keeps synchronous_commit on; SQLite runs in WAL with
+    synchronous=NORMAL (coordinator.db.engine), so a commit that returned survives a crash of
+    the coordinator process (the fault model), while a power cut of the host may lose the last
+    ones (never corrupting the file).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[_Write] = asyncio.Queue()
+        self._connection: Connection | None = None  # used only from the writer's thread
+        self.batches = 0
+
+    async def write(
+        self,
+        row: Round,
+        generated: list[int],
+        status: SessionStatus,
+        *,
+        device_id: str,
+        downlink_ms: float | None = None,
+    ) -> None:
+        """Return once the round, the session's tokens and the downlink before are committed."""
+        if row.created_at is None:
+            row.created_at = utcnow()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Write(row, generated, status, device_id, downlink_ms, done))
+        await done
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        # A thread of its own keeps the connection on one thread, and commits off the default
+        # executor, where slower database work of the API and the book would delay them.
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-writer")
+        batch: list[_Write] = []
+        try:
+            while True:
+                batch = [await self._queue.get()]
+                while not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                failures = await loop.run_in_executor(thread, self._commit_batch, batch)
+                self.batches += 1
+                for item, failure in zip(batch, failures, strict=True):
+                    if item.done.done():
+                        continue
+                    if failure is None:
+                        item.done.set_result(None)
+                    else:
+                        item.done.set_exception(failure)
+                batch = []
+        finally:
+            for item in [*batch, *_drain(self._queue)]:
+                item.done.cancel()
+            thread.submit(self._close)
+            thread.shutdown(wait=False)
+
+    # --- the writer's thread ------------------------------------------------------------------
+
+    def _commit_batch(self, batch: list[_Write]) -> list[Exception | None]:
+        """Commit the batch as one transaction; if that fails, each round alone, so that one bad
+        round (or a connection lost mid-batch) fails no other. One failure per round, or None."""
+        try:
+            self._commit_reconnecting(batch)
+            return [None] * len(batch)
+        except Exception as exc:
+            self._close()
+            if len(batch) == 1:
+                log.exception(
+                    "could not persist round %d of %s",
+                    batch[0].row.round_index,
+                    batch[0].row.session_id,
+                )
+                return [exc]
+            log.warning(
+                "could not persist %d rounds together (%s); writing them one by one",
+                len(batch),
+                exc,
+            )
+        failures: list[Exception | None] = []
+        for item in batch:
+            failures += self._commit_batch([item])
+        return failures
+
+    def _commit_reconnecting(self, batch: list[_Write]) -> None:
+        """A connection the database dropped (a restart, a failover, an administrator) is
+        noticed only when used: then the batch goes again, once, on a new one."""
+        try:
+            self._commit(batch)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            log.warning("the database dropped the writer's connection (%s); reconnecting", exc.orig)
+            self._close()
+            self._commit(batch)
+
+    def _commit(self, batch: list[_Write]) -> None:
+        if self._connection is None:
+            self._connection = self._engine.connect()
+        connection = self._connection
+        now = utcnow()
+        with connection.begin():
+            # The rounds' foreign key makes a session that vanished fail the insert.
+            connection.execute(
+                _INSERT_ROUNDS,
+                [_round_values(item.row) for item in batch],
+            )
+            connection.execute(
+                _UPDATE_SESSION,
+                [
+                    {
+                        "b_session": item.row.session_id,
+                        "b_committed_ids": item.generated,
+                        "b_committed_len": item.row.committed_len,
+                        "b_status": item.status,
+                        "b_at": now,
+                        "b_finished_at": now if item.status is SessionStatus.FINISHED else None,
+                    }
+                    for item in batch
+                ],
+            )
+            downlinks = [
+                {
+                    "b_session": item.row.session_id,
+                    "b_round": item.row.round_index - 1,
+                    "b_downlink_ms": item.downlink_ms,
+                }
+                for item in batch
+                if item.downlink_ms is not None and item.row.round_index > 0
+            ]
+            if downlinks:
+                connection.execute(_UPDATE_DOWNLINK, downlinks)
+            finished = [item for item in batch if item.status is SessionStatus.FINISHED]
+            if finished:
+                # Joins the connection's transaction; it commits with the rounds.
+                with Session(bind=connection) as db:
+                    for item in finished:
+                        append_event(
+                            db,
+                            "session.finished",
+                            device_id=item.device_id,
+                            session_id=item.row.session_id,
+                            detail={
+                                "tokens": len(item.generated),
+                                "rounds": item.row.round_index + 1,
+                            },
+                            at=now,
+                        )
+                    db.flush()
+
+    def _close(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            try:
+                connection.close()
+            except Exception:
+                log.debug("closing the round writer's connection failed", exc_info=True)
+
+
+def _drain(queue: asyncio.Queue[_Write]) -> list[_Write]:
+    items: list[_Write] = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
