@@ -381,6 +381,8 @@ class CoordinatorProbes:
         self.puback_ms: dict[RoundKey, float] = {}
         self.legs: dict[RoundKey, VerifierLeg] = {}
         self.persist_ms: dict[RoundKey, float] = {}
+        # Direct rounds (a verifier held the session's lease): their verifier legs, reported.
+        self.direct: dict[RoundKey, VerifierLeg] = {}
         # Per session: the size of the verifier's batch in each of its rounds, streamed or not.
         self.batch_sizes: defaultdict[str, list[int]] = defaultdict(list)
         self.zero_window_sessions: set[str] = set()
@@ -455,6 +457,17 @@ class CoordinatorProbes:
                 book.set_k(request.session_id, 0)
                 self.zero_window_sessions.add(request.session_id)
 
+        round_done = coordinator.verifier_handlers[m.RoundDone]
+
+        async def recorded_round_done(verifier_id: str, done: m.RoundDone) -> None:
+            # A direct round: the verifier answered the device; only its legs are known here.
+            nan = float("nan")
+            key = (done.session_id, done.round)
+            self.direct[key] = VerifierLeg(nan, done.t_queue_ms, done.t_verify_ms, done.batch_size)
+            self.batch_sizes[done.session_id].append(done.batch_size)
+            await round_done(verifier_id, done)
+
+        coordinator.verifier_handlers[m.RoundDone] = recorded_round_done
         pool.verify = timed_verify  # type: ignore[method-assign]
         pool.stream = counted_stream  # type: ignore[method-assign]
         writer.write = timed_write  # type: ignore[method-assign]
@@ -466,8 +479,9 @@ class CoordinatorProbes:
     def timings(self, session_id: str, wait_ms: Sequence[float]) -> tuple[list[RoundTiming], int]:
         """The rounds of a session matched with the agent's waits; and how many did not match.
 
-        A round without a record of the Draft handler or of `VerifierPool.verify` (one the host
-        ran by itself in a stream) is left out and counted.
+        A direct round (answered by the verifier holding the session's lease) has only its
+        verifier legs, from its report: its wait splits into compute, queue and the rest. A round
+        without a record (one the host ran by itself in a stream) is left out and counted.
         """
         matched: list[RoundTiming] = []
         missing = 0
@@ -484,6 +498,11 @@ class CoordinatorProbes:
                         self.puback_ms[key],
                         self.legs[key],
                     )
+                )
+            elif key in self.direct:
+                nan = float("nan")
+                matched.append(
+                    RoundTiming(session_id, index, wait, nan, nan, nan, self.direct[key])
                 )
             else:
                 missing += 1
@@ -544,7 +563,9 @@ class RunResult:
         return sum(sizes) / len(sizes) if sizes else float("nan")
 
     def values(self, what: Callable[[RoundTiming], float]) -> list[float]:
-        return [what(t) for t in self.timings]
+        """One value per matched round; a part not measured for a round (NaN: a direct round
+        has no coordinator handler) is left out."""
+        return [v for v in (what(t) for t in self.timings) if not math.isnan(v)]
 
     def summary(self) -> dict[str, Any]:
         document = {

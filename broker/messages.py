@@ -441,7 +441,7 @@ class SessionLease(_Message):
     max_tokens: int = Field(ge=1, le=8192)
     eos_id: TokenId
     policy: Policy
-    # The policy column of the next round stored (the decision that chose the policy, if any).
+    # The policy column of the rounds stored from now on: the decision in force, with its inputs.
     policy_record: dict[str, Any] | None = None
     send_state: bool = False
 
@@ -489,6 +489,7 @@ class RoundDone(_Message):
     t_queue_ms: Milliseconds = 0.0
     t_verify_ms: Milliseconds = 0.0
     batch_prefilled: int = Field(default=0, ge=0)
+    batch_size: int = Field(default=1, ge=1)  # windows in the pass that verified it
     overhead_ms: Milliseconds | None = None  # the device's turn beyond compute (see policy)
 
 

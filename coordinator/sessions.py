@@ -466,12 +466,10 @@ class SessionBook:
             if done.finished:
                 live.lease = None
             row = self._done_row(live, done)
-            before = live.policy
             if live.policy_task is not None and not done.provisional and not done.finished:
                 live.turn_overhead_ms = done.overhead_ms
                 live.policy, record = self._adapt(live, row, done.batch_prefilled > 0)
-                if live.policy != before:
-                    await self._repolicy(live, record)
+                await self._repolicy(live, record)
             live.last_verdict = None
         for observe in self.round_observers:
             observe(live, row)
@@ -487,9 +485,10 @@ class SessionBook:
             )
 
     async def _repolicy(self, live: LiveSession, record: dict[str, Any]) -> None:
-        """A new decision for a leased session: its verifier's next verdicts carry it, and its
-        next round records it; a host mode takes the session back (the device's next draft then
-        comes here, and its verdict starts the stream)."""
+        """The decision after a direct round: its verifier's next verdicts carry it and its next
+        rounds record it (the policy runs off the round's path, so it is a round behind); a host
+        mode takes the session back (the device's next draft then comes here, and its verdict
+        starts the stream)."""
         holder = self._holder(live)
         if holder is None:
             return

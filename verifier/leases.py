@@ -49,7 +49,8 @@ class LeasedSession:
     max_tokens: int
     eos_id: int
     policy: m.Policy
-    policy_record: dict[str, Any] | None = None  # stored on the next round, then dropped
+    # The policy column of its rounds: the decision in force (the last one the coordinator sent).
+    policy_record: dict[str, Any] | None = None
     finished: bool = False
     last_verdict: m.Verdict | None = None
     last_draft: tuple[float, int, float] | None = None  # (arrived, round, verify ms)
@@ -122,7 +123,8 @@ class LeaseBook:
             async with held.lock:
                 held.lease_id = lease.lease_id
                 held.policy = lease.policy
-                held.policy_record = lease.policy_record
+                if lease.policy_record is not None:
+                    held.policy_record = lease.policy_record
                 # This verifier writes the session's rounds: a lease from the database may
                 # lag behind it by a round in flight, never lead it.
                 if lease.next_round > held.next_round:
@@ -272,7 +274,6 @@ class LeaseBook:
             log.error("round %d of %s not persisted: %s", draft.round, held.session_id, exc)
             self._error(held, draft, "the round could not be persisted")
             return
-        held.policy_record = None
         held.context += kept
         held.next_round = draft.round + 1
         held.finished = finished
@@ -308,6 +309,7 @@ class LeaseBook:
                 t_queue_ms=result.queue_ms,
                 t_verify_ms=result.verify_ms,
                 batch_prefilled=result.batch_prefilled,
+                batch_size=result.batch_size,
                 overhead_ms=overhead_ms,
             )
         )

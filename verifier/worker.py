@@ -124,14 +124,15 @@ class _Pending:
 class _Outbox:
     """Results waiting for the bus, numbered in order. One leaves only once its publish is
     acknowledged, so a dropped connection loses none: the next one sends what is left again (the
-    coordinator takes a result it already has for a late one and drops it)."""
+    coordinator takes a result it already has for a late one and drops it). A message is encoded
+    by the task that publishes it, while the next pass computes, not between two passes."""
 
     def __init__(self) -> None:
-        self._items: dict[int, tuple[str, bytes]] = {}  # by number, in order
+        self._items: dict[int, tuple[str, bytes | Message]] = {}  # by number, in order
         self._next = 0  # the number of the next item put
         self._ready = asyncio.Event()
 
-    def put(self, topic: str, payload: bytes) -> None:
+    def put(self, topic: str, payload: bytes | Message) -> None:
         self._items[self._next] = (topic, payload)
         self._next += 1
         self._ready.set()
@@ -141,7 +142,7 @@ class _Outbox:
         """The number of the oldest item still waiting (the next one put, when none waits)."""
         return next(iter(self._items), self._next)
 
-    async def since(self, number: int) -> tuple[list[tuple[int, str, bytes]], int]:
+    async def since(self, number: int) -> tuple[list[tuple[int, str, bytes | Message]], int]:
         """The waiting items numbered `number` on, once there is one; and the number after."""
         while self._next <= number:
             self._ready.clear()
@@ -431,10 +432,10 @@ class VerifierWorker:
         return await done
 
     def _to_device(self, device_id: str, message: Message) -> None:
-        self._outbox.put(device_topic(device_id, DeviceChannel.VERDICT), encode(message))
+        self._outbox.put(device_topic(device_id, DeviceChannel.VERDICT), message)
 
     def _to_coordinator(self, message: Message) -> None:
-        self._outbox.put(self.result_topic, encode(message))
+        self._outbox.put(self.result_topic, message)
 
     async def _publish_results(self, client: BusClient) -> None:
         """Each result goes out as soon as it is ready, never behind the PUBACKs of the ones
@@ -450,8 +451,15 @@ class VerifierWorker:
                     )
 
     async def _publish_result(
-        self, client: BusClient, item: int, topic: str, payload: bytes
+        self, client: BusClient, item: int, topic: str, payload: bytes | Message
     ) -> None:
+        if not isinstance(payload, bytes):
+            try:
+                payload = encode(payload)
+            except BusError as exc:  # nothing to resend: it can never go out
+                log.error("dropped a message for %s: %s", topic, exc.reason)
+                self._outbox.sent(item)
+                return
         await client.publish(topic, payload)
         self._outbox.sent(item)
 
@@ -621,7 +629,7 @@ class VerifierWorker:
             self.counters.failed += 1
         else:
             self.counters.served += 1
-        self._outbox.put(self.result_topic, encode(result))
+        self._outbox.put(self.result_topic, result)
 
     def _emit(
         self,
@@ -664,7 +672,7 @@ class VerifierWorker:
             if not pending.done.done():
                 pending.done.set_result(result)
         else:
-            self._outbox.put(self.result_topic, encode(result))
+            self._outbox.put(self.result_topic, result)
         self._returns.answered(request.session_id, time.perf_counter())
 
     async def _restart_child(self) -> None:

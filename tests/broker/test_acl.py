@@ -89,6 +89,7 @@ class Fleet:
     a: str
     b: str
     coordinator: str
+    verifier: str
 
 
 @pytest.fixture
@@ -96,13 +97,17 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     """Devices A and B and a coordinator, on a broker configured only by the generated files."""
     suffix = secrets.token_hex(4)  # unique topics per test
     a, b, coordinator = f"dev-a-{suffix}", f"dev-b-{suffix}", f"coord-{suffix}"
-    credentials = {name: new_credential() for name in (a, b, coordinator)}
+    verifier = f"verifier-{suffix}"
+    credentials = {name: new_credential() for name in (a, b, coordinator, verifier)}
 
     def hashed(name: str) -> str:
         return hash_credential(credentials[name], iterations=TEST_ITERATIONS)
 
     devices = [acl.DeviceAccount(a, hashed(a)), acl.DeviceAccount(b, hashed(b))]
-    services = [acl.ServiceUser(coordinator, hashed(coordinator), acl.ServiceRole.COORDINATOR)]
+    services = [
+        acl.ServiceUser(coordinator, hashed(coordinator), acl.ServiceRole.COORDINATOR),
+        acl.ServiceUser(verifier, hashed(verifier), acl.ServiceRole.VERIFIER),
+    ]
     port = _free_port()
     files = acl.write_broker_files(
         tmp_path,
@@ -113,7 +118,7 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         passwords_text=acl.generate_passwords(devices, services),
     )
     running = _start_mosquitto(files.config, [port])
-    yield Fleet(running, credentials, a, b, coordinator)
+    yield Fleet(running, credentials, a, b, coordinator, verifier)
     _stop(running)
 
 
@@ -297,6 +302,38 @@ def test_a_device_cannot_read_other_devices_uplinks(fleet: Fleet, probes: list[P
     ]
 
 
+def test_a_verifier_reads_drafts_and_answers_verdicts_and_nothing_more(
+    fleet: Fleet, probes: list[Probe]
+) -> None:
+    """Direct rounds: a verifier reads every device's drafts and writes their verdicts; it
+    cannot speak for a device, send it commands, or read its sessions and telemetry."""
+    verifier = _connected(fleet, probes, fleet.verifier)
+    coordinator = _connected(fleet, probes, fleet.coordinator)
+    device_a = _connected(fleet, probes, fleet.a)
+    verifier.subscribe("specfleet/v1/dev/+/draft", "specfleet/v1/dev/+/session")
+    coordinator.subscribe("specfleet/v1/dev/#")
+    device_a.subscribe(device_topic(fleet.a, DeviceChannel.VERDICT))
+
+    device_a.publish(device_topic(fleet.a, DeviceChannel.SESSION), b"a session")
+    device_a.publish(device_topic(fleet.a, DeviceChannel.DRAFT), b"a draft")
+    assert verifier.receive_until(b"a draft") == [
+        (device_topic(fleet.a, DeviceChannel.DRAFT), b"a draft")
+    ]
+    forbidden = [
+        device_topic(fleet.a, DeviceChannel.DRAFT),
+        device_topic(fleet.a, DeviceChannel.SESSION),
+        device_topic(fleet.a, DeviceChannel.COMMAND),
+    ]
+    for topic in forbidden:
+        verifier.publish(topic, b"forbidden " + topic.encode())
+    verifier.publish(device_topic(fleet.a, DeviceChannel.VERDICT), b"a verdict")
+    assert device_a.receive_until(b"a verdict") == [
+        (device_topic(fleet.a, DeviceChannel.VERDICT), b"a verdict")
+    ]
+    seen = coordinator.receive_until(b"a verdict")
+    assert not [topic for topic, payload in seen if payload.startswith(b"forbidden")]
+
+
 # --- TLS ----------------------------------------------------------------------------------------
 
 
@@ -367,7 +404,11 @@ def test_generated_acl_gives_each_account_exactly_its_rules() -> None:
     )
     assert _user_blocks(text) == {
         "coordinator": ["topic readwrite specfleet/v1/#"],
-        "verifier-0": ["topic readwrite specfleet/v1/verifier/#"],
+        "verifier-0": [
+            "topic readwrite specfleet/v1/verifier/#",
+            "topic read specfleet/v1/dev/+/draft",
+            "topic write specfleet/v1/dev/+/verdict",
+        ],
         "dashboard": ["topic read specfleet/v1/#"],
         "pi-1": [
             "topic write specfleet/v1/dev/pi-1/status",
