@@ -51,6 +51,8 @@ DEFAULT_K = 4
 # Host streams of a session that may break off in a row (a verifier dies, the bus drops) before
 # its device is told to ask again.
 STREAM_ATTEMPTS = 4
+# The rounds of a host stream between two of the policy's decisions (whether to leave the host).
+STREAM_DECISION_EVERY = 8
 
 
 @dataclass
@@ -170,6 +172,13 @@ class SessionBook:
             # no window and wants none).
             if request.k == 0 and request.mode is not m.Mode.PLAIN:
                 live.policy_task = resolve_task(request.task_type, request.prompt)
+                if live.modes & m.HOST_MODES:
+                    # What the device's earlier sessions taught: a session that does best on
+                    # the host starts there, with no round drafted on the device first.
+                    load = verifier_load(v.load for v in self.pool.live())
+                    opening, _ = self._decide(live, live.policy.draft_model, load)
+                    if opening.mode in m.HOST_MODES:
+                        live.policy = opening
             self.live[live.id] = live
             log.info(
                 "session %s opened on %s (k=%d, draft %s)",
@@ -818,11 +827,22 @@ class SessionBook:
                 overhead_ms=live.turn_overhead_ms if row.mode is SessionMode.DISTRIBUTED else None,
             )
         )
+        hosted = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
+        if hosted and row.round_index % STREAM_DECISION_EVERY:
+            # A host stream's window is the verifier's choice, pass by pass; whether to leave
+            # the host is asked every few rounds (a decision costs ~0.4 ms of this process).
+            return live.policy, live.policy.model_dump(mode="json")
+        return self._decide(live, row.draft_model or live.policy.draft_model, load)
+
+    def _decide(
+        self, live: LiveSession, draft_model: str, load: float
+    ) -> tuple[m.Policy, dict[str, Any]]:
+        assert live.policy_task is not None
         decision = self.policy.decide(
             live.id,
             live.device_id,
             live.policy_task,
-            row.draft_model or live.policy.draft_model,
+            draft_model,
             load,
             current_mode=live.policy.mode,
             host_drafts=self.host_drafts() if m.Mode.CLOUD in live.modes else (),

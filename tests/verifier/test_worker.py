@@ -37,7 +37,13 @@ LONG_WINDOW_MS = 120_000.0  # longer than a result is waited for
 Body = Callable[[VerifierWorker, BusListener], Awaitable[None]]
 
 
-def run_with_worker(mosquitto: PrivateMosquitto, body: Body, batch_window_ms: float = 2.0) -> None:
+def run_with_worker(
+    mosquitto: PrivateMosquitto,
+    body: Body,
+    batch_window_ms: float = 2.0,
+    database_url: str | None = None,
+    subscriptions: tuple[str, ...] = (),
+) -> None:
     """Start a worker (and its child) on the broker, run `body` against it, then stop it."""
     verifier_id = f"t-{uuid.uuid4().hex[:10]}"
     address = BrokerAddress.from_url(mosquitto.url)
@@ -47,12 +53,14 @@ def run_with_worker(mosquitto: PrivateMosquitto, body: Body, batch_window_ms: fl
         heartbeat_s=0.2,
         batch_window_ms=batch_window_ms,
     )
-    worker = VerifierWorker(config, address)
+    worker = VerifierWorker(config, address, database_url=database_url)
 
     async def scenario() -> None:
         async with connect(address, ConnectOptions(client_id=f"coord-{verifier_id}")) as client:
             await client.subscribe(worker.result_topic)
             await client.subscribe(worker.status_topic)
+            for topic in subscriptions:
+                await client.subscribe(topic)
             listener = BusListener(client)
             async with task_group() as tasks:
                 listening = tasks.create_task(listener.listen(), name="test-listener")

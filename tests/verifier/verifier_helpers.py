@@ -13,6 +13,7 @@ from pathlib import Path
 from broker.client import BusClient
 from broker.compat import timeout
 from broker.messages import (
+    Message,
     SamplingSpec,
     VerifierStatus,
     VerifyRequest,
@@ -93,6 +94,7 @@ class BusListener:
         self.client = client
         self.results: dict[str, VerifyResult] = {}
         self.streamed: dict[str, list[VerifyResult]] = {}  # a host stream's rounds, by request id
+        self.others: list[tuple[str, Message]] = []  # any other message, with its topic
         self.deliveries: Counter[str] = Counter()  # results received, by request id
         self.statuses: list[tuple[VerifierStatus, bool]] = []  # with the retain flag
         self._changed = asyncio.Condition()
@@ -107,12 +109,26 @@ class BusListener:
                     self.deliveries[message.request_id] += 1
                 elif isinstance(message, VerifierStatus):
                     self.statuses.append((message, incoming.retain))
+                else:
+                    self.others.append((incoming.topic, message))
                 self._changed.notify_all()
 
     async def result(self, request_id: str, timeout_s: float = 60.0) -> VerifyResult:
         async with timeout(timeout_s), self._changed:
             await self._changed.wait_for(lambda: request_id in self.results)
         return self.results[request_id]
+
+    async def other(
+        self, predicate: Callable[[str, Message], bool], timeout_s: float = 60.0
+    ) -> Message:
+        """The first other message (with its topic) that satisfies `predicate`."""
+
+        def found() -> bool:
+            return any(predicate(topic, message) for topic, message in self.others)
+
+        async with timeout(timeout_s), self._changed:
+            await self._changed.wait_for(found)
+        return next(message for topic, message in self.others if predicate(topic, message))
 
     async def stream_end(self, request_id: str, timeout_s: float = 90.0) -> list[VerifyResult]:
         """Every round of a host stream, once one says the stream ends."""
