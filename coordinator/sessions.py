@@ -53,6 +53,7 @@ DEFAULT_K = 4
 STREAM_ATTEMPTS = 4
 # The rounds of a host stream between two of the policy's decisions (whether to leave the host).
 STREAM_DECISION_EVERY = 8
+ADOPTED = "adopted"  # the lease id of a lease learnt from a verifier's heartbeat
 
 
 @dataclass
@@ -77,6 +78,9 @@ class LiveSession:
     turn_overhead_ms: float | None = None  # of the round being committed, for the policy
     # Direct rounds: the verifier that holds the session's lease, and the lease's id.
     lease: tuple[str, str] | None = None
+    # Read back from the database (this process restarted): a verifier may hold a lease that
+    # only its heartbeat tells of. A session this process leased or took back knows better.
+    adoptable: bool = False
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
@@ -173,12 +177,7 @@ class SessionBook:
             if request.k == 0 and request.mode is not m.Mode.PLAIN:
                 live.policy_task = resolve_task(request.task_type, request.prompt)
                 if live.modes & m.HOST_MODES:
-                    # What the device's earlier sessions taught: a session that does best on
-                    # the host starts there, with no round drafted on the device first.
-                    load = verifier_load(v.load for v in self.pool.live())
-                    opening, _ = self._decide(live, live.policy.draft_model, load)
-                    if opening.mode in m.HOST_MODES:
-                        live.policy = opening
+                    self._open_where_best(live)
             self.live[live.id] = live
             log.info(
                 "session %s opened on %s (k=%d, draft %s)",
@@ -356,12 +355,17 @@ class SessionBook:
     def _holder(self, live: LiveSession) -> str | None:
         """The live verifier answering the session's drafts, if one holds its lease. A lease
         this coordinator does not know of (it restarted) is learnt from the heartbeats."""
-        if live.lease is None:
+        if live.lease is None and live.adoptable:
             holder = self.pool.holder(live.id)
             if holder is None:
                 return None
-            live.lease = (holder, "adopted")
-        holder = live.lease[0]
+            live.lease = (holder, ADOPTED)
+        if live.lease is None:
+            return None
+        holder, lease_id = live.lease
+        if lease_id == ADOPTED and self.pool.holder(live.id) != holder:
+            live.lease = None  # its heartbeat no longer lists it: given back, or finished
+            return None
         if self.pool.is_alive(holder):
             return holder
         return None
@@ -396,6 +400,7 @@ class SessionBook:
                 log.info("verifier %s refused session %s: %s", ack.verifier_id, live.id, ack.reason)
                 return False
             live.lease = (info.verifier_id, lease.lease_id)
+            live.adoptable = False
             log.info("session %s leased to verifier %s", live.id, info.verifier_id)
             return True
 
@@ -420,6 +425,7 @@ class SessionBook:
             return
         holder, lease_id = live.lease
         live.lease = None
+        live.adoptable = False
         if self.pool.is_alive(holder):
             end = m.LeaseEnd(lease_id=lease_id, session_id=live.id)
             try:
@@ -834,6 +840,39 @@ class SessionBook:
             return live.policy, live.policy.model_dump(mode="json")
         return self._decide(live, row.draft_model or live.policy.draft_model, load)
 
+    def _open_where_best(self, live: LiveSession) -> None:
+        """An adaptive session starts in the mode the policy rates best for its device now:
+        nothing is switched yet, so no margin against flapping is asked of the host modes, and
+        a session that does best on the host has no round drafted on the device first."""
+        load = verifier_load(v.load for v in self.pool.live())
+        host_drafts = self.host_drafts() if m.Mode.CLOUD in live.modes else ()
+        decision = self.policy.decide(
+            live.id,
+            live.device_id,
+            live.policy_task or live.task_type,
+            live.policy.draft_model,
+            load,
+            host_drafts=host_drafts,
+            plain=True,
+        )
+        best = max(decision.candidates, key=lambda c: c.tokens_per_s)
+        if best.mode not in m.HOST_MODES:
+            return
+        live.policy = m.Policy(
+            mode=best.mode,
+            draft_model=best.draft_model,
+            k=best.k,
+            min_confidence=decision.min_confidence,
+        )
+        log.info(
+            "session %s opens in %s mode (%s, k=%d): %.1f tok/s predicted",
+            live.id,
+            best.mode.value,
+            best.draft_model,
+            best.k,
+            best.tokens_per_s,
+        )
+
     def _decide(
         self, live: LiveSession, draft_model: str, load: float
     ) -> tuple[m.Policy, dict[str, Any]]:
@@ -1016,6 +1055,7 @@ def _restore(db: Session, row: DecodingSession) -> LiveSession:
         .limit(1)
     )
     live = LiveSession.from_row(row, next_round=0 if last is None else last.round_index + 1)
+    live.adoptable = True
     if last is not None and last.policy:
         try:
             live.policy = m.Policy.model_validate(last.policy)

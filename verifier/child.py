@@ -141,8 +141,8 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
 
 
 # The pass shapes timed at start: enough distinct (rows, positions) for the three terms of
-# cost(B, T) = a + b B + c B T; about 0.5 s on a 2-core host for SmolLM2-135M.
-PROFILE_SHAPES = ((1, 1), (1, 5), (8, 1), (8, 5), (4, 3))
+# cost(B, T) = a + b B + c B T, and the lone row's own slope; about 0.7 s on a 2-core host.
+PROFILE_SHAPES = ((1, 1), (1, 5), (1, 9), (8, 1), (8, 5), (4, 1), (4, 3))
 PROFILE_CONTEXT = 32  # positions already in each row's cache, as in a session under way
 PROFILE_REPEATS = 2
 

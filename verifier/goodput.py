@@ -22,6 +22,8 @@ WINDOWS = (0, 1, 2, 3, 4, 6, 8)
 # Forgetting of the cost fit: a sample weighs half after this many passes, so the fit follows
 # a host whose load drifts (other processes, thermal limits) within a minute or so.
 COST_HALF_LIFE_PASSES = 400.0
+# How far one pass moves the mean cost of its own shape (rows, positions).
+SHAPE_WEIGHT = 0.1
 # Forgetting of acceptance: per window position, per (drafter, task).
 ACCEPT_HALF_LIFE = 200.0
 # What a drafter is taken to achieve before this host has seen it on a task: the coordinator's
@@ -32,8 +34,10 @@ PRIOR_WEIGHT = 4.0
 # (bench models); until measured, a drafter is taken to cost this.
 PRIOR_DRAFT_MS_PER_TOKEN = 1.0
 # A speculative window must promise this much more goodput than the plain pass to be chosen:
-# the estimates are noisy, and a wrong wide window costs a whole padded pass.
-SPECULATION_MARGIN = 1.05
+# the estimates are noisy (a pass's cost varies by 5-10% on a shared host), and a wrong window
+# costs a whole padded pass; measured on bench e2e, 4 sessions choosing k=1 for a predicted
+# +10% came out at +5%, before the streams' own overhead.
+SPECULATION_MARGIN = 1.15
 
 
 def _decay(half_life: float) -> float:
@@ -41,10 +45,15 @@ def _decay(half_life: float) -> float:
 
 
 class PassCost:
-    """cost(B, T) = a + b B + c B T in ms, fitted by exponentially weighted least squares.
+    """cost(B, T) in ms: what passes of B rows and T positions took here, and a fit between.
 
-    a is the fixed cost of a pass, b a row's, c a position's. Seeded with the profile the
-    verifier takes when it starts, refined by every pass without a prefill.
+    The fit is cost = a + b B + c B T (a the fixed cost of a pass, b a row's, c a position's),
+    by exponentially weighted least squares. It cannot follow every shape: a lone row is padded
+    to two for consistent decoding, so its positions cost ~1 ms each where a wide batch's cost
+    2.5. So the passes seen are also kept by shape (an exponentially weighted mean per (B, T)),
+    and a prediction for a B that has been seen follows its own points in T, linearly between
+    the two nearest; the fit fills what has not been seen. Seeded with the profile the verifier
+    takes when it starts, refined by every pass without a prefill.
     """
 
     def __init__(self, half_life: float = COST_HALF_LIFE_PASSES) -> None:
@@ -52,6 +61,7 @@ class PassCost:
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
         self._coefficients = (30.0, 2.0, 2.5)  # the shape of DESIGN.md's table, before any data
+        self._seen: dict[int, dict[int, float]] = {}  # rows -> positions -> mean ms
         self.samples = 0
 
     @staticmethod
@@ -65,6 +75,10 @@ class PassCost:
             for j in range(3):
                 self._xtx[i][j] = self._xtx[i][j] * self._forget + weight * x[i] * x[j]
         self.samples += 1
+        by_positions = self._seen.setdefault(rows, {})
+        seen = by_positions.get(positions)
+        # The same forgetting per shape as the fit's, at its own pace (0.1: ~7 passes' half-life).
+        by_positions[positions] = ms if seen is None else seen + SHAPE_WEIGHT * (ms - seen)
         solved = _solve3(self._xtx, self._xty)
         if solved is not None:
             # Negative terms fit noise; a pass never costs less for more rows or positions.
@@ -75,9 +89,23 @@ class PassCost:
     def coefficients(self) -> tuple[float, float, float]:
         return self._coefficients
 
-    def predict(self, rows: int, positions: int) -> float:
+    def fitted(self, rows: int, positions: int) -> float:
         a, b, c = self._coefficients
         return a + b * rows + c * rows * positions
+
+    def predict(self, rows: int, positions: int) -> float:
+        seen = self._seen.get(rows)
+        if not seen:
+            return self.fitted(rows, positions)
+        if positions in seen:
+            return seen[positions]
+        nearest = sorted(seen, key=lambda t: (abs(t - positions), t))[:2]
+        if len(nearest) == 1:  # one point of this B: the fit's slope from it
+            t = nearest[0]
+            return seen[t] + self.fitted(rows, positions) - self.fitted(rows, t)
+        (t1, t2) = sorted(nearest)
+        slope = max(0.0, (seen[t2] - seen[t1]) / (t2 - t1))
+        return max(seen[t1] + slope * (positions - t1), 1e-3)
 
 
 def _solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float] | None:

@@ -94,3 +94,19 @@ def test_plain_streams_and_device_rows_set_the_pass_alone() -> None:
     control = fitted()
     choice = control.choose([StreamRow(None, "chat", 0, 0.5)] * 3, [4, 2])
     assert choice.k == 0 and set(choice.goodput) == {"0"} and choice.rows == 5
+
+
+def test_a_shape_seen_is_predicted_from_its_own_passes() -> None:
+    """A lone row is padded to two, so its positions cost ~1 ms where a wide batch's cost 2.5;
+    each shape seen is predicted from its own passes, and between them along T."""
+    cost = PassCost()
+    lone = {1: 44.0, 9: 52.0}
+    for _ in range(30):
+        for (rows, positions), ms in TABLE.items():
+            if rows > 1:
+                cost.observe(rows, positions, ms)
+        for positions, ms in lone.items():
+            cost.observe(1, positions, ms)
+    assert cost.predict(1, 5) == pytest.approx(48.0, abs=1.0)  # between its own points
+    assert cost.predict(1, 9) == pytest.approx(52.0, abs=1.0)
+    assert cost.predict(16, 4) == pytest.approx((183 + 267) / 2, rel=0.05)
