@@ -22,8 +22,10 @@ WINDOWS = (0, 1, 2, 3, 4, 6, 8)
 # Forgetting of the cost fit: a sample weighs half after this many passes, so the fit follows
 # a host whose load drifts (other processes, thermal limits) within a minute or so.
 COST_HALF_LIFE_PASSES = 400.0
-# How far one pass moves the mean cost of its own shape (rows, positions).
+# How far one pass moves the mean cost of its own shape (rows, positions), and the most one
+# sample may differ from it (a pass stalled by the host counts as this many times slower).
 SHAPE_WEIGHT = 0.1
+SHAPE_CLIP = 1.5
 # Forgetting of acceptance: per window position, per (drafter, task).
 ACCEPT_HALF_LIFE = 200.0
 # What a drafter is taken to achieve before this host has seen it on a task: the coordinator's
@@ -77,8 +79,14 @@ class PassCost:
         self.samples += 1
         by_positions = self._seen.setdefault(rows, {})
         seen = by_positions.get(positions)
-        # The same forgetting per shape as the fit's, at its own pace (0.1: ~7 passes' half-life).
-        by_positions[positions] = ms if seen is None else seen + SHAPE_WEIGHT * (ms - seen)
+        if seen is None:
+            # A first sample far off the fit (a pass that waited on a busy host) would stand
+            # for its shape until the next one, which a shape that looks dear never gets.
+            fit = self.fitted(rows, positions)
+            by_positions[positions] = min(max(ms, fit / SHAPE_CLIP), fit * SHAPE_CLIP)
+        else:
+            ms = min(max(ms, seen / SHAPE_CLIP), seen * SHAPE_CLIP)
+            by_positions[positions] = seen + SHAPE_WEIGHT * (ms - seen)
         solved = _solve3(self._xtx, self._xty)
         if solved is not None:
             # Negative terms fit noise; a pass never costs less for more rows or positions.

@@ -110,3 +110,13 @@ def test_a_shape_seen_is_predicted_from_its_own_passes() -> None:
     assert cost.predict(1, 5) == pytest.approx(48.0, abs=1.0)  # between its own points
     assert cost.predict(1, 9) == pytest.approx(52.0, abs=1.0)
     assert cost.predict(16, 4) == pytest.approx((183 + 267) / 2, rel=0.05)
+
+
+def test_one_stalled_pass_does_not_make_its_shape_look_dear() -> None:
+    cost = PassCost()
+    for _ in range(30):
+        for (rows, positions), ms in TABLE.items():
+            cost.observe(rows, positions, ms)
+    before = cost.predict(32, 1)
+    cost.observe(32, 1, 2000.0)  # the host stalled the pass
+    assert cost.predict(32, 1) < before * 1.06
