@@ -69,6 +69,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -150,6 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(LEVELS),
         metavar="N",
         help="concurrent sessions per level (default: 1 4 16 32)",
+    )
+    parser.add_argument(
+        "--shared-cpus",
+        action="store_true",
+        help="let every process run on every CPU; by default the verifier and plain serving "
+        "get the last CPU to themselves and the agents, broker and coordinator the others, as "
+        "devices and the control plane are other machines in the field",
     )
     parser.add_argument(
         "--bus-target-only",
@@ -820,6 +828,7 @@ class BenchRun:
     workdir: Path
     zero_window_sessions: int
     plain_load_s: float
+    placement: str = "every process on every CPU"
 
 
 async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> BenchRun:
@@ -878,6 +887,7 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
             external_broker=broker_url,
             eos_id=tokenizer.eos_id,
         ) as fleet:
+            placement = _place(fleet, server, shared=args.shared_cpus)
             probes = CoordinatorProbes(fleet.coordinator, hold_zero_window=args.bus_target_only)
             async with httpx.AsyncClient() as client:
                 runner = WaveRunner(fleet, probes, client, plain, args)
@@ -888,7 +898,27 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
             await count_round_modes(fleet.coordinator, results)
             zero = len(probes.zero_window_sessions)
         load_s = server.load_s or float("nan")
-    return BenchRun(results, broker_url, settings.database_url, workdir, zero, load_s)
+    return BenchRun(results, broker_url, settings.database_url, workdir, zero, load_s, placement)
+
+
+def _place(fleet: LocalFleet, server: PlainServer, *, shared: bool) -> str:
+    """The verifier and plain serving on one CPU of their own, the rest on the others."""
+    from bench.cpus import available, pin_tree, split
+
+    cpus = available()
+    parts = None if shared else split(cpus)
+    if parts is None:
+        return f"every process on every CPU ({len(cpus)})"
+    target, others = parts
+    pin_tree(os.getpid(), others)  # this process (coordinator, clients), broker, agents
+    for child in fleet.verifiers.values():
+        pin_tree(child.pid, target)
+    if server.pid is not None:
+        pin_tree(server.pid, target)
+    return (
+        f"the verifier and plain serving on CPU {sorted(target)}; agents, broker and "
+        f"coordinator on CPUs {sorted(others)}"
+    )
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -1150,6 +1180,7 @@ def _print_setup(run: BenchRun, args: argparse.Namespace) -> None:
             "WARNING: the shared Mosquitto on :1883 lacks TCP_NODELAY and adds ~40 ms per hop; "
             "these figures include that"
         )
+    print(f"placement: {run.placement}")
     print(
         "plain serving: the target alone in its own process (threads=1), greedy, continuously "
         f"batched, no bus (loaded in {run.plain_load_s:.1f} s, not timed); adaptive: k=0, the "

@@ -165,6 +165,11 @@ class PlainServer:
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The serving process's, once started."""
+        return None if self._process is None else self._process.pid
+
     def __enter__(self) -> PlainServer:
         self.start()
         return self

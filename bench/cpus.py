@@ -1,0 +1,64 @@
+"""CPU placement of a benchmark's processes: the target's own core, and the rest elsewhere.
+
+On one host the devices, the broker and the coordinator share the CPUs with the verifier, which
+they never do in the field: there the devices are other machines. A benchmark that compares the
+verifier with plain serving gives both the same core to themselves and puts everything else on
+the other cores (DESIGN.md, "Emulating a heterogeneous fleet on one host").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def available() -> set[int]:
+    return set(os.sched_getaffinity(0))
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc (parents read from each process's stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # The command may hold spaces and parentheses: the fields start after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        queue += children.get(current, [])
+    return found
+
+
+def pin_tree(pid: int, cpus: set[int]) -> int:
+    """Every thread of `pid` and of its descendants onto `cpus`; how many threads were moved."""
+    moved = 0
+    for process in descendants(pid):
+        try:
+            threads = [int(t.name) for t in (PROC / str(process) / "task").iterdir()]
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                os.sched_setaffinity(thread, cpus)
+                moved += 1
+            except OSError:  # the thread ended, or is not ours to move
+                continue
+    return moved
+
+
+def split(cpus: set[int]) -> tuple[set[int], set[int]] | None:
+    """(the target's core, the others), or None when there is only one CPU to share."""
+    if len(cpus) < 2:
+        return None
+    target = max(cpus)
+    return {target}, cpus - {target}

@@ -1,0 +1,44 @@
+"""CPU placement: a process tree is found from /proc and moved onto the CPUs asked for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.cpus import available, descendants, pin_tree, split
+
+
+def test_a_process_tree_is_found_and_pinned() -> None:
+    cpus = available()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"]
+    )  # fmt: skip
+    try:
+        tree: list[int] = []
+        for _ in range(100):
+            tree = descendants(parent.pid)
+            if len(tree) == 2:
+                break
+            time.sleep(0.05)
+        assert tree[0] == parent.pid and len(tree) == 2
+        one = {min(cpus)}
+        assert pin_tree(parent.pid, one) >= 2
+        assert all(os.sched_getaffinity(pid) == one for pid in tree)
+    finally:
+        for pid in descendants(parent.pid)[::-1]:
+            os.kill(pid, 9)
+        parent.wait()
+
+
+@pytest.mark.parametrize(
+    ("cpus", "expected"), [({0}, None), ({0, 1}, ({1}, {0})), ({0, 1, 2, 3}, ({3}, {0, 1, 2}))]
+)
+def test_the_target_gets_the_last_cpu(
+    cpus: set[int], expected: tuple[set[int], set[int]] | None
+) -> None:
+    assert split(cpus) == expected
