@@ -1,9 +1,10 @@
 """CPU placement of a benchmark's processes: the target's own core, and the rest elsewhere.
 
-On one host the devices, the broker and the coordinator share the CPUs with the verifier, which
-they never do in the field: there the devices are other machines. A benchmark that compares the
-verifier with plain serving gives both the same core to themselves and puts everything else on
-the other cores (DESIGN.md, "Emulating a heterogeneous fleet on one host").
+On one host the devices, the broker and the coordinator share the CPUs with the verifier's
+target, which they never do in the field: there the devices are other machines. A benchmark that
+compares the verifier with plain serving gives both targets the same core to themselves (the
+verifier's inference process; plain serving's process) and puts everything else on the other
+cores (DESIGN.md, "Emulating a heterogeneous fleet on one host").
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def pin_tree(pid: int, cpus: set[int]) -> int:
-    """Every thread of `pid` and of its descendants onto `cpus`; how many threads were moved."""
+def pin_tree(pid: int, cpus: set[int], *, below: bool = False) -> int:
+    """Every thread of `pid` and of its descendants (only of these, with `below`) onto `cpus`;
+    how many threads were moved."""
     moved = 0
-    for process in descendants(pid):
+    for process in descendants(pid)[1 if below else 0 :]:
         try:
             threads = [int(t.name) for t in (PROC / str(process) / "task").iterdir()]
         except OSError:

@@ -155,9 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shared-cpus",
         action="store_true",
-        help="let every process run on every CPU; by default the verifier and plain serving "
-        "get the last CPU to themselves and the agents, broker and coordinator the others, as "
-        "devices and the control plane are other machines in the field",
+        help="let every process run on every CPU; by default the target (the verifier's "
+        "inference process, plain serving) gets the last CPU to itself and everything else "
+        "the others, as devices and the control plane are other machines in the field",
     )
     parser.add_argument(
         "--bus-target-only",
@@ -912,12 +912,12 @@ def _place(fleet: LocalFleet, server: PlainServer, *, shared: bool) -> str:
     target, others = parts
     pin_tree(os.getpid(), others)  # this process (coordinator, clients), broker, agents
     for child in fleet.verifiers.values():
-        pin_tree(child.pid, target)
+        pin_tree(child.pid, target, below=True)  # its inference process; its bus I/O stays
     if server.pid is not None:
         pin_tree(server.pid, target)
     return (
-        f"the verifier and plain serving on CPU {sorted(target)}; agents, broker and "
-        f"coordinator on CPUs {sorted(others)}"
+        f"the target (the verifier's inference process, plain serving) on CPU {sorted(target)}; "
+        f"the verifier's bus side, agents, broker and coordinator on CPUs {sorted(others)}"
     )
 
 

@@ -29,6 +29,9 @@ def test_a_process_tree_is_found_and_pinned() -> None:
         one = {min(cpus)}
         assert pin_tree(parent.pid, one) >= 2
         assert all(os.sched_getaffinity(pid) == one for pid in tree)
+        other = {max(cpus)}
+        pin_tree(parent.pid, other, below=True)  # the child only
+        assert os.sched_getaffinity(tree[0]) == one and os.sched_getaffinity(tree[1]) == other
     finally:
         for pid in descendants(parent.pid)[::-1]:
             os.kill(pid, 9)
