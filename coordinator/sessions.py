@@ -81,6 +81,7 @@ class LiveSession:
     # Read back from the database (this process restarted): a verifier may hold a lease that
     # only its heartbeat tells of. A session this process leased or took back knows better.
     adoptable: bool = False
+    decision_sent: bool = False  # its verifier has a decision of the policy to record
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
@@ -380,7 +381,7 @@ class SessionBook:
                 return False
             holder = self._holder(live)
             if holder is not None:
-                lease = self._lease_message(live, live.lease[1] if live.lease else "adopted")
+                lease = self._lease_message(live, live.lease[1] if live.lease else ADOPTED)
                 await self.pool.tell(holder, lease.model_copy(update={"send_state": send_state}))
                 return True
             if live.lease is not None:  # its verifier died: what it persisted stands
@@ -483,8 +484,12 @@ class SessionBook:
             row = self._done_row(live, done)
             if live.policy_task is not None and not done.provisional and not done.finished:
                 live.turn_overhead_ms = done.overhead_ms
+                before = live.policy
                 live.policy, record = self._adapt(live, row, done.batch_prefilled > 0)
-                await self._repolicy(live, record)
+                # A decision that changes nothing stays here: the one in force is recorded.
+                if live.policy != before or not live.decision_sent:
+                    await self._repolicy(live, record)
+                    live.decision_sent = True
             live.last_verdict = None
         for observe in self.round_observers:
             observe(live, row)
@@ -500,10 +505,10 @@ class SessionBook:
             )
 
     async def _repolicy(self, live: LiveSession, record: dict[str, Any]) -> None:
-        """The decision after a direct round: its verifier's next verdicts carry it and its next
-        rounds record it (the policy runs off the round's path, so it is a round behind); a host
-        mode takes the session back (the device's next draft then comes here, and its verdict
-        starts the stream)."""
+        """A new decision after a direct round: its verifier's next verdicts carry it and its
+        rounds record it until the next (the policy runs off the round's path, so it is a round
+        or two behind); a host mode takes the session back (the device's next draft then comes
+        here, and its verdict starts the stream)."""
         holder = self._holder(live)
         if holder is None:
             return
