@@ -159,16 +159,25 @@ class PositionAcceptance:
             position.accepted = position.accepted * forget + (1.0 if i < accepted else 0.0)
         del drafted  # a short proposal reads as a rejection at its end: both stop the round
 
-    def rate(self, i: int, prior: float) -> float:
-        """The chance of the (i+1)-th token, with the prior worth PRIOR_WEIGHT rounds."""
-        seen = self.positions[i] if i < len(self.positions) else _Position()
-        return (seen.accepted + prior * PRIOR_WEIGHT) / (seen.reached + PRIOR_WEIGHT)
+    def rates(self, k: int, prior: float) -> list[float]:
+        """The chance of each of the first k tokens given the ones before, each seen rate
+        pulled towards a prior worth PRIOR_WEIGHT rounds: the first position's is the prior
+        given, a deeper one's the position before's. Deep positions are seen only when wide
+        windows were chosen, and a copying drafter that got its first tokens right tends to get
+        the next ones right too; a fixed prior there made wide windows look worse than they
+        are, and they were then never tried."""
+        out: list[float] = []
+        for i in range(k):
+            seen = self.positions[i] if i < len(self.positions) else _Position()
+            pull = prior if i == 0 else out[-1]
+            out.append((seen.accepted + pull * PRIOR_WEIGHT) / (seen.reached + PRIOR_WEIGHT))
+        return out
 
     def expected_tokens(self, k: int, prior: float) -> float:
         """E(k) = 1 + sum over i of the chance that tokens 1..i are all accepted."""
         total, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.rate(i, prior)
+        for rate in self.rates(k, prior):
+            survive *= rate
             total += survive
         return total
 

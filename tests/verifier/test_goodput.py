@@ -120,3 +120,15 @@ def test_one_stalled_pass_does_not_make_its_shape_look_dear() -> None:
     before = cost.predict(32, 1)
     cost.observe(32, 1, 2000.0)  # the host stalled the pass
     assert cost.predict(32, 1) < before * 1.06
+
+
+def test_unseen_deep_positions_inherit_the_rate_before_them() -> None:
+    """Windows of 2 that, once the first token holds, keep the second: positions 3..8 were
+    never seen, and are taken to hold as the second did rather than at an even chance."""
+    stats = PositionAcceptance()
+    for n in [0, 2] * 100:
+        stats.observe(2, 2, n, forget=1.0)
+    rates = stats.rates(8, prior=0.5)
+    assert rates[0] == pytest.approx(0.5, abs=0.02) and rates[1] > 0.95
+    assert all(rate > 0.95 for rate in rates[2:])
+    assert stats.expected_tokens(8, prior=0.5) > 4.5
