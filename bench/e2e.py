@@ -98,6 +98,7 @@ DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
 DEFAULT_JSON = Path("bench-results/e2e.json")
 SHARED_BROKER_PORT = 1883
 LEVELS = (1, 4, 16, 32)
+AGENT_NICENESS = 10  # the device processes yield the shared CPUs to the cloud side
 # Copying drafters cost next to nothing, so drafting ahead has little to hide with them; part 4
 # also runs this neural one by default where it is installed.
 NEURAL_PROACTIVE_DRAFTER = "hybrid+draft-l1"
@@ -912,12 +913,16 @@ def _place(fleet: LocalFleet, server: PlainServer, *, shared: bool) -> str:
     target, others = parts
     pin_tree(os.getpid(), others)  # this process (coordinator, clients), broker, agents
     for child in fleet.verifiers.values():
-        pin_tree(child.pid, target, below=True)  # its inference process; its bus I/O stays
+        pin_tree(child.pid, target, below=True)  # its inference process; its bus side stays
     if server.pid is not None:
         pin_tree(server.pid, target)
+    for agent in fleet.agents.values():
+        # Devices: on the cloud side's CPUs here, but never ahead of the cloud side's turns.
+        os.setpriority(os.PRIO_PROCESS, agent.pid, AGENT_NICENESS)
     return (
         f"the target (the verifier's inference process, plain serving) on CPU {sorted(target)}; "
-        f"the verifier's bus side, agents, broker and coordinator on CPUs {sorted(others)}"
+        f"the verifier's bus side, agents (nice {AGENT_NICENESS}), broker and coordinator on "
+        f"CPUs {sorted(others)}"
     )
 
 

@@ -12,6 +12,7 @@ k = 0, and a lone session a wide window (DESIGN.md, "What a batch costs on this 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -242,14 +243,21 @@ class GoodputControl:
         # A device-drafted row is worth about 1 + a window's half (its acceptance is unknown here).
         fixed_tokens = sum(1.0 + 0.5 * k for k in fixed)
         top_cap = max((s.cap for s in streams if s.draft is not None), default=0)
+        # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
+        # once per window (this runs between two passes, while the target waits).
+        kinds = Counter(streams)
         goodput: dict[str, float] = {}
         cost_at: dict[int, float] = {}
         for k in self.windows:
             if k > top_cap and k > 0:
                 continue
-            tokens = fixed_tokens + sum(self.expected_tokens(s, k) for s in streams)
+            tokens = fixed_tokens + sum(
+                count * self.expected_tokens(kind, k) for kind, count in kinds.items()
+            )
             drafting = sum(
-                self.draft_ms(s.draft) * min(k, s.cap) for s in streams if s.draft is not None
+                count * self.draft_ms(kind.draft) * min(k, kind.cap)
+                for kind, count in kinds.items()
+                if kind.draft is not None
             )
             ms = self.cost.predict(rows, max(k, widest_fixed) + 1) + drafting
             cost_at[k] = ms
