@@ -156,9 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shared-cpus",
         action="store_true",
-        help="let every process run on every CPU; by default the target (the verifier's "
-        "inference process, plain serving) gets the last CPU to itself and everything else "
-        "the others, as devices and the control plane are other machines in the field",
+        help="let every process run on every CPU; by default the serving processes (the "
+        "verifier, plain serving) get the last CPU to themselves and everything else the "
+        "others, as devices and the control plane are other machines in the field",
     )
     parser.add_argument(
         "--bus-target-only",
@@ -913,16 +913,16 @@ def _place(fleet: LocalFleet, server: PlainServer, *, shared: bool) -> str:
     target, others = parts
     pin_tree(os.getpid(), others)  # this process (coordinator, clients), broker, agents
     for child in fleet.verifiers.values():
-        pin_tree(child.pid, target, below=True)  # its inference process; its bus side stays
+        # The verifier is the serving process: its bus side runs between its passes.
+        pin_tree(child.pid, target)
     if server.pid is not None:
         pin_tree(server.pid, target)
     for agent in fleet.agents.values():
         # Devices: on the cloud side's CPUs here, but never ahead of the cloud side's turns.
         os.setpriority(os.PRIO_PROCESS, agent.pid, AGENT_NICENESS)
     return (
-        f"the target (the verifier's inference process, plain serving) on CPU {sorted(target)}; "
-        f"the verifier's bus side, agents (nice {AGENT_NICENESS}), broker and coordinator on "
-        f"CPUs {sorted(others)}"
+        f"the serving processes (the verifier, plain serving) on CPU {sorted(target)}; agents "
+        f"(nice {AGENT_NICENESS}), broker and coordinator on CPUs {sorted(others)}"
     )
 
 

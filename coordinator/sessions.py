@@ -649,6 +649,11 @@ class SessionBook:
     def _stream_request(self, live: LiveSession) -> m.VerifyRequest:
         policy = live.policy
         cloud_k = min(policy.k, m.MAX_CLOUD_K) if policy.mode is m.Mode.CLOUD else 0
+        if live.policy_task is not None and cloud_k:
+            # The verifier chooses each pass's window for its whole batch, with what it sees
+            # of the batch and of the drafter: the policy's k is a per-session guess, and a cap
+            # at it kept a lone session's windows at 1-3 where 8 paid.
+            cloud_k = max(cloud_k, self.policy.k_max)
         alpha = None
         if live.policy_task is not None and cloud_k:
             alpha = self.policy.alpha(live.device_id, policy.draft_model, live.policy_task)
