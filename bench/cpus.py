@@ -2,8 +2,9 @@
 
 On one host the devices, the broker and the coordinator share the CPUs with the verifier, which
 they never do in the field: there the devices are other machines. A benchmark that compares the
-verifier with plain serving gives both serving processes the same core to themselves and puts
-everything else on the other cores (DESIGN.md, "Emulating a heterogeneous fleet on one host").
+verifier with plain serving gives both targets (the verifier's inference process, plain
+serving's process) the same core to themselves and puts everything else on the other cores
+(DESIGN.md, "Emulating a heterogeneous fleet on one host").
 """
 
 from __future__ import annotations
