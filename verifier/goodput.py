@@ -36,11 +36,13 @@ PRIOR_WEIGHT = 4.0
 # A copying drafter's draft costs ~0.05 ms a token and a small neural one 1-2 ms on this CPU
 # (bench models); until measured, a drafter is taken to cost this.
 PRIOR_DRAFT_MS_PER_TOKEN = 1.0
-# A speculative window must promise this much more goodput than the plain pass to be chosen:
-# the estimates are noisy (a pass's cost varies by 5-10% on a shared host), and a wrong window
-# costs a whole padded pass; measured on bench e2e, 4 sessions choosing k=1 for a predicted
-# +10% came out at +5%, before the streams' own overhead.
-SPECULATION_MARGIN = 1.15
+# A speculative window's goodput is discounted by this fraction of what it adds to the pass's
+# cost: the estimates are noisy (a pass's cost varies by 5-10% on a shared host), and a wrong
+# window costs the whole padded pass. A window that adds 30% to a 32-row pass must promise 15%
+# more than plain decoding (measured on bench e2e: k=1 at 32 rows chosen for a predicted +10%
+# came out at +5%); one that adds 2% to a lone row's pass, 1%. A flat 15% kept lone sessions
+# decoding plainly where a window was nearly free.
+SPECULATION_MARGIN = 0.5
 
 
 def _decay(half_life: float) -> float:
@@ -263,8 +265,15 @@ class GoodputControl:
             cost_at[k] = ms
             goodput[str(k)] = tokens / ms * 1000.0 if ms > 0 else math.inf
         plain = goodput["0"]
-        best = max((int(k) for k in goodput), key=lambda k: (goodput[str(k)], -k))
-        if best > 0 and goodput[str(best)] < plain * SPECULATION_MARGIN:
+
+        def worth(k: int) -> float:
+            """A window's goodput, discounted by the certainty it needs: the more it adds to
+            the pass, the more a wrong estimate costs (a lone row's window adds ~2%)."""
+            extra = max(0.0, cost_at[k] / cost_at[0] - 1.0)
+            return goodput[str(k)] / (1.0 + SPECULATION_MARGIN * extra)
+
+        best = max((int(k) for k in goodput), key=lambda k: (worth(k), -k))
+        if best > 0 and worth(best) <= plain:
             best = 0
         reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
             "" if best == 0 else f" (plain {plain:.1f})"
