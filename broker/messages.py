@@ -181,6 +181,20 @@ class Draft(_Message):
     def cloud(self) -> bool:
         return self.cloud_k is not None
 
+    def misfit(self, next_round: int, committed_len: int, greedy: bool) -> str | None:
+        """Why this draft does not fit a session at (next_round, committed_len), or None.
+
+        Whoever answers a session's rounds (the coordinator, or the verifier holding its lease)
+        refuses such a draft with this reason."""
+        if self.round != next_round or self.base_len != committed_len:
+            return (
+                f"expected round {next_round} at base_len {committed_len}, got round "
+                f"{self.round} at base_len {self.base_len}"
+            )
+        if self.q_ids is None and not greedy and self.tokens:
+            return "a sampled session needs q' (q_ids, q_probs) with its draft"
+        return None
+
 
 class Mode(str, Enum):
     DISTRIBUTED = "distributed"  # the device drafts

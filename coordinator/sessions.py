@@ -293,25 +293,11 @@ class SessionBook:
                 )
                 await self._send_state(live)
                 return
-            if draft.round != live.next_round or draft.base_len != live.committed_len:
-                await self._error(
-                    device_id,
-                    "draft",
-                    live.id,
-                    draft.round,
-                    f"expected round {live.next_round} at base_len {live.committed_len}, got "
-                    f"round {draft.round} at base_len {draft.base_len}",
-                )
-                await self._send_state(live)
-                return
-            if draft.q_ids is None and not live.sampling.greedy and draft.tokens:
-                await self._error(
-                    device_id,
-                    "draft",
-                    live.id,
-                    draft.round,
-                    "a sampled session needs q' (q_ids, q_probs) with its draft",
-                )
+            misfit = draft.misfit(live.next_round, live.committed_len, live.sampling.greedy)
+            if misfit is not None:
+                await self._error(device_id, "draft", live.id, draft.round, misfit)
+                if draft.round != live.next_round or draft.base_len != live.committed_len:
+                    await self._send_state(live)  # out of step: the state resynchronises it
                 return
             if draft.cloud and live.streaming:
                 # Re-sent while its stream runs (the agent timed out): the state catches it up.

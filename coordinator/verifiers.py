@@ -151,15 +151,16 @@ class VerifierPool:
         waiter: asyncio.Future[m.LeaseAck] = asyncio.get_running_loop().create_future()
         self._lease_acks[message.lease_id] = waiter
         try:
-            await self._publish(
-                verifier_topic(verifier_id, VerifierChannel.WORK), m.encode(message)
-            )
+            await self._send_work(verifier_id, message)
             return await asyncio.wait_for(waiter, LEASE_TIMEOUT_S)
         finally:
             self._lease_acks.pop(message.lease_id, None)
 
     async def tell(self, verifier_id: str, message: m.SessionLease) -> None:
         """A lease update that needs no answer (a new policy, a state to send)."""
+        await self._send_work(verifier_id, message)
+
+    async def _send_work(self, verifier_id: str, message: m.Message) -> None:
         await self._publish(verifier_topic(verifier_id, VerifierChannel.WORK), m.encode(message))
 
     # --- routing ------------------------------------------------------------------------------
@@ -192,9 +193,7 @@ class VerifierPool:
                 attempt, info.verifier_id, future, time.monotonic()
             )
             try:
-                await self._publish(
-                    verifier_topic(info.verifier_id, VerifierChannel.WORK), m.encode(attempt)
-                )
+                await self._send_work(info.verifier_id, attempt)
                 result = await asyncio.wait_for(future, VERIFY_TIMEOUT_S)
             except asyncio.TimeoutError:
                 last_error = f"{info.verifier_id} timed out"
@@ -229,9 +228,7 @@ class VerifierPool:
         pending = StreamPending(attempt, info.verifier_id)
         info.streams[attempt.request_id] = pending
         try:
-            await self._publish(
-                verifier_topic(info.verifier_id, VerifierChannel.WORK), m.encode(attempt)
-            )
+            await self._send_work(info.verifier_id, attempt)
             ended = False
             while not ended:
                 try:
@@ -250,9 +247,7 @@ class VerifierPool:
             if mine and not ended and info.alive:
                 stop = m.StreamStop(request_id=attempt.request_id, session_id=request.session_id)
                 try:
-                    await self._publish(
-                        verifier_topic(info.verifier_id, VerifierChannel.WORK), m.encode(stop)
-                    )
+                    await self._send_work(info.verifier_id, stop)
                 except Exception as exc:  # the stream ends anyway with the stream's rounds
                     log.debug("could not stop stream %s: %s", attempt.request_id, exc)
 
