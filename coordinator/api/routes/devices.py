@@ -10,6 +10,7 @@ from fastapi import status as http
 
 from broker.topics import DEVICE_ID_PATTERN
 from coordinator.api.deps import CurrentAdmin, SessionDep
+from coordinator.api.paging import Skip
 from coordinator.api.schemas import DevicePublic, DeviceRetire, DevicesPublic, DeviceTagsUpdate
 from coordinator.db.models import Device, DeviceKind, DeviceStatus, utcnow
 from coordinator.events import EventKind, append_event
@@ -29,7 +30,7 @@ def list_devices(
     status: DeviceStatus | None = None,
     kind: DeviceKind | None = None,
     tag: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
-    skip: Annotated[int, Query(ge=0)] = 0,
+    skip: Skip = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> DevicesPublic:
     """Devices ordered by id, filtered by status, kind and tag; `count` is the unpaged total."""

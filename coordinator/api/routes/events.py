@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.topics import DEVICE_ID_PATTERN
 from coordinator.api.deps import SessionDep
+from coordinator.api.paging import MAX_ROW_ID, AfterId, Skip
 from coordinator.api.routes.sessions import as_utc
 from coordinator.api.schemas import EventPublic, EventsPublic
 from coordinator.db.models import Event
@@ -74,7 +75,7 @@ def list_events(
     actor: ActorQuery = None,
     since: datetime | None = None,
     until: datetime | None = None,
-    skip: Annotated[int, Query(ge=0)] = 0,
+    skip: Skip = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> EventsPublic:
     """Newest first; `count` is the unpaged total of the matching events."""
@@ -114,13 +115,14 @@ async def stream_events(
     request: Request,
     kind: KindQuery = None,
     device_id: DeviceQuery = None,
-    after_id: Annotated[int | None, Query(ge=0)] = None,
+    after_id: AfterId = None,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
     """Server-sent events: each new event once, oldest first, from `after_id` (or now)."""
     start = after_id
     if start is None and last_event_id and last_event_id.isdigit():
-        start = int(last_event_id)
+        resumed = int(last_event_id)
+        start = resumed if resumed <= MAX_ROW_ID else None  # not an id of ours: from now
     clauses = _filters(kind, device_id, None, None, None, None)
     sessions: sessionmaker[Session] = request.app.state.sessions
 

@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, Path, Query
 from fastapi import status as http
 
 from coordinator.api.deps import SessionDep, SettingsDep
+from coordinator.api.paging import Skip
 from coordinator.api.schemas import ModelPublic, ModelsPublic
 from coordinator.db.models import Model, ModelRole
 from inference.artifacts import ArtifactError, ModelManifest, list_models
@@ -79,7 +80,7 @@ def list_registry(
     role: ModelRole | None = None,
     format: Annotated[str | None, Query(min_length=1, max_length=32)] = None,
     source: Literal["registry", "disk"] | None = None,
-    skip: Annotated[int, Query(ge=0)] = 0,
+    skip: Skip = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> ModelsPublic:
     """Registered models and built ones in the models directory, with sha256 and sizes."""

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from broker.topics import DEVICE_ID_PATTERN
 from coordinator.api.deps import ControlDep, CurrentAdmin, SessionDep, TokenDecoderDep
+from coordinator.api.paging import Skip
 from coordinator.api.schemas import (
     RoundPublic,
     RoundsPublic,
@@ -117,7 +118,7 @@ def list_sessions(
     draft_model: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
     since: Annotated[datetime | None, Query(description="created at or after (ISO 8601)")] = None,
     until: Annotated[datetime | None, Query(description="created before (ISO 8601)")] = None,
-    skip: Annotated[int, Query(ge=0)] = 0,
+    skip: Skip = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
 ) -> SessionsPublic:
     """Newest first; `count` is the unpaged total of the matching sessions."""
@@ -226,7 +227,7 @@ def list_rounds(
     db: SessionDep,
     decoder: TokenDecoderDep,
     session_id: uuid.UUID,
-    skip: Annotated[int, Query(ge=0)] = 0,
+    skip: Skip = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> RoundsPublic:
     """A page of the session's rounds in order, each with its tokens' text."""

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from coordinator.api.deps import OptionalControlDep
+from coordinator.api.paging import Skip
 from coordinator.api.schemas import VerifierPublic, VerifiersPublic
 
 MAX_PAGE = 1000
@@ -18,7 +19,7 @@ router = APIRouter(prefix="/verifiers", tags=["verifiers"])
 def list_verifiers(
     control: OptionalControlDep,
     online: bool | None = None,
-    skip: Annotated[int, Query(ge=0)] = 0,
+    skip: Skip = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> VerifiersPublic:
     """Verifiers by id; `live` is false when no coordinator service runs in this process."""
