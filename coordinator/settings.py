@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     # Presence: a device is offline after its Last Will, or after this many keepalives of silence.
     device_keepalive_s: int = Field(default=10, ge=1)
     secret_key: str = ""
+    # HTTP request bodies: the admin API's are small JSON; model release uploads get their own.
+    http_max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    http_max_upload_bytes: int = Field(default=4 * 1024**3, ge=1024)
 
     @model_validator(mode="after")
     def _fill_defaults_and_refuse_weak_secrets(self) -> Settings:

@@ -6,10 +6,14 @@ import logging
 import secrets
 from collections.abc import Sequence
 
-from fastapi import APIRouter, Depends, FastAPI
+from anyio import to_thread
+from fastapi import APIRouter, Depends, FastAPI, Request
 from sqlalchemy.engine import Engine
+from starlette.exceptions import HTTPException
+from starlette.types import Scope
 
 from coordinator.api.deps import get_current_user
+from coordinator.api.limits import BodyLimits, Refusal, RequestBodyGuard
 from coordinator.api.routes import (
     artifacts,
     auth,
@@ -28,6 +32,11 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.settings import Settings
 
 API_PREFIX = "/api/v1"
+# Model releases are the only bodies the API is meant to take in bulk; every other body is a
+# small JSON document. (Releases are published from the CLI today: no route here takes one yet.)
+UPLOAD_PREFIXES = (f"{API_PREFIX}/models",)
+# Devices authenticate there with a download token, not an admin's credentials.
+DEVICE_PREFIXES = (f"{API_PREFIX}/artifacts",)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +57,19 @@ def signing_key(settings: Settings) -> str:
         raise ValueError("SPECFLEET_SECRET_KEY must be set outside the quickstart")
     log.info("no SPECFLEET_SECRET_KEY: dashboard logins last until this process stops")
     return secrets.token_urlsafe(32)
+
+
+async def login_first(scope: Scope) -> Refusal | None:
+    """Bodies sent to the admin API are read only for an authenticated caller."""
+    path: str = scope["path"]
+    if not path.startswith(f"{API_PREFIX}/") or path.startswith(DEVICE_PREFIXES):
+        return None
+    try:
+        # The token lookup is a database query: off the event loop.
+        await to_thread.run_sync(get_current_user, Request(scope))
+    except HTTPException as exc:
+        return exc.status_code, str(exc.detail), dict(exc.headers or {})
+    return None
 
 
 def create_app(
@@ -93,4 +115,9 @@ def create_app(
     # Devices fetch artifacts with their own credentials (HTTP Basic), not an admin's.
     app.include_router(artifacts.router, prefix=API_PREFIX)
     mount_dashboard(app)
+    limits = BodyLimits(
+        settings.http_max_body_bytes,
+        [(prefix, settings.http_max_upload_bytes) for prefix in UPLOAD_PREFIXES],
+    )
+    app.add_middleware(RequestBodyGuard, limits=limits, gate=login_first)
     return app
