@@ -16,10 +16,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from amqtt.adapters import ReaderAdapter, WriterAdapter
 from amqtt.broker import Broker
-from amqtt.contexts import Action
+from amqtt.contexts import Action, ListenerConfig
+from amqtt.errors import MQTTError
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
+from amqtt.utils import gen_client_id
 
 from broker.passwords import verify_credential
 from broker.topics import DOWNLINK_CHANNELS, UPLINK_CHANNELS, device_topic
@@ -27,6 +31,14 @@ from broker.topics import DOWNLINK_CHANNELS, UPLINK_CHANNELS, device_topic
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 1884  # 1883 is usually taken by a system Mosquitto
+# Where anonymous clients' ids live; '~' is no username character, so no account owns it.
+ANONYMOUS_NAMESPACE = "~anonymous"
+
+
+def bound_client_id(username: str | None, client_id: str) -> str:
+    """The id a client's session is kept under: inside its username's namespace, so that one
+    credential can displace or resume only its own connections (usernames hold no '/')."""
+    return f"{username or ANONYMOUS_NAMESPACE}/{client_id}"
 
 
 def read_password_file(path: Path) -> dict[str, str]:
@@ -100,6 +112,83 @@ class DeviceTopicPlugin(BaseTopicPlugin):
         return True
 
 
+_AUTHENTICATED = "_specfleet_authenticated"
+
+
+class BindingBroker(Broker):
+    """amqtt with credentials checked before any session is touched, and client ids bound to
+    usernames (Mosquitto does the same with `use_username_as_clientid`).
+
+    amqtt itself deletes (clean session) or resumes the session of a CONNECT's client id before
+    it authenticates, and takes the id over even when authentication fails: any client could
+    cut any other off the bus by reusing its id. Here a refused client never reaches the session
+    table, and an accepted one gets the id `bound_client_id(username, id)`. Several processes
+    may still share one account (verifiers of the quickstart), each under its own id.
+    """
+
+    async def _initialize_client_session(
+        self, reader: ReaderAdapter, writer: WriterAdapter, remote_address: str, remote_port: int
+    ) -> tuple[BrokerProtocolHandler, Session]:
+        try:
+            handler, incoming = await BrokerProtocolHandler.init_from_connect(
+                reader, writer, self.plugins_manager
+            )
+        except MQTTError:
+            await writer.close()
+            raise
+        if not await super()._authenticate(incoming, ListenerConfig()):
+            handler.attach(incoming, reader, writer)
+            await handler.mqtt_connack_authorize(False)
+            await writer.close()
+            who = incoming.username or "an anonymous client"
+            raise MQTTError(f"refused {who} from {remote_address}:{remote_port}")
+        incoming.client_id = bound_client_id(
+            incoming.username, incoming.client_id or gen_client_id()
+        )
+        session = await self._resume_or_start(incoming)
+        # Marked, so that the broker's own check that follows does not hash the password again.
+        setattr(session, _AUTHENTICATED, True)
+        return handler, session
+
+    async def _resume_or_start(self, incoming: Session) -> Session:
+        """amqtt's own choice once the id is bound: a clean start, or the stored session."""
+        known = self._sessions.get(incoming.client_id)
+        if incoming.clean_session or known is None:
+            await self._delete_session(incoming.client_id)
+            session = incoming
+            session.parent = 0
+        else:
+            session = known[0]
+            # The new connection brings its own Will, keepalive and credentials.
+            for name in ("will_flag", "will_message", "will_topic", "will_qos", "keep_alive"):
+                setattr(session, name, getattr(incoming, name))
+            session.username, session.password = incoming.username, incoming.password
+            session.parent = 1
+        delay = self.config.get("timeout-disconnect-delay", 0)
+        if session.keep_alive > 0 and isinstance(delay, int):
+            session.keep_alive += delay
+        return session
+
+    async def _authenticate(self, session: Session, listener: ListenerConfig) -> bool:
+        if getattr(session, _AUTHENTICATED, False):
+            setattr(session, _AUTHENTICATED, False)
+            return True
+        authenticated: bool = await super()._authenticate(session, listener)
+        return authenticated
+
+    async def disconnect_user(self, username: str) -> int:
+        """Close every connection of `username` now (its Will is published); returns how many.
+        Remove the account from the password file first, or the client connects again."""
+        handlers = [
+            handler
+            for session, handler in list(self._sessions.values())
+            if session.username == username and session.transitions.is_connected()
+        ]
+        for handler in handlers:
+            await handler.handle_connection_closed()
+        return len(handlers)
+
+
 class EmbeddedBroker:
     """`async with EmbeddedBroker(...) as broker:` serves MQTT on `broker.url` until exit."""
 
@@ -124,7 +213,7 @@ class EmbeddedBroker:
                 f"{__name__}.DeviceTopicPlugin": {"service_users": list(service_users)},
             },
         }
-        self._broker = Broker(config)
+        self._broker = BindingBroker(config)
 
     @property
     def url(self) -> str:
@@ -132,6 +221,10 @@ class EmbeddedBroker:
 
     async def start(self) -> None:
         await self._broker.start()
+
+    async def disconnect_user(self, username: str) -> int:
+        """Close `username`'s connections (see BindingBroker.disconnect_user)."""
+        return await self._broker.disconnect_user(username)
 
     async def stop(self) -> None:
         await self._broker.shutdown()

@@ -2,8 +2,9 @@
 
 When an agent answers on the local API port, the session runs there and its text streams back
 over Server-Sent Events. Otherwise `ask` connects to the bus itself, as the same device but
-without presence or a Will (so a resident agent is never displaced), runs the one session and
-leaves.
+without presence or a Will, runs the one session and leaves. Mosquitto binds client ids to
+usernames, so there the one-shot link takes the device's connection from an agent that runs
+without its local API; the embedded broker keeps both.
 """
 
 from __future__ import annotations

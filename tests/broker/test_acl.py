@@ -128,15 +128,18 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 class Probe:
     """A paho client that records its CONNACK and queues every message it receives."""
 
-    def __init__(self, port: int, username: str | None, password: str | None) -> None:
+    def __init__(
+        self, port: int, username: str | None, password: str | None, client_id: str | None = None
+    ) -> None:
         self.port = port
         self.messages: queue.Queue[tuple[str, bytes]] = queue.Queue()
         self.connack: ReasonCode | None = None
+        self.disconnects = 0  # paho reconnects by itself: count what the broker cut
         self._connected = threading.Event()
         self._subscribed = threading.Event()
         self.client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
-            client_id=f"probe-{secrets.token_hex(4)}",
+            client_id=client_id or f"probe-{secrets.token_hex(4)}",
             protocol=mqtt.MQTTv311,
         )
         if username is not None:
@@ -144,6 +147,7 @@ class Probe:
         self.client.on_connect = self._on_connect
         self.client.on_message = self._on_message
         self.client.on_subscribe = lambda *_: self._subscribed.set()
+        self.client.on_disconnect = self._on_disconnect
 
     def _on_connect(self, _c: object, _u: object, _f: object, rc: ReasonCode, _p: object) -> None:
         self.connack = rc
@@ -151,6 +155,9 @@ class Probe:
             # Stop paho's loop from retrying the refused connection.
             self.client.disconnect()
         self._connected.set()
+
+    def _on_disconnect(self, *_: object) -> None:
+        self.disconnects += 1
 
     def _on_message(self, _c: object, _u: object, message: mqtt.MQTTMessage) -> None:
         self.messages.put((message.topic, bytes(message.payload)))
@@ -194,8 +201,10 @@ def probes() -> Iterator[list[Probe]]:
         probe.close()
 
 
-def _connected(fleet: Fleet, probes: list[Probe], username: str) -> Probe:
-    probe = Probe(fleet.broker.port, username, fleet.credentials[username])
+def _connected(
+    fleet: Fleet, probes: list[Probe], username: str, client_id: str | None = None
+) -> Probe:
+    probe = Probe(fleet.broker.port, username, fleet.credentials[username], client_id)
     probes.append(probe)
     assert not probe.connect().is_failure
     return probe
@@ -248,7 +257,9 @@ def test_a_device_cannot_publish_outside_its_own_uplinks(fleet: Fleet, probes: l
     received = coordinator.receive_until(b"allowed " + allowed[-1].encode())
     assert [topic for topic, _ in received] == allowed
 
-    # Nothing forbidden was retained either, for a subscriber that arrives later.
+    # Nothing forbidden was retained either, for a subscriber that arrives later (one
+    # connection per account: the broker binds client ids to usernames).
+    coordinator.close()
     late = _connected(fleet, probes, fleet.coordinator)
     late.subscribe(*forbidden)
     assert late.messages.empty()
@@ -332,6 +343,35 @@ def test_a_verifier_reads_drafts_and_answers_verdicts_and_nothing_more(
     ]
     seen = coordinator.receive_until(b"a verdict")
     assert not [topic for topic, payload in seen if payload.startswith(b"forbidden")]
+
+
+@pytest.mark.parametrize(
+    ("victim", "watched", "sender"),
+    [
+        ("coordinator", ("a", DeviceChannel.DRAFT), "a"),
+        ("verifier", ("a", DeviceChannel.DRAFT), "a"),
+        ("b", ("b", DeviceChannel.VERDICT), "coordinator"),
+    ],
+)
+def test_a_device_cannot_take_another_clients_id(
+    fleet: Fleet,
+    probes: list[Probe],
+    victim: str,
+    watched: tuple[str, DeviceChannel],
+    sender: str,
+) -> None:
+    """Device A connects with the client id of the coordinator, a verifier or device B: the
+    broker files it under A's own username, and the victim stays connected and subscribed."""
+    victim_id = getattr(fleet, victim)
+    topic = device_topic(getattr(fleet, watched[0]), watched[1])
+    target = _connected(fleet, probes, victim_id, client_id=victim_id)
+    target.subscribe(topic)
+    intruder = _connected(fleet, probes, fleet.a, client_id=victim_id)
+    time.sleep(0.2)  # a takeover would have closed the victim's socket by now
+    publisher = intruder if sender == "a" else _connected(fleet, probes, getattr(fleet, sender))
+    publisher.publish(topic, b"still here")
+    assert target.receive_until(b"still here") == [(topic, b"still here")]
+    assert (target.disconnects, intruder.disconnects) == (0, 0)
 
 
 # --- TLS ----------------------------------------------------------------------------------------
@@ -480,6 +520,7 @@ def test_rendered_config_points_at_the_written_files(tmp_path: Path) -> None:
     assert f"persistence_location {tmp_path.resolve() / 'data'}/" in active
     assert "listener 1884 10.0.0.1" in active
     assert "allow_anonymous false" in active
+    assert "use_username_as_clientid true" in active
     assert "set_tcp_nodelay true" in active
     assert "persistence true" in active
 
