@@ -61,13 +61,14 @@ class MalformedPayload(BusError):
 class UnsupportedVersion(BusError):
     def __init__(self, version: object) -> None:
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
-        super().__init__(f"unsupported schema version {version!r} (supported: {supported})")
+        shown = _short(repr(version))
+        super().__init__(f"unsupported schema version {shown} (supported: {supported})")
         self.version = version
 
 
 class UnknownMessageType(BusError):
     def __init__(self, message_type: object) -> None:
-        super().__init__(f"unknown message type {message_type!r}")
+        super().__init__(f"unknown message type {_short(repr(message_type))}")
         self.message_type = message_type
 
 
@@ -364,6 +365,8 @@ class VerifierStatus(_Message):
     # holds now, so a coordinator that restarts knows whose drafts are not its to answer.
     leases: bool = False
     leased: tuple[SessionId, ...] = Field(default=(), max_length=4096)
+    # The target's vocabulary: a session whose prompt holds a larger id is refused at open.
+    vocab_size: int | None = Field(default=None, ge=1, le=MAX_TOKEN_ID)
 
 
 MAX_STREAM_ROUNDS = 256
@@ -667,7 +670,8 @@ def decode(payload: bytes) -> Message:
     if "v" not in document or "type" not in document:
         raise MalformedPayload("missing 'v' or 'type'")
     version = document["v"]
-    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+    # Only an int can be a version: a list or an object is unhashable, and a float 1.0 is not 1.
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersion(version)
     message_type = document["type"]
     if not isinstance(message_type, str) or message_type not in _ADAPTERS:
@@ -676,11 +680,20 @@ def decode(payload: bytes) -> Message:
         message: Message = _ADAPTERS[message_type].validate_python(document)
     except ValidationError as exc:
         errors = [
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            f"{'.'.join(_short(p) for p in err['loc']) or '<root>'}: {err['msg']}"
             for err in exc.errors(include_url=False)[:5]
         ]
         raise SchemaViolation(message_type, errors) from None
+    except (TypeError, ValueError, ArithmeticError, RecursionError) as exc:
+        # A validator that met a value it did not foresee: still a refusal, with its reason.
+        raise SchemaViolation(message_type, [f"{type(exc).__name__}: {_short(exc)}"]) from None
     return message
+
+
+def _short(value: object, limit: int = 64) -> str:
+    """A value as it may appear in a reason (refusals carry at most 1,024 characters)."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def decode_as(payload: bytes, expected: type[M]) -> M:
