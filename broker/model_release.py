@@ -1,10 +1,19 @@
 """Signed model releases: the `deploy_model` command's arguments and the Ed25519 check of both ends.
 
-The coordinator signs a release statement (model name, format, artifact sha256 and size) with
-its release key; the agent checks that signature with the public key from its bundle before it
-downloads anything, then checks the downloaded bytes against the signed size and sha256. So a
-forged command, a tampered artifact and a truncated download are all refused, and a signed
-artifact cannot be installed under another model's name.
+The coordinator signs a release statement (model name, format, artifact sha256 and size, and
+the release's version) with its release key; the agent checks that signature with the public key
+from its bundle before it downloads anything, then checks the downloaded bytes against the signed
+size and sha256. So a forged command, a tampered artifact and a truncated download are all
+refused, and a signed artifact cannot be installed under another model's name.
+
+Versions count up per model name. A device installs only a version above every one it has
+installed, so a replayed older release is refused; going back is a rollback, which the statement
+itself must say: `rollback_from` names the version it replaces, and a device takes it only while
+that version is the one it serves.
+
+The artifact is fetched with `download_token`, a short-lived grant for this artifact and this
+device (see coordinator.releases); it is not part of the statement. The device's bus credential
+never goes over HTTP.
 """
 
 from __future__ import annotations
@@ -17,13 +26,14 @@ from typing import Any, Literal
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # Signatures made for one purpose must never verify for another.
 STATEMENT_DOMAIN = b"specfleet/v1/model-release\n"
 # A draft model is tens of megabytes; the cap bounds what a device agrees to download.
 MAX_ARTIFACT_BYTES = 4 * 1024**3
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+MAX_VERSION = 2**31 - 1
 ED25519_SIGNATURE_BYTES = 64
 
 ModelFormat = Literal["onnx", "tflite"]
@@ -42,6 +52,15 @@ class ModelRelease(BaseModel):
     format: ModelFormat
     sha256: str = Field(pattern=SHA256_PATTERN)  # of the artifact (a tar of the model directory)
     size_bytes: int = Field(ge=1, le=MAX_ARTIFACT_BYTES)
+    version: int = Field(ge=1, le=MAX_VERSION)
+    # Set on a rollback only: the newer version this one replaces.
+    rollback_from: int | None = Field(default=None, ge=2, le=MAX_VERSION)
+
+    @model_validator(mode="after")
+    def _rollback_goes_back(self) -> ModelRelease:
+        if self.rollback_from is not None and self.rollback_from <= self.version:
+            raise ValueError("a rollback goes to an older version than the one it replaces")
+        return self
 
     def statement(self) -> bytes:
         """The exact bytes that are signed: canonical JSON after a domain prefix."""
@@ -59,13 +78,22 @@ class DeployModelArgs(BaseModel):
     format: ModelFormat
     sha256: str
     size_bytes: int
+    version: int
+    rollback_from: int | None = None
     url: str = Field(min_length=8, max_length=2048, pattern=r"^https?://")
     signature: str = Field(min_length=1, max_length=256)  # base64 of 64 bytes
+    # Sent as `Authorization: Bearer` with the download; empty for a server that needs none.
+    download_token: str = Field(default="", max_length=1024)
 
     @property
     def release(self) -> ModelRelease:
         return ModelRelease(
-            name=self.name, format=self.format, sha256=self.sha256, size_bytes=self.size_bytes
+            name=self.name,
+            format=self.format,
+            sha256=self.sha256,
+            size_bytes=self.size_bytes,
+            version=self.version,
+            rollback_from=self.rollback_from,
         )
 
     def to_args(self) -> dict[str, Any]:

@@ -8,17 +8,20 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specfleet.cli import CommandError
 
 if TYPE_CHECKING:
-    from broker.model_release import DeployModelArgs
+    from broker.model_release import DeployModelArgs, ModelRelease
     from coordinator.rollout import Deployments, DeviceOutcome, RolloutSummary
     from coordinator.settings import Settings
 
 PREFLIGHT_TIMEOUT_S = 5.0
+# A device's download token outlives its whole attempt by this much (clock skew, a slow start).
+DOWNLOAD_TOKEN_SLACK_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="stop before the next wave once this percentage of the devices tried so far failed "
         f"(default {DEFAULT_ABORT_AT_PERCENT:g})",
+    )
+    parser.add_argument(
+        "--rollback-to",
+        type=int,
+        metavar="VERSION",
+        help="send the stored release VERSION of MODEL back out, signed as a rollback from the "
+        "current release (devices refuse an older release otherwise)",
     )
     parser.add_argument("--models-dir", type=Path, help="models directory (default: settings)")
     parser.add_argument(
@@ -108,6 +118,12 @@ def preflight(url: str) -> None:
         ) from None
 
 
+def _version(release: ModelRelease) -> str:
+    if release.rollback_from is None:
+        return f"release {release.version}"
+    return f"release {release.version} (rollback from {release.rollback_from})"
+
+
 def _print_outcome(outcome: DeviceOutcome) -> None:
     print(
         f"wave {outcome.wave}  {outcome.device_id:<24} {outcome.state.value:<12} {outcome.detail}"
@@ -121,7 +137,13 @@ def run(args: argparse.Namespace) -> int:
     from broker.model_release import DeployModelArgs
     from coordinator.db import migrate
     from coordinator.db.engine import make_engine, make_sessionmaker
-    from coordinator.releases import ReleaseStoreError, store_release
+    from coordinator.releases import (
+        ReleaseStoreError,
+        issue_download_token,
+        load_or_create_release_key,
+        rollback_release,
+        store_release,
+    )
     from coordinator.rollout import Deployments, RolloutError, plan_waves
 
     if not 0 < args.abort_at <= 100:
@@ -131,11 +153,14 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     models_dir: Path = args.models_dir or settings.resolved_models_dir
     model_dir = models_dir / args.model
-    if not model_dir.is_dir():
+    if args.rollback_to is None and not model_dir.is_dir():
         raise CommandError(f"no model {args.model!r} in {models_dir}")
     base = args.artifact_url or f"http://{settings.http_host}:{settings.http_port}/api/v1"
     try:
-        stored = store_release(settings.home, model_dir)
+        if args.rollback_to is not None:
+            stored = rollback_release(settings.home, args.model, args.rollback_to)
+        else:
+            stored = store_release(settings.home, model_dir)
     except ReleaseStoreError as exc:
         raise CommandError(str(exc)) from exc
     if stored.manifest.role != "draft":
@@ -149,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         deployments = Deployments(make_sessionmaker(engine))
         targets = deployments.resolve_targets(args.to)
         waves = plan_waves(targets, args.wave)
-        model_id = deployments.register_model(stored, str(model_dir))
+        location = stored.path if args.rollback_to is not None else model_dir
+        model_id = deployments.register_model(stored, str(location))
         deployment_id = deployments.create(
             model_id=model_id,
             artifact_sha256=stored.release.sha256,
@@ -166,12 +192,20 @@ def run(args: argparse.Namespace) -> int:
             signature=stored.signature,
         )
         print(
-            f"deployment {deployment_id}: {stored.release.name} "
+            f"deployment {deployment_id}: {stored.release.name} {_version(stored.release)} "
             f"({stored.release.sha256[:12]}, {stored.release.size_bytes / 1e6:.1f} MB) to "
             f"{len(targets)} device(s) in {len(waves)} wave(s), abort at {args.abort_at:g}%"
         )
+        release_key = load_or_create_release_key(settings.home)
+
+        def download_token(device_id: str) -> str:
+            ttl_s = args.device_timeout + DOWNLOAD_TOKEN_SLACK_S
+            return issue_download_token(release_key, stored.release.sha256, device_id, ttl_s)
+
         summary = asyncio.run(
-            _rollout_over_bus(settings, deployments, deployment_id, waves, release_args, args)
+            _rollout_over_bus(
+                settings, deployments, deployment_id, waves, release_args, args, download_token
+            )
         )
     except (RolloutError, migrate.SchemaOutOfDateError) as exc:
         raise CommandError(str(exc)) from exc
@@ -190,6 +224,7 @@ async def _rollout_over_bus(
     waves: list[list[str]],
     release_args: DeployModelArgs,
     args: argparse.Namespace,
+    download_token: Callable[[str], str],
 ) -> RolloutSummary:
     import secrets
 
@@ -230,6 +265,7 @@ async def _rollout_over_bus(
                     abort_at_percent=args.abort_at,
                     device_timeout_s=args.device_timeout,
                     on_outcome=_print_outcome,
+                    download_token=download_token,
                 )
                 receiver.cancel()
             return summary

@@ -4,27 +4,52 @@ An artifact is an uncompressed tar of one model directory (manifest, model file,
 what else the builder wrote), built deterministically so that the same directory always gives
 the same sha256. It is stored as `<home>/artifacts/<sha256>.tar` and served by the API; devices
 get its sha256, size and the release key's signature in the `deploy_model` command.
+
+Each model name's releases are numbered in `<home>/releases/<name>.json`: a new
+artifact gets the next version, the same artifact keeps its own, and `current` is the version
+last sent out (devices refuse anything older unless it is signed as a rollback from `current`).
+
+Devices download with a download token: the release key's signature over (artifact sha256,
+device id, expiry), minted per device as its command is sent. The API checks it with the public
+key, so the device's bus credential never travels over HTTP, and a token opens one artifact, for
+one device, for minutes.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import os
 import secrets
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from broker.model_release import ModelRelease, public_key_pem, sign_release
-from inference.artifacts import ArtifactError, ModelManifest, load_manifest, sha256_file
+from inference.artifacts import (
+    MANIFEST_FILE,
+    ArtifactError,
+    ModelManifest,
+    load_manifest,
+    sha256_file,
+)
 
 KEY_FILE = "release-ed25519.pem"
 PUBLIC_KEY_FILE = "release-ed25519.pub.pem"
 ARTIFACTS_DIR = "artifacts"
 KEYS_DIR = "keys"
 ARTIFACT_SUFFIX = ".tar"
+RELEASES_DIR = "releases"
+# Signatures over download tokens must never verify as release statements, nor the reverse.
+DOWNLOAD_TOKEN_DOMAIN = b"specfleet/v1/artifact-download\n"
+MAX_DOWNLOAD_TOKEN_CHARS = 1024
 
 
 class ReleaseStoreError(Exception):
@@ -105,8 +130,42 @@ class StoredRelease:
     path: Path
 
 
+def _index_path(home: Path, name: str) -> Path:
+    return home / RELEASES_DIR / f"{name}.json"
+
+
+def _read_index(home: Path, name: str) -> dict[str, Any]:
+    path = _index_path(home, name)
+    if not path.is_file():
+        return {"current": None, "versions": {}}
+    try:
+        index: dict[str, Any] = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ReleaseStoreError(f"{path}: not JSON ({exc})") from None
+    return index
+
+
+def _write_index(home: Path, name: str, index: dict[str, Any]) -> None:
+    path = _index_path(home, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def current_version(home: Path, name: str) -> int | None:
+    """The version of `name` last sent out, if any."""
+    current = _read_index(home, name)["current"]
+    return int(current) if current is not None else None
+
+
 def store_release(home: Path, model_dir: Path) -> StoredRelease:
-    """Pack `model_dir` into the store (once per content) and sign what devices will check."""
+    """Pack `model_dir` into the store (once per content), number it and sign what devices check.
+
+    The signed statement is for the release's own version, with no rollback: sending an older
+    artifact again is refused by devices that have a newer one (see `rollback_release`), and
+    leaves the current release as it was.
+    """
     try:
         manifest = load_manifest(model_dir)
     except ArtifactError as exc:
@@ -122,8 +181,99 @@ def store_release(home: Path, model_dir: Path) -> StoredRelease:
         partial.replace(path)  # same content, same name: a concurrent writer is harmless
     finally:
         partial.unlink(missing_ok=True)
+    index = _read_index(home, manifest.name)
+    versions: dict[str, dict[str, Any]] = index["versions"]
+    version = next((int(v) for v, e in versions.items() if e["sha256"] == sha256), None)
+    if version is None:
+        # New content is the newest release; the same content again changes nothing here.
+        version = max((int(v) for v in versions), default=0) + 1
+        versions[str(version)] = {"sha256": sha256, "size_bytes": size, "format": manifest.format}
+        index["current"] = version
+        _write_index(home, manifest.name, index)
     release = ModelRelease(
-        name=manifest.name, format=manifest.format, sha256=sha256, size_bytes=size
+        name=manifest.name, format=manifest.format, sha256=sha256, size_bytes=size, version=version
     )
     signature = sign_release(load_or_create_release_key(home), release)
     return StoredRelease(manifest, release, signature, path)
+
+
+def rollback_release(home: Path, name: str, version: int) -> StoredRelease:
+    """Sign a rollback of `name` from its current version to the older, stored `version`."""
+    index = _read_index(home, name)
+    current = index["current"]
+    entry = index["versions"].get(str(version))
+    if entry is None:
+        known = ", ".join(sorted(index["versions"], key=int)) or "none"
+        raise ReleaseStoreError(f"{name} has no release {version} (released: {known})")
+    if current is None or version >= int(current):
+        raise ReleaseStoreError(
+            f"{name} {version} is not older than the current release ({current}): deploy it"
+        )
+    path = artifact_path(home, entry["sha256"])
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            member = tar.extractfile(MANIFEST_FILE)
+            if member is None:
+                raise ReleaseStoreError(f"{path}: no {MANIFEST_FILE}")
+            manifest = ModelManifest.from_json(json.loads(member.read()))
+    except (OSError, KeyError, ValueError, tarfile.TarError, ArtifactError) as exc:
+        raise ReleaseStoreError(
+            f"{name} {version}: the stored artifact is unusable ({exc})"
+        ) from None
+    release = ModelRelease(
+        name=name,
+        format=entry["format"],
+        sha256=entry["sha256"],
+        size_bytes=entry["size_bytes"],
+        version=version,
+        rollback_from=int(current),
+    )
+    signature = sign_release(load_or_create_release_key(home), release)
+    index["current"] = version
+    _write_index(home, name, index)
+    return StoredRelease(manifest, release, signature, path)
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def issue_download_token(
+    key: Ed25519PrivateKey, sha256: str, device_id: str, ttl_s: float, *, now: float | None = None
+) -> str:
+    """A grant to download artifact `sha256`, for `device_id`, until `ttl_s` from now."""
+    expires = int((time.time() if now is None else now) + ttl_s)
+    claims = json.dumps(
+        {"sha256": sha256, "device": device_id, "exp": expires},
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    signature = key.sign(DOWNLOAD_TOKEN_DOMAIN + claims)
+    return f"{_b64(claims)}.{_b64(signature)}"
+
+
+def check_download_token(
+    public_key: Ed25519PublicKey, token: str, sha256: str, *, now: float | None = None
+) -> str | None:
+    """The device a valid, unexpired token for artifact `sha256` was issued to; else None."""
+    body, dot, signature = token.partition(".")
+    if not dot or len(token) > MAX_DOWNLOAD_TOKEN_CHARS:
+        return None
+    try:
+        claims_bytes = _unb64(body)
+        public_key.verify(_unb64(signature), DOWNLOAD_TOKEN_DOMAIN + claims_bytes)
+        claims = json.loads(claims_bytes)
+    except (binascii.Error, ValueError, InvalidSignature):
+        return None
+    if not isinstance(claims, dict) or claims.get("sha256") != sha256:
+        return None
+    device, expires = claims.get("device"), claims.get("exp")
+    if not isinstance(device, str) or not isinstance(expires, int):
+        return None
+    if (time.time() if now is None else now) > expires:
+        return None
+    return device

@@ -325,17 +325,23 @@ async def run_rollout(
     abort_at_percent: float,
     device_timeout_s: float = DEFAULT_DEVICE_TIMEOUT_S,
     on_outcome: Callable[[DeviceOutcome], None] | None = None,
+    download_token: Callable[[str], str] | None = None,
 ) -> RolloutSummary:
-    """Roll `args` out wave by wave; stop once the failure rate reaches `abort_at_percent`."""
+    """Roll `args` out wave by wave; stop once the failure rate reaches `abort_at_percent`.
+
+    `download_token` mints each device's grant to fetch the artifact as its command is sent, so
+    that a grant outlives its device's attempt by little (see coordinator.releases).
+    """
     outcomes: list[DeviceOutcome] = []
     waves_run = 0
 
     async def one(device_id: str, wave: int) -> DeviceOutcome:
         result: dict[str, Any] = {}
+        command_args = args.to_args()
+        if download_token is not None:
+            command_args["download_token"] = download_token(device_id)
         try:
-            ack = await send(
-                device_id, m.CommandName.DEPLOY_MODEL, args.to_args(), device_timeout_s
-            )
+            ack = await send(device_id, m.CommandName.DEPLOY_MODEL, command_args, device_timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
             state, detail = DeviceDeploymentState.FAILED, f"no answer in {device_timeout_s:g}s"
         else:

@@ -4,10 +4,13 @@ Layout under the models directory, which `inference.drafts` reads as it is:
 
     <models_dir>/<name>                -> .versions/<name>/<artifact sha256>   (a symlink)
     <models_dir>/.versions/<name>/<sha256>/manifest.json, model file, tokenizer, ...
+    <models_dir>/.versions/<name>.release.json   {"highest": N, "active": N}: signed versions
     <models_dir>/.staging/<random>/    downloads and extractions in progress
 
 A release is installed in this order, and any failure before the swap leaves the active model
-untouched: check the command's Ed25519 signature, download (never past the signed size), check
+untouched: check the command's Ed25519 signature, check its signed version (above every version
+installed before, or a signed rollback from the active one), download with the command's
+download token (never past the signed size; the bus credential is never sent), check
 size and sha256, extract the tar (plain files only), check the manifest against the release and
 its files against the manifest, swap the symlink (one rename), run a smoke draft through the same
 loading path the drafting loop uses, and on failure swap the previous version back.
@@ -16,10 +19,10 @@ loading path the drafting loop uses, and on failure swap the previous version ba
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
 import http.client
+import json
 import logging
 import os
 import secrets
@@ -56,6 +59,7 @@ VERSIONS_DIR = ".versions"
 STAGING_DIR = ".staging"
 # The active version and the one it replaced (the rollback target) are kept; older ones go.
 KEEP_VERSIONS = 2
+RECORD_SUFFIX = ".release.json"
 DOWNLOAD_CHUNK = 1 << 20
 # Per socket operation, not for the whole download: a slow link may take minutes for a model.
 DOWNLOAD_TIMEOUT_S = 60.0
@@ -69,6 +73,7 @@ class InstallStage(str, Enum):
     """Where an install stopped; every stage before SWAP leaves the active model untouched."""
 
     SIGNATURE = "signature"
+    VERSION = "version"
     DOWNLOAD = "download"
     CHECK = "check"
     EXTRACT = "extract"
@@ -119,9 +124,18 @@ class InstallOutcome:
         }
 
 
+@dataclass(frozen=True)
+class ReleaseRecord:
+    """The signed release versions of one model on this device."""
+
+    highest: int  # the newest ever installed: anything not above it needs a signed rollback
+    active: int  # the one serving now (0: none, or a model placed by hand)
+
+
 class Fetcher(Protocol):
-    def fetch(self, url: str, dest: Path, max_bytes: int) -> None:
-        """Write the body at `url` to `dest`; never more than `max_bytes`."""
+    def fetch(self, url: str, dest: Path, max_bytes: int, token: str = "") -> None:
+        """Write the body at `url` to `dest`; never more than `max_bytes`. `token` is the
+        command's download token."""
         ...
 
 
@@ -129,22 +143,20 @@ class Fetcher(Protocol):
 class HttpFetcher:
     """Plain urllib: nothing beyond the standard library on the device.
 
-    The device authenticates with HTTP Basic (its id and credential, as on the bus). Proxies come
-    from the settings only, never from the environment.
+    The device sends only the command's download token (`Authorization: Bearer`), a grant for
+    this one artifact that expires within minutes; never its bus credential. Proxies come from
+    the settings only, never from the environment.
     """
 
-    username: str | None = None
-    password: str | None = None
     proxy: str | None = None
     timeout_s: float = DOWNLOAD_TIMEOUT_S
 
-    def fetch(self, url: str, dest: Path, max_bytes: int) -> None:
+    def fetch(self, url: str, dest: Path, max_bytes: int, token: str = "") -> None:
         proxies = {"http": self.proxy, "https": self.proxy} if self.proxy else {}
         opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies))
         request = urllib.request.Request(url)
-        if self.username is not None and self.password is not None:
-            token = base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
-            request.add_header("Authorization", f"Basic {token}")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
         written = 0
         try:
             with opener.open(request, timeout=self.timeout_s) as response, dest.open("wb") as out:
@@ -275,7 +287,7 @@ class ModelStore:
         key = None
         if settings.release_key_file is not None:
             key = load_public_key(settings.release_key_file.read_bytes())
-        fetcher = HttpFetcher(settings.device_id, settings.credential, settings.http_proxy)
+        fetcher = HttpFetcher(settings.http_proxy)
         return cls(settings.resolved_models_dir, key, fetcher)
 
     # --- reading ---------------------------------------------------------------------------
@@ -285,6 +297,41 @@ class ModelStore:
 
     def _versions(self, name: str) -> Path:
         return self.models_dir / VERSIONS_DIR / name
+
+    def _record_path(self, name: str) -> Path:
+        return self.models_dir / VERSIONS_DIR / f"{name}{RECORD_SUFFIX}"
+
+    def release_record(self, name: str) -> ReleaseRecord:
+        """The signed versions of `name` seen here; (0, 0) before the first signed install."""
+        path = self._record_path(name)
+        if not path.is_file():
+            return ReleaseRecord(0, 0)
+        document = json.loads(path.read_text())
+        return ReleaseRecord(int(document["highest"]), int(document["active"]))
+
+    def _write_record(self, name: str, record: ReleaseRecord) -> None:
+        path = self._record_path(name)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"highest": record.highest, "active": record.active}))
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    def _check_version(self, args: DeployModelArgs) -> None:
+        """Newer than every version installed here, or a signed rollback from the active one."""
+        record = self.release_record(args.name)
+        if args.rollback_from is None:
+            if args.version <= record.highest:
+                raise InstallError(
+                    InstallStage.VERSION,
+                    f"release {args.version} of {args.name} is not newer than release "
+                    f"{record.highest}, installed before; going back needs a signed rollback",
+                )
+        elif args.rollback_from != record.active:
+            raise InstallError(
+                InstallStage.VERSION,
+                f"a rollback from release {args.rollback_from} of {args.name}, "
+                f"but release {record.active or 'none'} is active here",
+            )
 
     def active(self, name: str) -> str | None:
         """The artifact sha256 serving `name`; "local" for a model put there by hand; else None."""
@@ -383,6 +430,8 @@ class ModelStore:
                 error = f"{InstallStage.SMOKE.value}: {type(exc).__name__}: {exc}"
                 log.warning("rolled %s back to %s: %s", name, previous, error)
                 return outcome("rolled_back", stage=InstallStage.SMOKE, error=error[:1000])
+            record = self.release_record(name)
+            self._write_record(name, ReleaseRecord(max(record.highest, args.version), args.version))
             self._prune(name, {sha, *([previous] if previous else [])})
             log.info("installed %s %s (was %s)", name, sha[:12], previous)
             return outcome("installed", smoke_tokens=tuple(tokens))
@@ -396,9 +445,10 @@ class ModelStore:
             verify_release(self.release_key, args.release, args.signature)
         except ReleaseError as exc:
             raise InstallError(InstallStage.SIGNATURE, str(exc)) from None
+        self._check_version(args)
         staging.mkdir(parents=True)
         archive = staging / "artifact.tar"
-        self.fetcher.fetch(args.url, archive, args.size_bytes)
+        self.fetcher.fetch(args.url, archive, args.size_bytes, args.download_token)
         size = archive.stat().st_size
         if size != args.size_bytes:
             raise InstallError(

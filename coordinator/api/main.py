@@ -112,7 +112,7 @@ def create_app(
 
     app.include_router(api_router, prefix=API_PREFIX)
     app.include_router(metrics.router)
-    # Devices fetch artifacts with their own credentials (HTTP Basic), not an admin's.
+    # Devices fetch artifacts with the download token of their deploy_model command.
     app.include_router(artifacts.router, prefix=API_PREFIX)
     mount_dashboard(app)
     limits = BodyLimits(

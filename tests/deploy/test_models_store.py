@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import io
 import shutil
 import tarfile
+import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -15,6 +18,7 @@ from broker.model_release import DeployModelArgs, ModelRelease, load_public_key,
 from coordinator.releases import (
     artifacts_dir,
     release_public_key_pem,
+    rollback_release,
     store_release,
 )
 from device_agent.models_store import (
@@ -22,8 +26,10 @@ from device_agent.models_store import (
     HttpFetcher,
     InstallStage,
     ModelStore,
+    ReleaseRecord,
     smoke_draft,
 )
+from device_agent.settings import load_agent_settings
 from inference.drafts import find_draft
 
 
@@ -238,7 +244,9 @@ def test_signed_archives_with_unsafe_members_are_refused(
     server, www = file_server
     sha = hashlib.sha256(archive).hexdigest()
     (www / "evil.tar").write_bytes(archive)
-    release = ModelRelease(name="draft-evil", format="onnx", sha256=sha, size_bytes=len(archive))
+    release = ModelRelease(
+        name="draft-evil", format="onnx", sha256=sha, size_bytes=len(archive), version=1
+    )
     args = DeployModelArgs(
         deployment_id=1,
         **release.model_dump(),
@@ -273,3 +281,100 @@ def test_release_store_is_content_addressed_and_deterministic(
     assert first.release == again.release
     assert first.path == again.path
     assert sorted(p.name for p in artifacts_dir(coordinator_home).iterdir()) == [first.path.name]
+
+
+def test_an_older_release_is_refused_unless_signed_as_a_rollback(
+    store: ModelStore,
+    coordinator_home: Path,
+    draft_dir: Path,
+    tmp_path: Path,
+    file_server: tuple[FileServer, Path],
+) -> None:
+    server, www = file_server
+    first = release_args(coordinator_home, draft_dir, server, www)
+    second_dir = copy_release(draft_dir, tmp_path / "v2" / draft_dir.name, note="v2")
+    second = release_args(coordinator_home, second_dir, server, www, deployment_id=2)
+    assert (first.version, second.version) == (1, 2)
+    assert store.install(first).state == "installed"
+    assert store.install(second).state == "installed"
+
+    # The genuine, signed release 1 again (a replayed command): refused before any download.
+    (www / f"{first.sha256}.tar").rename(www / "hidden.tar")
+    replayed = store.install(first.model_copy(update={"deployment_id": 3}))
+    assert replayed.state == "refused"
+    assert replayed.stage is InstallStage.VERSION
+    assert "signed rollback" in replayed.error
+    assert store.active(first.name) == second.sha256
+    (www / "hidden.tar").rename(www / f"{first.sha256}.tar")
+
+    # Unsigned claims of a rollback do not verify.
+    claimed = first.model_copy(update={"rollback_from": 2})
+    assert store.install(claimed).stage is InstallStage.SIGNATURE
+
+    # The coordinator's signed rollback from 2 to 1 is taken.
+    back = rollback_release(coordinator_home, first.name, 1)
+    assert (back.release.version, back.release.rollback_from) == (1, 2)
+    rollback = first.model_copy(
+        update={"deployment_id": 4, "rollback_from": 2, "signature": back.signature}
+    )
+    outcome = store.install(rollback)
+    assert outcome.state == "installed", outcome.error
+    assert store.active(first.name) == first.sha256
+    assert store.release_record(first.name) == ReleaseRecord(highest=2, active=1)
+
+    # The rolled-back release 2 cannot come back by replay, nor the rollback once 3 is out.
+    assert store.install(second).stage is InstallStage.VERSION
+    third_dir = copy_release(draft_dir, tmp_path / "v3" / draft_dir.name, note="v3")
+    third = release_args(coordinator_home, third_dir, server, www, deployment_id=5)
+    assert third.version == 3
+    assert store.install(third).state == "installed"
+    stale = store.install(rollback)
+    assert stale.stage is InstallStage.VERSION
+    assert "release 3 is active" in stale.error
+    assert store.active(first.name) == third.sha256
+
+
+class _HeaderRecorder(http.server.BaseHTTPRequestHandler):
+    seen: ClassVar[list[str | None]] = []
+
+    def do_GET(self) -> None:
+        type(self).seen.append(self.headers.get("Authorization"))
+        self.send_error(404)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_the_agent_downloads_with_the_token_and_never_sends_its_credential(
+    tmp_path: Path, coordinator_home: Path, draft_dir: Path
+) -> None:
+    settings = load_agent_settings(
+        device_id="pi-1",
+        credential="the-bus-credential",
+        home=tmp_path / "agent",
+        release_key_file=_write(tmp_path / "key.pem", release_public_key_pem(coordinator_home)),
+    )
+    stored = store_release(coordinator_home, draft_dir)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HeaderRecorder)
+    # The stdlib server blocks in serve_forever; a thread keeps it beside the test.
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        args = DeployModelArgs(
+            deployment_id=1,
+            **stored.release.model_dump(),
+            url=f"http://127.0.0.1:{server.server_address[1]}/a.tar",
+            signature=stored.signature,
+            download_token="grant-for-this-artifact",
+        )
+        outcome = ModelStore.from_settings(settings).install(args)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert outcome.stage is InstallStage.DOWNLOAD  # the recorder answers 404
+    assert _HeaderRecorder.seen == ["Bearer grant-for-this-artifact"]
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

@@ -258,3 +258,33 @@ def test_rollout_in_two_waves_refuses_a_corrupted_download_and_aborts_a_bad_buil
     assert fleet.active(CORRUPTED, name) == first[CORRUPTED]
     aborted = fleet.events.list(kind=RolloutEvent.ABORTED.value, limit=1)[0]
     assert aborted.detail["waves_run"] == 1 and aborted.detail["failed"] == 2
+
+
+def test_an_older_release_is_refused_and_only_a_signed_rollback_goes_back(
+    fleet: Fleet, draft_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = draft_dir.name
+    v1 = draft_dir.parent
+    v2 = copy_release(draft_dir, tmp_path / "v2" / name, note="v2").parent
+    assert deploy(v1, name, "--to", "lab", "--wave", "100") == 0
+    v1_sha = fleet.active("dev-a", name)
+    assert deploy(v2, name, "--to", "lab", "--wave", "100") == 0
+    v2_sha = fleet.active("dev-a", name)
+    assert v2_sha != v1_sha
+
+    # Release 1 again, as it was signed then: every device refuses it and keeps release 2.
+    capsys.readouterr()
+    assert deploy(v1, name, "--to", "lab", "--wave", "100") == 1
+    out = capsys.readouterr().out
+    assert f"{name} release 1 (" in out
+    replay_id = int(re.search(r"deployment (\d+):", out).group(1))  # type: ignore[union-attr]
+    assert set(device_states(fleet, replay_id).values()) == {DeviceDeploymentState.ROLLED_BACK}
+    _, rows = fleet.deployments.get(replay_id)
+    assert all("signed rollback" in (row.detail or "") for row in rows)
+    assert {fleet.active(d, name) for d in DEVICES} == {v2_sha}
+
+    # The explicit rollback, signed as one, goes back.
+    capsys.readouterr()
+    assert deploy(v1, name, "--to", "lab", "--wave", "100", "--rollback-to", "1") == 0
+    assert "release 1 (rollback from 2)" in capsys.readouterr().out
+    assert {fleet.active(d, name) for d in DEVICES} == {v1_sha}

@@ -1,4 +1,8 @@
-"""`/artifacts/{sha256}`: signed model artifacts for devices, which log in as they do on the bus."""
+"""`/artifacts/{sha256}`: signed model artifacts for devices, fetched with a download token.
+
+The token comes in the device's `deploy_model` command (see coordinator.releases): it names the
+artifact and the device, and expires within minutes. Devices never send their bus credential here.
+"""
 
 from __future__ import annotations
 
@@ -6,43 +10,45 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Path
 from fastapi.responses import FileResponse
-from fastapi.security import HTTPBasic, HTTPBasicCredentials
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from broker.model_release import SHA256_PATTERN
-from broker.passwords import CredentialHashError, verify_credential
+from broker.model_release import SHA256_PATTERN, ReleaseError, load_public_key
 from coordinator.api.deps import SessionDep, SettingsDep
 from coordinator.db.models import Device, DeviceStatus
-from coordinator.releases import artifact_path
+from coordinator.releases import artifact_path, check_download_token, release_public_key_pem
 
 router = APIRouter(prefix="/artifacts", tags=["artifacts"])
 
-_basic = HTTPBasic(auto_error=False, realm="specfleet devices")
+_bearer = HTTPBearer(auto_error=False)
 Sha256 = Annotated[str, Path(pattern=SHA256_PATTERN, description="the artifact's sha256")]
 
 
 def _refuse() -> HTTPException:
     return HTTPException(
         status_code=401,
-        detail="a device id and its credential are required",
-        headers={"WWW-Authenticate": 'Basic realm="specfleet devices"'},
+        detail="a download token for this artifact is required (it comes with deploy_model)",
+        headers={"WWW-Authenticate": "Bearer"},
     )
 
 
 def current_device(
+    sha256: Sha256,
     session: SessionDep,
-    credentials: Annotated[HTTPBasicCredentials | None, Depends(_basic)],
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> str:
-    """The device behind HTTP Basic credentials (its id and bus credential); 401 otherwise."""
+    """The device a valid download token for this artifact was issued to; 401 otherwise."""
     if credentials is None:
         raise _refuse()
-    device = session.get(Device, credentials.username)
-    if device is None or device.status is DeviceStatus.RETIRED:
-        raise _refuse()
     try:
-        valid = verify_credential(credentials.password, device.credential_hash)
-    except CredentialHashError:
-        valid = False
-    if not valid:
+        public_key = load_public_key(release_public_key_pem(settings.home))
+    except ReleaseError as exc:
+        raise HTTPException(503, f"the release key is unreadable: {exc}") from exc
+    device_id = check_download_token(public_key, credentials.credentials, sha256)
+    if device_id is None:
+        raise _refuse()
+    device = session.get(Device, device_id)
+    if device is None or device.status is DeviceStatus.RETIRED:
         raise _refuse()
     return device.id
 
