@@ -105,6 +105,11 @@ class ServiceRole(str, Enum):
     OBSERVER = "observer"  # read-only view of the whole bus (dashboards, debugging)
 
 
+# The service accounts' names where none is given (`broker write-config`, the quickstart). A
+# device provisioned under one would replace the service's hash in the password file.
+SERVICE_ACCOUNT_NAMES = frozenset(role.value for role in ServiceRole)
+
+
 def service_rules(role: ServiceRole) -> tuple[AclRule, ...]:
     if role is ServiceRole.COORDINATOR:
         return (AclRule(Access.READWRITE, f"{ROOT}/#"),)

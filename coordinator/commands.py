@@ -392,6 +392,18 @@ def _devices_provision(args: argparse.Namespace) -> int:
 
     with _engine(args) as engine:
         registry = _registry(engine)
+        if args.broker_dir is not None:
+            try:
+                services = provisioning.service_accounts(
+                    args.broker_dir, [d.id for d in registry.list()]
+                )
+            except provisioning.ProvisioningError as exc:
+                raise CommandError(str(exc)) from exc
+            if args.device_id in services:
+                raise CommandError(
+                    f"{args.device_id!r} is a service account in {args.broker_dir}; "
+                    "choose another device id"
+                )
         try:
             if args.rotate:
                 credential = registry.rotate_credential(args.device_id, actor="cli")

@@ -7,17 +7,28 @@ import asyncio
 import logging
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+import sqlalchemy as sa
 from fastapi import FastAPI
 
 from broker import messages as m
-from coordinator.db.models import DecodingSession, Device, DeviceStatus, Round
+from broker.client import BusConnectionError
+from coordinator.db.models import (
+    DecodingSession,
+    Device,
+    DeviceStatus,
+    Round,
+    SessionStatus,
+    utcnow,
+)
+from coordinator.events import append_event
 from coordinator.fleet import CommandFailed
 from coordinator.live import ControlError, SessionStartRequest, VerifierLoad
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.provisioning import ProvisioningError
 from coordinator.service import Coordinator
 
 log = logging.getLogger(__name__)
@@ -26,13 +37,18 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
 # The session is closed before the agent is told; its answer is waited for only this long.
 CANCEL_ACK_WAIT_S = 5.0
+DEVICE_REVOKED = "device.revoked"
+
+# Takes a retired device's account off the broker and disconnects it; says what it did.
+BrokerRevoke = Callable[[str], Awaitable[str]]
 
 
 class ServiceControl:
     """What the admin API asks of the service: `create_app(..., control=ServiceControl(c))`."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, revoke: BrokerRevoke | None = None) -> None:
         self._coordinator = coordinator
+        self._revoke = revoke
 
     def verifier_loads(self) -> Sequence[VerifierLoad]:
         loads = []
@@ -113,11 +129,86 @@ class ServiceControl:
             # Closed already: an agent that is offline, slow, or done with it changes nothing.
             log.info("cancel of %s on %s: %s", session_id, device_id, exc)
 
+    async def revoke_device(self, device_id: str, *, reason: str, actor: str) -> None:
+        """Off the broker first, so that no draft follows; then its sessions end (recorded)."""
+        broker = "no broker files configured: the broker was not told"
+        failure: str | None = None
+        if self._revoke is not None:
+            try:
+                broker = await self._revoke(device_id)
+            except (ProvisioningError, OSError) as exc:
+                failure = broker = f"the broker was not updated: {exc}"
+        why = f"device retired: {reason}" if reason else "device retired"
+        closed = await self._close_sessions(device_id, why[:256])
+        await asyncio.to_thread(self._record_revoked, device_id, actor, broker, closed)
+        log.info("revoked %s: %s; %d sessions closed", device_id, broker, len(closed))
+        if failure is not None:
+            raise ControlError(
+                f"{device_id} is retired and its sessions closed, but {failure}", 502
+            )
 
-def attach_service(app: FastAPI, coordinator: Coordinator) -> ServiceControl:
+    async def _close_sessions(self, device_id: str, reason: str) -> list[str]:
+        """Close the device's active sessions through the book (which records each) and end its
+        suspended ones in the database; returns their ids."""
+        book = self._coordinator.book
+        closed = []
+        for session_id, status in await asyncio.to_thread(self._open_sessions, device_id):
+            if status is SessionStatus.SUSPENDED:
+                await asyncio.to_thread(self._cancel_suspended, session_id, device_id, reason)
+            else:
+                try:
+                    await book.on_session_close(
+                        device_id, m.SessionClose(session_id=str(session_id), reason=reason)
+                    )
+                except (ConnectionError, BusConnectionError, m.BusError) as exc:
+                    # Closed and recorded already; only telling the (cut off) device failed.
+                    log.info("closed %s of retired %s untold: %s", session_id, device_id, exc)
+            closed.append(str(session_id))
+        return closed
+
+    def _open_sessions(self, device_id: str) -> list[tuple[uuid.UUID, SessionStatus]]:
+        with self._coordinator.sessions() as db:
+            rows = db.execute(
+                sa.select(DecodingSession.id, DecodingSession.status).where(
+                    DecodingSession.device_id == device_id,
+                    DecodingSession.status.in_([SessionStatus.ACTIVE, SessionStatus.SUSPENDED]),
+                )
+            )
+            return [(session_id, status) for session_id, status in rows]
+
+    def _cancel_suspended(self, session_id: uuid.UUID, device_id: str, reason: str) -> None:
+        with self._coordinator.sessions.begin() as db:
+            row = db.get(DecodingSession, session_id, with_for_update=True)
+            if row is None or row.status is not SessionStatus.SUSPENDED:
+                return
+            row.status = SessionStatus.CANCELLED
+            row.finished_at = utcnow()
+            append_event(
+                db,
+                f"session.{SessionStatus.CANCELLED.value}",
+                device_id=device_id,
+                session_id=session_id,
+                detail={"reason": reason},
+            )
+
+    def _record_revoked(self, device_id: str, actor: str, broker: str, closed: list[str]) -> None:
+        with self._coordinator.sessions.begin() as db:
+            append_event(
+                db,
+                DEVICE_REVOKED,
+                device_id=device_id,
+                actor=actor,
+                detail={"broker": broker, "sessions_closed": closed},
+            )
+
+
+def attach_service(
+    app: FastAPI, coordinator: Coordinator, revoke: BrokerRevoke | None = None
+) -> ServiceControl:
     """Wire a running coordinator into the admin app: start/cancel and verifier load through
-    it, and every persisted round counted in the app's /metrics."""
-    control = ServiceControl(coordinator)
+    it, retired devices revoked on the broker through `revoke`, and every persisted round
+    counted in the app's /metrics."""
+    control = ServiceControl(coordinator, revoke)
     app.state.control = control
     metrics: CoordinatorMetrics = app.state.metrics
 

@@ -70,3 +70,8 @@ class CoordinatorControl(Protocol):
     async def cancel_session(self, session_id: uuid.UUID, *, reason: str, actor: str) -> None:
         """Stop a session that is active or suspended; ControlError if that cannot be done."""
         ...
+
+    async def revoke_device(self, device_id: str, *, reason: str, actor: str) -> None:
+        """The device was just retired in the registry: take its account off the broker (which
+        disconnects it) and close its open sessions. ControlError if the broker refused."""
+        ...

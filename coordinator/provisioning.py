@@ -76,6 +76,16 @@ def parse_acl(text: str) -> dict[str, tuple[AclRule, ...]]:
     return {user: tuple(rules) for user, rules in blocks.items()}
 
 
+def service_accounts(broker_dir: Path, registered_ids: Iterable[str]) -> set[str]:
+    """The usernames in `broker_dir`'s password file that are no device's: the service users."""
+    passwords_path = broker_dir / acl.PASSWORD_FILE
+    try:
+        hashes = acl.parse_passwords(passwords_path.read_text()) if passwords_path.exists() else {}
+    except (OSError, ValueError) as exc:
+        raise ProvisioningError(f"{passwords_path}: {exc}") from exc
+    return set(hashes) - set(registered_ids)
+
+
 def sync_broker_files(
     broker_dir: Path, devices: Sequence[DeviceAccount], registered_ids: Iterable[str]
 ) -> BrokerFiles:
@@ -151,6 +161,22 @@ class BrokerReload:
                 )
             return f"ran {self.command!r}"
         return "no reload configured: send SIGHUP to mosquitto to apply"
+
+
+@dataclass(frozen=True)
+class BrokerSync:
+    """The broker's files kept equal to the registry, and the reload that applies them.
+
+    Mosquitto re-reads both files on SIGHUP and disconnects a client whose account is gone, so
+    a retired device is off the bus within a moment of `run`.
+    """
+
+    broker_dir: Path
+    reload: BrokerReload
+
+    def run(self, devices: Sequence[DeviceAccount], registered_ids: Iterable[str]) -> str:
+        sync_broker_files(self.broker_dir, devices, registered_ids)
+        return self.reload.run()
 
 
 # --- the bundle ----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session, sessionmaker
 
-from broker.acl import DeviceAccount
+from broker.acl import SERVICE_ACCOUNT_NAMES, DeviceAccount
 from broker.passwords import DEFAULT_ITERATIONS, hash_credential, new_credential, verify_credential
 from broker.topics import validate_device_id
 from coordinator.db.models import Device, DeviceKind, DeviceStatus, utcnow
@@ -37,6 +37,13 @@ class DeviceNotFoundError(RegistryError, LookupError):
 class DeviceExistsError(RegistryError):
     def __init__(self, device_id: str) -> None:
         super().__init__(device_id, f"device {device_id!r} already exists (ids are never reused)")
+
+
+class ReservedNameError(RegistryError):
+    def __init__(self, device_id: str) -> None:
+        super().__init__(
+            device_id, f"{device_id!r} is a service account's name on the broker; choose another"
+        )
 
 
 class DeviceRetiredError(RegistryError):
@@ -118,6 +125,8 @@ class DeviceRegistry:
     ) -> tuple[Device, str]:
         """A new device and its credential; the plaintext is returned here once, never stored."""
         validate_device_id(device_id)
+        if device_id in SERVICE_ACCOUNT_NAMES:
+            raise ReservedNameError(device_id)
         device_kind = DeviceKind(kind)
         clean_tags = validate_tags(tags)
         credential = new_credential()

@@ -24,6 +24,12 @@ class Settings(BaseSettings):
     broker_url: str = "mqtt://127.0.0.1:1883"
     broker_username: str | None = None
     broker_password: str | None = None
+    # An external Mosquitto's files (`specfleet broker write-config --out DIR`) and how to reload
+    # it (SIGHUP to the pid in the file, or a command): retiring a device through the API
+    # rewrites them and reloads, which disconnects the device.
+    broker_dir: Path | None = None
+    broker_pid_file: Path | None = None
+    broker_reload_command: str | None = None
     # The coordinator's MQTT client id; its persistent session keeps drafts queued across restarts.
     coordinator_id: str = "coordinator"
     # "auto" tries MQTT 5 first; the embedded broker speaks 3.1.1 only.

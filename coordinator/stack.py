@@ -17,17 +17,18 @@ from broker.acl import ServiceRole, ServiceUser, generate_passwords
 from broker.embedded import EmbeddedBroker
 from broker.passwords import hash_credential, new_credential
 from coordinator.api.main import create_app
-from coordinator.control import attach_service
+from coordinator.control import BrokerRevoke, attach_service
 from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.migrate import upgrade
+from coordinator.provisioning import BrokerReload, BrokerSync
 from coordinator.registry import DeviceRegistry
 from coordinator.service import Coordinator
 from coordinator.settings import Settings
 
 log = logging.getLogger(__name__)
 
-COORDINATOR_USER = "coordinator"
-VERIFIER_USER = "verifier"
+COORDINATOR_USER = ServiceRole.COORDINATOR.value
+VERIFIER_USER = ServiceRole.VERIFIER.value
 
 
 # Libraries that narrate their internals at INFO; an operator wants our lines only.
@@ -54,6 +55,35 @@ class QuickstartBroker:
         tmp.write_text(text)
         tmp.chmod(0o600)
         tmp.replace(self.password_file)
+
+
+def broker_revoke(
+    settings: Settings, registry: DeviceRegistry, quick: QuickstartBroker | None
+) -> BrokerRevoke | None:
+    """How a retired device leaves the broker: the embedded one's password file and its live
+    connections, or an external Mosquitto's files and reload (when `broker_dir` is set)."""
+    if quick is not None:
+        embedded = quick
+
+        async def revoke_embedded(device_id: str) -> str:
+            await asyncio.to_thread(embedded.refresh_passwords, registry)
+            closed = await embedded.broker.disconnect_user(device_id)
+            return f"removed from the embedded broker; {closed} connection(s) closed"
+
+        return revoke_embedded
+    if settings.broker_dir is None:
+        return None
+    sync = BrokerSync(
+        settings.broker_dir, BrokerReload(settings.broker_pid_file, settings.broker_reload_command)
+    )
+
+    def sync_registry() -> str:
+        return sync.run(registry.broker_accounts(), [d.id for d in registry.list()])
+
+    async def revoke_external(device_id: str) -> str:
+        return await asyncio.to_thread(sync_registry)
+
+    return revoke_external
 
 
 def prepare_database(settings: Settings) -> Engine:
@@ -128,7 +158,7 @@ async def run_up(
         print(f"database     {engine.url.render_as_string(hide_password=True)}", flush=True)
         coordinator = Coordinator(settings, engine)
         app = create_app(settings, engine)
-        attach_service(app, coordinator)
+        attach_service(app, coordinator, broker_revoke(settings, registry, quick))
         async with http_api(app, settings.http_host, settings.http_port):
             print(
                 f"http api     http://{settings.http_host}:{settings.http_port}/api/v1", flush=True

@@ -48,6 +48,7 @@ class DatabaseControl:
     sessions: sessionmaker[Session]
     loads: list[VerifierLoad] = field(default_factory=list)
     started: list[SessionStartRequest] = field(default_factory=list)
+    revoked: list[tuple[str, str]] = field(default_factory=list)  # (device id, actor)
 
     def verifier_loads(self) -> Sequence[VerifierLoad]:
         return self.loads
@@ -83,6 +84,9 @@ class DatabaseControl:
             assert row is not None
             row.status = SessionStatus.CANCELLED
             row.finished_at = utcnow()
+
+    async def revoke_device(self, device_id: str, *, reason: str, actor: str) -> None:
+        self.revoked.append((device_id, actor))
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,7 @@ def test_tagging_and_retiring_are_audited_with_the_actor(api: Fixture) -> None:
     assert retired.json()["status"] == "retired"
     (event,) = _events(api, "device.retired")
     assert (event["actor"], event["detail"]) == ("user:alice", {"reason": "water damage"})
+    assert api.control.revoked == [("pi-2", "user:alice")]  # the service cuts it off
     # Retiring again changes nothing and logs nothing; tagging a retired device is refused.
     assert api.client.post("/api/v1/devices/pi-2/retire", json={}, headers=api.admin).is_success
     assert len(_events(api, "device.retired")) == 1

@@ -3,26 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import stat
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
+import sqlalchemy as sa
 from deploy_support import isolation, run_cli
 from sqlalchemy.engine import Engine
 
 from broker.client import (
     BrokerAddress,
     BusAuthError,
+    BusConnectionError,
     ConnectOptions,
     connect,
 )
-from broker.mosquitto import PrivateMosquitto
+from broker.compat import timeout
+from broker.mosquitto import PrivateMosquitto, free_port
+from broker.topics import DeviceChannel, device_topic
+from coordinator.api.main import create_app
+from coordinator.auth import AdminStore
+from coordinator.control import attach_service
 from coordinator.db.engine import make_sessionmaker
+from coordinator.db.models import DecodingSession, Event, SessionMode, SessionStatus
 from coordinator.provisioning import parse_acl
 from coordinator.registry import DeviceRegistry
+from coordinator.service import Coordinator
+from coordinator.settings import Settings
+from coordinator.stack import broker_revoke, http_api, quickstart_broker
 from device_agent.settings import load_agent_settings
 
 
@@ -186,3 +201,183 @@ def test_a_lost_bundle_is_reissued_with_a_new_credential(
     registry = DeviceRegistry(make_sessionmaker(engine))
     assert registry.verify_credential("pi-3", new)
     assert not registry.verify_credential("pi-3", old)
+
+
+# --- service accounts and retirement ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["coordinator", "verifier", "observer", "verifier-1"])
+def test_a_device_may_not_take_a_service_accounts_name(
+    tmp_path: Path,
+    sqlite_db: tuple[str, Engine],
+    broker_dir: Path,
+    settings_home: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+) -> None:
+    """`devices provision coordinator` once replaced the coordinator's hash in the password
+    file; the default service names and the broker's own service users are refused."""
+    url, engine = sqlite_db
+    written = ["broker", "write-config", "--out", str(broker_dir), "--database-url", url]
+    written += [
+        "--service-user",
+        "coordinator:coordinator",
+        "--service-user",
+        "verifier-1:verifier",
+    ]
+    assert run_cli(written) == 0
+    capsys.readouterr()
+    passwords = (broker_dir / "passwords").read_text()
+    code = provision(name, broker_dir, url, tmp_path / "bundle")
+    out = capsys.readouterr().out
+    assert code == 2
+    assert len(out.strip().splitlines()) == 1 and repr(name) in out and "service account" in out
+    assert DeviceRegistry(make_sessionmaker(engine)).count() == 0
+    assert (broker_dir / "passwords").read_text() == passwords
+
+
+def _open_session_row(engine: Engine, device_id: str, status: SessionStatus) -> uuid.UUID:
+    row = DecodingSession(
+        device_id=device_id,
+        task_type="qa",
+        prompt="hello",
+        prompt_ids=[1, 2, 3],
+        temperature=0.0,
+        top_p=1.0,
+        seed=7,
+        max_tokens=8,
+        mode=SessionMode.DISTRIBUTED,
+        draft_model="lookup",
+        k=4,
+        status=status,
+        committed_ids=[],
+        committed_len=3,
+    )
+    with make_sessionmaker(engine).begin() as db:
+        db.add(row)
+    return row.id
+
+
+async def _retire_while_connected(
+    settings: Settings, engine: Engine, device_id: str, credential: str
+) -> float:
+    """Retire `device_id` through the API of a running coordinator while the device is
+    connected; returns how long the broker took to cut it off."""
+    registry = DeviceRegistry(make_sessionmaker(engine))
+    coordinator = Coordinator(settings, engine)
+    app = create_app(settings, engine)
+    attach_service(app, coordinator, broker_revoke(settings, registry, None))
+    _, token = AdminStore(make_sessionmaker(engine)).create("alice")
+    address = BrokerAddress.from_url(settings.broker_url)
+    service = asyncio.create_task(coordinator.run(), name="coordinator")
+    port = free_port()
+    try:
+        await asyncio.wait_for(coordinator.connected.wait(), 10)
+        device_options = ConnectOptions(f"dev-{device_id}", device_id, credential)
+        async with (
+            http_api(app, "127.0.0.1", port),
+            httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}",
+                headers={"Authorization": f"Bearer {token}"},
+            ) as client,
+            connect(address, device_options) as device,
+        ):
+            await device.subscribe(device_topic(device_id, DeviceChannel.VERDICT))
+            retired_at = time.monotonic()
+            response = await client.post(
+                f"/api/v1/devices/{device_id}/retire", json={"reason": "stolen"}
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["status"] == "retired"
+            with pytest.raises(BusConnectionError):
+                async with timeout(5.0):
+                    async for _ in device.messages():
+                        pass
+            cut_after_s = time.monotonic() - retired_at
+        with pytest.raises(BusAuthError):
+            async with connect(address, device_options):
+                pass
+        return cut_after_s
+    finally:
+        service.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await service
+
+
+def test_retiring_a_device_revokes_it_on_the_broker_and_closes_its_sessions(
+    tmp_path: Path,
+    sqlite_db: tuple[str, Engine],
+    broker_dir: Path,
+    secured_mosquitto: Callable[[], PrivateMosquitto],
+    settings_home: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url, engine = sqlite_db
+    coordinator_secret = write_config(broker_dir, url, capsys)
+    broker = secured_mosquitto()
+    monkeypatch.setenv("SPECFLEET_BROKER_URL", broker.url)
+    assert provision("pi-r", broker_dir, url, tmp_path / "bundle") == 0
+    credential = (tmp_path / "bundle" / "credential").read_text().strip()
+    active = _open_session_row(engine, "pi-r", SessionStatus.ACTIVE)
+    suspended = _open_session_row(engine, "pi-r", SessionStatus.SUSPENDED)
+    settings = Settings(
+        home=settings_home,
+        database_url=url,
+        secret_key="a-test-secret-of-32-characters!!",
+        broker_url=broker.url,
+        broker_username="coordinator",
+        broker_password=coordinator_secret,
+        broker_dir=broker_dir,
+        broker_pid_file=broker_dir / "mosquitto.pid",
+    )
+
+    cut_after_s = asyncio.run(_retire_while_connected(settings, engine, "pi-r", credential))
+
+    assert cut_after_s < 5.0
+    assert "pi-r" not in parse_acl((broker_dir / "acl").read_text())
+    assert "pi-r:" not in (broker_dir / "passwords").read_text()
+    assert "coordinator" in parse_acl((broker_dir / "acl").read_text())
+    with make_sessionmaker(engine)() as db:
+        statuses = {row.id: row.status for row in db.scalars(sa.select(DecodingSession))}
+        events = db.scalars(sa.select(Event).where(Event.device_id == "pi-r")).all()
+    assert statuses == {active: SessionStatus.CANCELLED, suspended: SessionStatus.CANCELLED}
+    closed = {e.session_id: e.detail for e in events if e.kind == "session.cancelled"}
+    assert closed == {
+        active: {"reason": "device retired: stolen"},
+        suspended: {"reason": "device retired: stolen"},
+    }
+    (revoked,) = [e for e in events if e.kind == "device.revoked"]
+    assert revoked.actor == "user:alice"
+    assert "SIGHUP" in revoked.detail["broker"]
+    assert set(revoked.detail["sessions_closed"]) == {str(active), str(suspended)}
+
+
+def test_the_quickstart_broker_revokes_a_retired_device_at_once(
+    sqlite_db: tuple[str, Engine], settings_home: Path
+) -> None:
+    url, engine = sqlite_db
+    registry = DeviceRegistry(make_sessionmaker(engine), hash_iterations=100)
+    _, credential = registry.provision("pi-q", "pi")
+    settings = Settings(home=settings_home, database_url=url)
+
+    async def scenario() -> None:
+        quick = quickstart_broker(settings, free_port(), registry)
+        revoke = broker_revoke(settings, registry, quick)
+        assert revoke is not None
+        address = BrokerAddress.from_url(quick.broker.url)
+        options = ConnectOptions("dev-pi-q", "pi-q", credential, protocol="3.1.1")
+        async with quick.broker:
+            async with connect(address, options) as device:
+                await device.subscribe(device_topic("pi-q", DeviceChannel.VERDICT))
+                registry.retire("pi-q")
+                assert "1 connection(s) closed" in await revoke("pi-q")
+                with pytest.raises(BusConnectionError):
+                    async with timeout(5.0):
+                        async for _ in device.messages():
+                            pass
+            with pytest.raises(BusAuthError):
+                async with connect(address, options):
+                    pass
+
+    asyncio.run(scenario())

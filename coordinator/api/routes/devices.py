@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 import sqlalchemy as sa
 from fastapi import APIRouter, HTTPException, Path, Query
 from fastapi import status as http
+from fastapi.concurrency import run_in_threadpool
 
 from broker.topics import DEVICE_ID_PATTERN
-from coordinator.api.deps import CurrentAdmin, SessionDep
+from coordinator.api.deps import CurrentAdmin, OptionalControlDep, SessionDep
 from coordinator.api.paging import Skip
 from coordinator.api.schemas import DevicePublic, DeviceRetire, DevicesPublic, DeviceTagsUpdate
 from coordinator.db.models import Device, DeviceKind, DeviceStatus, utcnow
 from coordinator.events import EventKind, append_event
+from coordinator.live import ControlError
 from coordinator.registry import device_filters, validate_tags
+
+log = logging.getLogger(__name__)
 
 MAX_PAGE = 1000
 DEVICE_TAGGED = "device.tagged"
@@ -80,21 +85,38 @@ def set_tags(
 
 
 @router.post("/{device_id}/retire", response_model=DevicePublic)
-def retire_device(
-    session: SessionDep, admin: CurrentAdmin, device_id: DeviceId, body: DeviceRetire
+async def retire_device(
+    session: SessionDep,
+    admin: CurrentAdmin,
+    control: OptionalControlDep,
+    device_id: DeviceId,
+    body: DeviceRetire,
 ) -> DevicePublic:
-    """Retire for good: its credential stops verifying. Retiring twice changes nothing."""
+    """Retire for good: its credential stops verifying, the running service takes it off the
+    broker (which disconnects it) and closes its open sessions. Retiring twice revokes again."""
+    device = await run_in_threadpool(_retire, session, admin.actor, device_id, body.reason)
+    if control is None:
+        log.warning("retired %s with no service attached: the broker was not told", device_id)
+    else:
+        try:
+            await control.revoke_device(device_id, reason=body.reason, actor=admin.actor)
+        except ControlError as exc:
+            raise HTTPException(exc.status, str(exc)) from exc
+    return device
+
+
+def _retire(session: SessionDep, actor: str, device_id: str, reason: str) -> DevicePublic:
     with session.begin():
         device = _load(session, device_id, for_update=True)
         if device.status is not DeviceStatus.RETIRED:
             device.status = DeviceStatus.RETIRED
-            device.status_reason = body.reason or None
+            device.status_reason = reason or None
             append_event(
                 session,
                 EventKind.DEVICE_RETIRED,
                 device_id=device_id,
-                actor=admin.actor,
+                actor=actor,
                 at=utcnow(),
-                detail={"reason": body.reason},
+                detail={"reason": reason},
             )
     return DevicePublic.model_validate(device)
