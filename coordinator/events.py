@@ -26,6 +26,8 @@ class EventKind(str, Enum):
     DEVICE_OFFLINE = "device.offline"
     DEVICE_RETIRED = "device.retired"
     DEVICE_CREDENTIAL_ROTATED = "device.credential_rotated"
+    # A session that heard nothing for the idle timeout (Settings.session_idle_timeout_s).
+    SESSION_EXPIRED = "session.expired"
 
 
 def _kind_text(kind: str) -> str:

@@ -11,9 +11,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from broker import messages as m
+from broker.client import BusConnectionError
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DeviceKind, DeviceStatus
 from coordinator.events import EventLog
+from coordinator.quotas import Quotas, RateLimiter
 from coordinator.registry import DeviceNotFoundError, DeviceRegistry, DeviceRetiredError
 
 log = logging.getLogger(__name__)
@@ -22,6 +24,10 @@ log = logging.getLogger(__name__)
 SILENCE_KEEPALIVES = 1.5
 SWEEP_INTERVAL_S = 0.5
 COMMAND_TIMEOUT_S = 10.0
+# A device over its telemetry quota hears why at most this often.
+REFUSAL_REPLY_INTERVAL_S = 5.0
+# Dropped telemetry is logged at most this often (the count says how much).
+DROP_LOG_INTERVAL_S = 10.0
 
 Publish = Callable[[str, bytes], Awaitable[None]]
 RttObserver = Callable[[str, float], None]  # (device id, RTT in ms)
@@ -30,6 +36,66 @@ DraftsObserver = Callable[[str, Sequence[str]], None]  # (device id, drafts inst
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+TelemetryWrite = Callable[[str, datetime, m.Telemetry], Awaitable[None]]
+
+
+class TelemetryQueue:
+    """The latest telemetry of each device waiting for the writer, in bounded memory.
+
+    A device's newer message replaces the one still waiting (the registry keeps only the latest
+    anyway); past `capacity` devices waiting, another device's message is dropped. Both are
+    counted, and drops are logged.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._waiting: dict[str, tuple[datetime, m.Telemetry]] = {}
+        self._ready = asyncio.Event()
+        self.coalesced = 0
+        self.dropped = 0
+        self.written = 0
+        self._drop_logged_at = 0.0
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def put(self, device_id: str, at: datetime, telemetry: m.Telemetry) -> bool:
+        """Queue it; False when dropped (the queue is full of other devices' telemetry)."""
+        if device_id in self._waiting:
+            self.coalesced += 1
+        elif len(self._waiting) >= self.capacity:
+            self.dropped += 1
+            now = time.monotonic()
+            if now - self._drop_logged_at >= DROP_LOG_INTERVAL_S:
+                self._drop_logged_at = now
+                log.warning(
+                    "telemetry queue full (%d devices waiting): dropped telemetry of %s "
+                    "(%d dropped so far)",
+                    len(self._waiting),
+                    device_id,
+                    self.dropped,
+                )
+            return False
+        self._waiting[device_id] = (at, telemetry)
+        self._ready.set()
+        return True
+
+    async def run(self, write: TelemetryWrite) -> None:
+        """Write what waits, oldest device first, one at a time, until cancelled."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._waiting:
+                device_id = next(iter(self._waiting))
+                at, telemetry = self._waiting.pop(device_id)
+                try:
+                    await write(device_id, at, telemetry)
+                except Exception:
+                    # The database may be briefly away; the device's next telemetry follows.
+                    log.exception("telemetry of %s was not written", device_id)
+                self.written += 1
 
 
 class CommandFailed(Exception):
@@ -51,6 +117,8 @@ class Fleet:
         *,
         accept_unknown_devices: bool,
         default_keepalive_s: int,
+        quotas: Quotas,
+        telemetry_queue_size: int,
     ) -> None:
         self.registry = registry
         self.events = events
@@ -62,6 +130,10 @@ class Fleet:
         # Who else learns from presence and telemetry (the adaptive policy).
         self.rtt_observers: list[RttObserver] = []
         self.drafts_observers: list[DraftsObserver] = []
+        self.telemetry_limit = RateLimiter(quotas.telemetry_per_s, quotas.telemetry_burst)
+        self._refusal_replies = RateLimiter(1.0 / REFUSAL_REPLY_INTERVAL_S, 1)
+        self.telemetry_refused = 0
+        self.telemetry = TelemetryQueue(telemetry_queue_size)
 
     async def on_status(self, device_id: str, status: m.Status) -> None:
         now = utcnow()
@@ -83,6 +155,11 @@ class Fleet:
             )
 
     async def on_telemetry(self, device_id: str, telemetry: m.Telemetry) -> None:
+        """Within the device's quota, echo a probe at once and queue the rest for the writer:
+        the dispatch loop never waits on the database for telemetry."""
+        if not self.telemetry_limit.allow(device_id):
+            await self._refuse_telemetry(device_id)
+            return
         if telemetry.probe_nonce is not None:
             # Echo first: the device measures the RTT to us, not to our database.
             echo = m.Command(
@@ -92,16 +169,21 @@ class Fleet:
                 issued_at=time.time(),
             )
             await self._publish(device_topic(device_id, DeviceChannel.COMMAND), m.encode(echo))
+        self.telemetry.put(device_id, utcnow(), telemetry)
+
+    async def run_telemetry_writer(self) -> None:
+        await self.telemetry.run(self._write_telemetry)
+
+    async def _write_telemetry(self, device_id: str, at: datetime, telemetry: m.Telemetry) -> None:
         if not await self.admit(device_id):
             return
         if telemetry.rtt_ms is not None:
             for observe_rtt in self.rtt_observers:
                 observe_rtt(device_id, telemetry.rtt_ms)
-        now = utcnow()
         await self._registry_call(
             self.registry.record_telemetry,
             device_id,
-            now,
+            at,
             rtt_ms=telemetry.rtt_ms,
             cpu_percent=telemetry.cpu_percent,
             memory_percent=telemetry.memory_percent,
@@ -109,7 +191,25 @@ class Fleet:
             thermal_c=telemetry.thermal_c,
         )
         # Telemetry proves the device is alive; if presence had timed out, it is back.
-        await self._registry_call(self.registry.mark_online, device_id, now)
+        await self._registry_call(self.registry.mark_online, device_id, at)
+
+    async def _refuse_telemetry(self, device_id: str) -> None:
+        """Over quota: dropped and counted; the device hears why, at most once a few seconds
+        (a reply to every refused message would double the flood)."""
+        self.telemetry_refused += 1
+        if not self._refusal_replies.allow(device_id):
+            return
+        limit = self.telemetry_limit
+        reason = (
+            f"telemetry over quota ({limit.rate:g}/s, burst {limit.burst}): dropped "
+            f"({self.telemetry_refused} refused from all devices so far)"
+        )
+        log.warning("refused telemetry from %s: %s", device_id, reason)
+        reply = m.ErrorReply(refused_type=DeviceChannel.TELEMETRY.value, reason=reason)
+        try:
+            await self._publish(device_topic(device_id, DeviceChannel.VERDICT), m.encode(reply))
+        except (ConnectionError, BusConnectionError) as exc:
+            log.warning("could not send an error reply to %s: %s", device_id, exc)
 
     async def on_ack(self, device_id: str, ack: m.CommandAck) -> None:
         future = self._pending_commands.pop(ack.command_id, None)

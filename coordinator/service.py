@@ -31,6 +31,7 @@ from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import SessionStatus
 from coordinator.events import EventLog
 from coordinator.fleet import Fleet
+from coordinator.quotas import Quotas
 from coordinator.registry import DeviceRegistry
 from coordinator.sessions import LiveSession, SessionBook
 from coordinator.settings import Settings
@@ -70,6 +71,7 @@ class Coordinator:
         client_id: str | None = None,
         accept_unknown_devices: bool | None = None,
         eos_id: int = 2,
+        vocab_size: int | None = None,
     ) -> None:
         self.settings = settings
         self.sessions = make_sessionmaker(engine)
@@ -80,16 +82,26 @@ class Coordinator:
         self.connected = asyncio.Event()
         if accept_unknown_devices is None:
             accept_unknown_devices = settings.environment == "quickstart"
+        quotas = Quotas.from_settings(settings)
         self.fleet = Fleet(
             self.registry,
             self.events,
             self.publish,
             accept_unknown_devices=accept_unknown_devices,
             default_keepalive_s=settings.device_keepalive_s,
+            quotas=quotas,
+            telemetry_queue_size=settings.telemetry_queue_size,
         )
         self.verifiers = VerifierPool(self.publish)
         self.book = SessionBook(
-            self.sessions, self.verifiers, self.publish, eos_id=eos_id, admit=self.fleet.admit
+            self.sessions,
+            self.verifiers,
+            self.publish,
+            eos_id=eos_id,
+            admit=self.fleet.admit,
+            quotas=quotas,
+            idle_timeout_s=settings.session_idle_timeout_s,
+            vocab_size=vocab_size,
         )
         self.fleet.rtt_observers.append(self.book.policy.observe_rtt)
         self.fleet.drafts_observers.append(self.book.policy.set_device_drafts)
@@ -117,6 +129,8 @@ class Coordinator:
             self.fleet.run_sweeper,
             self.verifiers.watch,
             self.book.run_writer,
+            self.book.run_sweeper,
+            self.fleet.run_telemetry_writer,
         ]
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._rebuilt: list[LiveSession] = []

@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from broker.client import BusConnectionError
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
 from coordinator.db.round_writer import RoundWriter
-from coordinator.events import append_event
+from coordinator.events import EventKind, append_event
 from coordinator.policy import (
     CLOUD_STREAM_ROUNDS,
     AdaptivePolicy,
@@ -34,6 +35,7 @@ from coordinator.policy import (
     resolve_task,
     verifier_load,
 )
+from coordinator.quotas import Quotas, RateLimiter
 from coordinator.verifiers import (
     NoVerifierError,
     StreamLost,
@@ -51,9 +53,12 @@ DEFAULT_K = 4
 # Host streams of a session that may break off in a row (a verifier dies, the bus drops) before
 # its device is told to ask again.
 STREAM_ATTEMPTS = 4
+ADOPTED = "adopted"  # the lease id of a lease learnt from a verifier's heartbeat
 # The rounds of a host stream between two of the policy's decisions (whether to leave the host).
 STREAM_DECISION_EVERY = 8
-ADOPTED = "adopted"  # the lease id of a lease learnt from a verifier's heartbeat
+# How often idle sessions are looked for (at most; a short idle timeout looks more often), and
+# finished ones still in memory let go.
+SWEEP_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -87,6 +92,8 @@ class LiveSession:
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed
     # The modes the agent runs (SessionOpen.modes): cloud mode only for an agent that streams.
     modes: frozenset[m.Mode] = frozenset({m.Mode.DISTRIBUTED})
+    # When the session was last heard of (monotonic): opened, resumed, drafted, a round done.
+    last_heard: float = field(default_factory=time.monotonic)
 
     @property
     def committed_len(self) -> int:
@@ -133,6 +140,9 @@ class SessionBook:
         *,
         eos_id: int,
         admit: Callable[[str], Awaitable[bool]],
+        quotas: Quotas,
+        idle_timeout_s: float,
+        vocab_size: int | None = None,
         default_draft: str = "lookup",
     ) -> None:
         self._db = sessions
@@ -141,7 +151,14 @@ class SessionBook:
         self._publish = publish
         self.eos_id = eos_id
         self.default_draft = default_draft
+        # Active sessions only: a session that ends is let go (the database keeps it).
         self.live: dict[str, LiveSession] = {}
+        self.quotas = quotas
+        self.idle_timeout_s = idle_timeout_s
+        # The target's vocabulary when no live verifier reports it (from its manifest).
+        self.vocab_size = vocab_size
+        self._open_limit = RateLimiter(quotas.session_opens_per_s, quotas.session_open_burst)
+        self._opening: Counter[str] = Counter()  # sessions being created, by device
         self.round_observers: list[RoundObserver] = []
         engine = sessions.kw.get("bind")
         if not isinstance(engine, Engine):
@@ -154,6 +171,84 @@ class SessionBook:
     async def run_writer(self) -> None:
         await self._writer.run()
 
+    async def run_sweeper(self) -> None:
+        """End idle sessions, and let go of ended ones, until cancelled."""
+        while True:
+            await asyncio.sleep(min(SWEEP_INTERVAL_S, self.idle_timeout_s / 4))
+            try:
+                await self.sweep()
+            except Exception:
+                # The database may be briefly away; the next sweep tries again.
+                log.exception("session sweep failed")
+
+    async def sweep(self) -> None:
+        now = time.monotonic()
+        for live in list(self.live.values()):
+            if live.status is not SessionStatus.ACTIVE:
+                self._let_go(live)
+            elif now - live.last_heard >= self.idle_timeout_s and not _busy(live):
+                await self._expire(live, now - live.last_heard)
+
+    def open_sessions(self, device_id: str) -> int:
+        """The device's active sessions, and those being opened."""
+        held = sum(
+            1
+            for live in self.live.values()
+            if live.device_id == device_id and live.status is SessionStatus.ACTIVE
+        )
+        return held + self._opening[device_id]
+
+    def _let_go(self, live: LiveSession) -> None:
+        """An ended session leaves memory, and the policy forgets it."""
+        if self.live.get(live.id) is live:
+            del self.live[live.id]
+        self.policy.forget_session(live.id)
+
+    async def _expire(self, live: LiveSession, idle_s: float) -> None:
+        """An idle session ends (cancelled, with a `session.expired` event); its device is told."""
+        async with live.lock:
+            if live.status is not SessionStatus.ACTIVE or _busy(live, locked=False):
+                return
+            await self._unlease(live)  # what its verifier persisted stands
+            if live.status is SessionStatus.ACTIVE:
+                live.status = SessionStatus.CANCELLED
+                reason = f"idle for {idle_s:.0f}s (timeout {self.idle_timeout_s:g}s)"
+                log.info("session %s expired: %s", live.id, reason)
+                await asyncio.to_thread(
+                    self._finish,
+                    live,
+                    SessionStatus.CANCELLED,
+                    reason,
+                    EventKind.SESSION_EXPIRED.value,
+                )
+        self._let_go(live)
+        try:
+            await self._send_state(live)
+        except (ConnectionError, BusConnectionError, m.BusError) as exc:
+            log.warning("could not tell %s of the expiry of %s: %s", live.device_id, live.id, exc)
+
+    def _open_refusal(self, device_id: str, request: m.SessionOpen) -> str | None:
+        """Why a new session may not open (a quota, a prompt the target cannot read), or None."""
+        quotas = self.quotas
+        if len(request.prompt_ids) > quotas.max_prompt_tokens:
+            return (
+                f"prompt of {len(request.prompt_ids)} tokens exceeds the quota of "
+                f"{quotas.max_prompt_tokens}"
+            )
+        vocab_size = self.pool.vocab_size() or self.vocab_size
+        highest = max(request.prompt_ids)
+        if vocab_size is not None and highest >= vocab_size:
+            return (
+                f"prompt token id {highest} is outside the target's vocabulary "
+                f"(ids 0..{vocab_size - 1})"
+            )
+        if self.open_sessions(device_id) >= quotas.max_open_sessions:
+            return (
+                f"the device has {quotas.max_open_sessions} sessions open, its quota: "
+                "close one first"
+            )
+        return None
+
     # --- sessions -----------------------------------------------------------------------------
 
     async def on_session_open(self, device_id: str, request: m.SessionOpen) -> None:
@@ -164,6 +259,11 @@ class SessionBook:
                 device_id, "session_open", request.session_id, None, "session_id must be a UUID"
             )
             return
+        if not self._open_limit.allow(device_id):
+            limit = self._open_limit
+            reason = f"session opens over quota ({limit.rate:g}/s, burst {limit.burst})"
+            await self._error(device_id, "session_open", request.session_id, None, reason)
+            return
         live = await self.get(request.session_id)
         if live is None:
             if not await self._admit(device_id):
@@ -171,7 +271,17 @@ class SessionBook:
                     device_id, "session_open", request.session_id, None, "unregistered device"
                 )
                 return
-            live = await asyncio.to_thread(self._create, device_id, session_uuid, request)
+            refusal = self._open_refusal(device_id, request)
+            if refusal is not None:
+                await self._error(device_id, "session_open", request.session_id, None, refusal)
+                return
+            self._opening[device_id] += 1
+            try:
+                live = await asyncio.to_thread(self._create, device_id, session_uuid, request)
+            finally:
+                self._opening[device_id] -= 1
+                if not self._opening[device_id]:
+                    del self._opening[device_id]
             live.modes = frozenset({*request.modes, request.mode})
             # No window asked for: the coordinator chooses, round by round (plain mode asks for
             # no window and wants none).
@@ -197,6 +307,7 @@ class SessionBook:
             )
             return
         else:
+            live.last_heard = time.monotonic()
             log.info("session %s resumed by %s at round %d", live.id, device_id, live.next_round)
             live.modes = frozenset({*request.modes, request.mode, live.policy.mode})
             detail: dict[str, Any] = {"next_round": live.next_round}
@@ -232,6 +343,7 @@ class SessionBook:
             if live.status is SessionStatus.ACTIVE:
                 live.status = SessionStatus.CANCELLED
                 await asyncio.to_thread(self._finish, live, SessionStatus.CANCELLED, request.reason)
+        self._let_go(live)
         await self._send_state(live)
 
     async def get(self, session_id: str) -> LiveSession | None:
@@ -240,8 +352,8 @@ class SessionBook:
         if live is not None:
             return live
         live = await asyncio.to_thread(self._load, session_id)
-        if live is not None:
-            self.live[session_id] = live
+        if live is not None and live.status is SessionStatus.ACTIVE:
+            live = self.live.setdefault(session_id, live)  # another load may have won
         return live
 
     async def rebuild(self) -> list[LiveSession]:
@@ -277,6 +389,7 @@ class SessionBook:
         if live is None or live.device_id != device_id:
             await self._error(device_id, "draft", draft.session_id, draft.round, "unknown session")
             return
+        live.last_heard = time.monotonic()
         if not draft.cloud and self._holder(live) is not None:
             return  # a direct round: the verifier holding the lease answers it
         async with live.lock:
@@ -454,6 +567,7 @@ class SessionBook:
         live = await self.get(done.session_id)
         if live is None:
             return
+        live.last_heard = time.monotonic()
         async with live.lock:
             if done.round < live.next_round:
                 return  # already known (a re-sent report)
@@ -483,6 +597,7 @@ class SessionBook:
             tail = tuple(done.committed[:-1])  # what is known of it: the kept prefix
             await self._reconciled(live, done.round, tail, done.n_accepted, done.committed[-1])
         if done.finished:
+            self._let_go(live)
             log.info(
                 "session %s finished: %d tokens in %d rounds",
                 live.id,
@@ -743,6 +858,7 @@ class SessionBook:
         live.generated = generated
         live.next_round = row.round_index + 1
         live.status = status
+        live.last_heard = time.monotonic()
         continues = self._hosted(live)
         hosted_round = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
         verdict = m.Verdict(
@@ -765,6 +881,7 @@ class SessionBook:
         if provisional:
             await self._reconciled(live, row.round_index, drafted, n_accepted, kept[-1])
         if finished:
+            self._let_go(live)
             log.info(
                 "session %s finished: %d tokens in %d rounds",
                 live.id,
@@ -1010,7 +1127,9 @@ class SessionBook:
             draft_tokens=tuple(row.draft_tokens) if row.mode is SessionMode.CLOUD else None,
         )
 
-    def _finish(self, live: LiveSession, status: SessionStatus, reason: str) -> None:
+    def _finish(
+        self, live: LiveSession, status: SessionStatus, reason: str, kind: str | None = None
+    ) -> None:
         with self._db.begin() as db:
             row = db.get(DecodingSession, uuid.UUID(live.id))
             if row is not None:
@@ -1018,7 +1137,7 @@ class SessionBook:
                 row.finished_at = utcnow()
             append_event(
                 db,
-                f"session.{status.value}",
+                kind or f"session.{status.value}",
                 device_id=live.device_id,
                 session_id=uuid.UUID(live.id),
                 detail={"reason": reason},
@@ -1029,6 +1148,12 @@ class SessionBook:
             append_event(
                 db, kind, device_id=live.device_id, session_id=uuid.UUID(live.id), detail=detail
             )
+
+
+def _busy(live: LiveSession, *, locked: bool = True) -> bool:
+    """Whether a session is mid-round (its stream runs, a round is in flight, or, with
+    `locked`, a handler holds it): not idle, whatever its clock says."""
+    return live.streaming or live.in_flight_round is not None or (locked and live.lock.locked())
 
 
 def _window(live: LiveSession, row: Round) -> int:

@@ -39,6 +39,22 @@ class Settings(BaseSettings):
     models_dir: Path | None = None
     # Presence: a device is offline after its Last Will, or after this many keepalives of silence.
     device_keepalive_s: int = Field(default=10, ge=1)
+    # Quotas per device, so that one device (or one stolen credential) cannot starve the others.
+    # An agent runs a handful of sessions at once; 32 leaves room for a busy gateway.
+    device_max_open_sessions: int = Field(default=32, ge=1)
+    # Prompt tokens (chat-templated) a session may open with; the target's context is 8,192.
+    device_max_prompt_tokens: int = Field(default=4096, ge=1)
+    # Session opens (resumes included) per second, with a burst for an agent that reconnects
+    # and resumes all its sessions at once.
+    device_session_opens_per_s: float = Field(default=2.0, gt=0, allow_inf_nan=False)
+    device_session_open_burst: int = Field(default=32, ge=1)
+    # Telemetry messages per second; an agent sends one every few seconds.
+    device_telemetry_per_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    device_telemetry_burst: int = Field(default=10, ge=1)
+    # Devices whose latest telemetry waits to be written; past it, new devices' are dropped.
+    telemetry_queue_size: int = Field(default=10_000, ge=1)
+    # An active session that hears nothing (no draft, no round, no resume) for this long ends.
+    session_idle_timeout_s: float = Field(default=1800.0, gt=0, allow_inf_nan=False)
     secret_key: str = ""
     # HTTP request bodies: the admin API's are small JSON; model release uploads get their own.
     http_max_body_bytes: int = Field(default=1024 * 1024, ge=1024)

@@ -168,6 +168,12 @@ class VerifierPool:
     def live(self) -> list[VerifierInfo]:
         return [v for v in self.verifiers.values() if v.alive]
 
+    def vocab_size(self) -> int | None:
+        """The target's vocabulary as the live verifiers report it (the smallest, should two
+        disagree); None while none reports one."""
+        sizes = [v.status.vocab_size for v in self.live() if v.status.vocab_size is not None]
+        return min(sizes) if sizes else None
+
     def pick(self, session_id: str, exclude: set[str] | None = None) -> VerifierInfo | None:
         """The verifier holding the session's cache, unless far busier than the least loaded."""
         candidates = [v for v in self.live() if v.verifier_id not in (exclude or set())]

@@ -62,6 +62,7 @@ class ChildReady:
     drafts: tuple[str, ...] = ()  # the drafters it runs for cloud rounds
     # Pass costs timed at start: (rows, positions per row, ms), for goodput control.
     profile: tuple[tuple[int, int, float], ...] = ()
+    vocab_size: int | None = None  # the target's; the coordinator refuses prompts beyond it
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             time.perf_counter() - started,
             drafts=() if drafters is None else drafters.names,
             profile=profile_passes(runtime) if config.profile else (),
+            vocab_size=c.vocab_size,
         )
     # Whatever stops the load is reported to the worker, which decides to retry or give up.
     except Exception as exc:
@@ -147,16 +149,21 @@ PROFILE_CONTEXT = 32  # positions already in each row's cache, as in a session u
 PROFILE_REPEATS = 2
 
 
-def profile_passes(runtime: Runtime) -> tuple[tuple[int, int, float], ...]:
+def profile_passes(
+    runtime: Runtime,
+    shapes: Sequence[tuple[int, int]] = PROFILE_SHAPES,
+    repeats: int = PROFILE_REPEATS,
+    context: int = PROFILE_CONTEXT,
+) -> tuple[tuple[int, int, float], ...]:
     """Time one pass per shape (the best of a few), on caches holding a short context."""
     runtime.forward_batch([([1], runtime.new_cache())])  # the first pass pays for warm-up
     samples = []
-    for rows, positions in PROFILE_SHAPES:
+    for rows, positions in shapes:
         best = float("inf")
-        for _ in range(PROFILE_REPEATS):
+        for _ in range(repeats):
             caches = [runtime.new_cache() for _ in range(rows)]
             for cache in caches:
-                runtime.forward(list(range(1, PROFILE_CONTEXT + 1)), cache)
+                runtime.forward(list(range(1, context + 1)), cache)
             t0 = time.perf_counter()
             runtime.forward_batch([(list(range(2, positions + 2)), cache) for cache in caches])
             best = min(best, (time.perf_counter() - t0) * 1e3)

@@ -240,6 +240,7 @@ class VerifierWorker:
         self._passes = 0
         self._sessions_cached = 0
         self._target = ""
+        self._vocab_size: int | None = None
         self._drafts: tuple[str, ...] = ()
         # Direct rounds need the database: a verifier without one takes no leases.
         self.leases: LeaseBook | None = None
@@ -280,6 +281,7 @@ class VerifierWorker:
             drafts=self._drafts,
             leases=self.leases is not None,
             leased=() if self.leases is None else tuple(self.leases.sessions)[:4096],
+            vocab_size=self._vocab_size,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -292,6 +294,7 @@ class VerifierWorker:
             except ChildStartError as exc:
                 raise VerifierError(f"cannot start the inference process: {exc}") from exc
             self._target = ready.target
+            self._vocab_size = ready.vocab_size
             self._drafts = ready.drafts
             for rows, positions, ms in ready.profile:
                 self.goodput.observe_pass(rows, positions, ms)
@@ -691,6 +694,7 @@ class VerifierWorker:
                 continue
             self.counters.child_restarts += 1
             self._target = ready.target
+            self._vocab_size = ready.vocab_size
             self._drafts = ready.drafts
             return
         raise VerifierError(f"the inference process failed to restart {RESTART_ATTEMPTS} times")

@@ -133,6 +133,7 @@ def test_a_cloud_round_over_the_bus_comes_back_with_the_hosts_draft(
     async def body(worker: VerifierWorker, listener: BusListener) -> None:
         status = await listener.status(lambda s: s.state == DeviceState.ONLINE)
         assert "hybrid" in status.drafts  # announced, so the coordinator may choose cloud mode
+        assert status.vocab_size == 49152  # the target's: prompts past it are refused at open
         request = VerifyRequest(
             request_id="cloud-1",
             session_id="cloud-bus",
