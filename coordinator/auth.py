@@ -9,8 +9,10 @@ import hmac
 import json
 import re
 import secrets
+import threading
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
@@ -29,6 +31,11 @@ LAST_USED_RESOLUTION = timedelta(minutes=1)
 # A dashboard login lasts this long; the token behind it can be revoked sooner.
 SESSION_MAX_AGE_S = 12 * 3600
 SESSION_COOKIE = "specfleet_session"
+# A bearer token works this long after it was issued (Settings.api_token_ttl_days).
+DEFAULT_TOKEN_TTL = timedelta(days=90)
+# Each dashboard login is a token row of its own (with this prefix, no usable plaintext), so
+# that logging out revokes that login on the server, not just the browser's cookie.
+LOGIN_TOKEN_PREFIX = "login"
 
 
 class AuthEvent(str, Enum):
@@ -101,8 +108,11 @@ class Principal:
 class AdminStore:
     """Admins and tokens in the database; every change appends its event in the same commit."""
 
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], *, token_ttl: timedelta = DEFAULT_TOKEN_TTL
+    ) -> None:
         self._sessions = sessions
+        self._token_ttl = token_ttl
 
     def create(
         self, name: str, role: AdminRole | str = AdminRole.ADMIN, *, actor: str = "cli"
@@ -161,11 +171,51 @@ class AdminStore:
             )
         return revoked
 
+    def open_login(self, principal: Principal) -> int:
+        """A dashboard login of `principal`: its own token row, which the cookie names."""
+        now = utcnow()
+        with self._sessions.begin() as session:
+            # Logins that ended or aged out are of no further use; keep the table small.
+            session.execute(
+                sa.delete(ApiToken).where(
+                    ApiToken.admin_id == principal.admin_id,
+                    ApiToken.prefix == LOGIN_TOKEN_PREFIX,
+                    sa.or_(
+                        ApiToken.revoked_at.is_not(None),
+                        ApiToken.created_at < now - timedelta(seconds=SESSION_MAX_AGE_S),
+                    ),
+                )
+            )
+            row = ApiToken(
+                admin_id=principal.admin_id,
+                token_sha256=token_digest(new_token()),  # never handed out
+                prefix=LOGIN_TOKEN_PREFIX,
+                label="dashboard",
+                created_at=now,
+            )
+            session.add(row)
+            session.flush()
+            return row.id
+
+    def close_login(self, token_id: int) -> bool:
+        """Revoke one dashboard login; False if it was not a live login."""
+        with self._sessions.begin() as session:
+            result = session.execute(
+                sa.update(ApiToken)
+                .where(
+                    ApiToken.id == token_id,
+                    ApiToken.prefix == LOGIN_TOKEN_PREFIX,
+                    ApiToken.revoked_at.is_(None),
+                )
+                .values(revoked_at=utcnow())
+            )
+            return bool(getattr(result, "rowcount", 0))
+
     def list(self) -> builtins.list[tuple[Admin, int]]:
-        """Every admin with its number of live tokens, by name."""
+        """Every admin with its number of live tokens (dashboard logins aside), by name."""
         live = (
             sa.select(ApiToken.admin_id, sa.func.count().label("n"))
-            .where(ApiToken.revoked_at.is_(None))
+            .where(ApiToken.revoked_at.is_(None), ApiToken.prefix != LOGIN_TOKEN_PREFIX)
             .group_by(ApiToken.admin_id)
             .subquery()
         )
@@ -193,7 +243,12 @@ class AdminStore:
             row = session.execute(
                 sa.select(ApiToken, Admin)
                 .join(Admin, Admin.id == ApiToken.admin_id)
-                .where(where, ApiToken.revoked_at.is_(None), Admin.disabled_at.is_(None))
+                .where(
+                    where,
+                    ApiToken.revoked_at.is_(None),
+                    ApiToken.created_at > now - self._token_ttl,
+                    Admin.disabled_at.is_(None),
+                )
             ).first()
             if row is None:
                 return None
@@ -225,6 +280,62 @@ class AdminStore:
                 created_at=utcnow(),
             )
         )
+
+
+class LoginThrottle:
+    """Failed logins counted per key (client address, the token prefix tried) over a sliding
+    window; a key at `max_failures` is refused until its oldest failure leaves the window.
+
+    Kept in memory: one coordinator's count, reset by a restart. Called from the threads of
+    sync routes, hence the lock.
+    """
+
+    # Keys beyond this are dropped oldest first, so a spray of addresses cannot grow it forever.
+    MAX_KEYS = 100_000
+
+    def __init__(
+        self,
+        max_failures: int,
+        window_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self._clock = clock
+        self._failures: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def retry_after(self, keys: Iterable[str]) -> float:
+        """Seconds until every key may try again; 0 when none is throttled."""
+        now = self._clock()
+        wait = 0.0
+        with self._lock:
+            for key in keys:
+                times = self._recent(key, now)
+                if len(times) >= self.max_failures:
+                    wait = max(wait, times[0] + self.window_s - now)
+        return wait
+
+    def failed(self, keys: Iterable[str]) -> None:
+        now = self._clock()
+        with self._lock:
+            for key in keys:
+                times = self._recent(key, now)
+                times.append(now)
+                self._failures[key] = times
+                while len(times) > self.max_failures:
+                    times.popleft()
+            while len(self._failures) > self.MAX_KEYS:
+                del self._failures[next(iter(self._failures))]
+
+    def _recent(self, key: str, now: float) -> deque[float]:
+        times = self._failures.pop(key, deque())  # re-inserted by `failed`: newest last
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if times:
+            self._failures[key] = times
+        return times
 
 
 def _b64(raw: bytes) -> str:

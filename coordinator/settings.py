@@ -59,6 +59,15 @@ class Settings(BaseSettings):
     # HTTP request bodies: the admin API's are small JSON; model release uploads get their own.
     http_max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     http_max_upload_bytes: int = Field(default=4 * 1024**3, ge=1024)
+    # TLS for the HTTP API (uvicorn's own), or leave both empty behind a TLS proxy (deploy/).
+    http_ssl_certfile: Path | None = None
+    http_ssl_keyfile: Path | None = None
+    # Bearer tokens stop working this long after they were issued.
+    api_token_ttl_days: float = Field(default=90.0, gt=0, allow_inf_nan=False)
+    # Dashboard logins: this many failures per client address or per token tried, within the
+    # window, and further tries get 429 until the oldest failure leaves it.
+    login_max_failures: int = Field(default=10, ge=1)
+    login_window_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _fill_defaults_and_refuse_weak_secrets(self) -> Settings:

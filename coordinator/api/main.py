@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Sequence
+from datetime import timedelta
 
 from anyio import to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,7 +26,7 @@ from coordinator.api.routes import (
     stats,
     verifiers,
 )
-from coordinator.auth import AdminStore, CookieSigner
+from coordinator.auth import AdminStore, CookieSigner, LoginThrottle
 from coordinator.db.engine import make_sessionmaker
 from coordinator.live import CoordinatorControl, VerifierLoad
 from coordinator.metrics import CoordinatorMetrics
@@ -97,7 +98,10 @@ def create_app(
     )
     app.state.settings = settings
     app.state.sessions = make_sessionmaker(engine)
-    app.state.admins = AdminStore(app.state.sessions)
+    app.state.admins = AdminStore(
+        app.state.sessions, token_ttl=timedelta(days=settings.api_token_ttl_days)
+    )
+    app.state.login_throttle = LoginThrottle(settings.login_max_failures, settings.login_window_s)
     app.state.signer = CookieSigner(signing_key(settings))
     app.state.control = control
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,7 +15,13 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from coordinator.api.deps import get_admins, get_signer, principal_from_cookie
-from coordinator.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, AuthEvent, Principal
+from coordinator.auth import (
+    SESSION_COOKIE,
+    SESSION_MAX_AGE_S,
+    AuthEvent,
+    LoginThrottle,
+    Principal,
+)
 from coordinator.events import EventLog
 from coordinator.settings import Settings
 
@@ -90,15 +97,39 @@ def login_form(request: Request, next: str | None = None) -> Response:
     )
 
 
+def _login_keys(request: Request, token: str) -> tuple[str, ...]:
+    client = request.client.host if request.client else "unknown"
+    # The prefix is how a token is told apart (listings, events): guessing the rest of one
+    # admin's token is throttled as that admin, whatever addresses it comes from.
+    return (f"client:{client}", f"token:{token[:12]}")
+
+
 @router.post("/login")
 def login(
     request: Request,
     token: Annotated[str, Form(max_length=256)],
     next: Annotated[str, Form(max_length=2048)] = "/fleet",
 ) -> Response:
+    throttle: LoginThrottle = request.app.state.login_throttle
+    keys = _login_keys(request, token.strip())
+    wait = throttle.retry_after(keys)
+    if wait > 0:
+        retry = str(math.ceil(wait))
+        return templates.TemplateResponse(
+            request,
+            "login.html",
+            {
+                "next": _safe_next(next),
+                "error": f"Too many failed logins: try again in {retry} s.",
+                "title": "Log in",
+            },
+            status_code=http.HTTP_429_TOO_MANY_REQUESTS,
+            headers={"Retry-After": retry},
+        )
     principal = get_admins(request).authenticate(token.strip())
     client = request.client.host if request.client else "unknown"
     if principal is None:
+        throttle.failed(keys)
         _event_log(request).append(
             AuthEvent.LOGIN_FAILED, actor="anonymous", detail={"client": client}
         )
@@ -108,6 +139,7 @@ def login(
             {"next": _safe_next(next), "error": "That token is not valid.", "title": "Log in"},
             status_code=http.HTTP_401_UNAUTHORIZED,
         )
+    login_id = get_admins(request).open_login(principal)
     _event_log(request).append(
         AuthEvent.LOGIN, actor=principal.actor, detail={"client": client, "via": "dashboard"}
     )
@@ -115,7 +147,7 @@ def login(
     settings: Settings = request.app.state.settings
     response.set_cookie(
         SESSION_COOKIE,
-        get_signer(request).login_cookie(principal.token_id),
+        get_signer(request).login_cookie(login_id),
         max_age=SESSION_MAX_AGE_S,
         httponly=True,
         samesite="lax",
@@ -129,6 +161,8 @@ def logout(request: Request, csrf: Annotated[str, Form(max_length=256)] = "") ->
     cookie = request.cookies.get(SESSION_COOKIE, "")
     user = principal_from_cookie(request)
     if user is not None and get_signer(request).check_csrf(cookie, csrf):
+        # The cookie's login ends on the server too: a copy of the cookie is worth nothing.
+        get_admins(request).close_login(user.token_id)
         _event_log(request).append(AuthEvent.LOGOUT, actor=user.actor)
     response = RedirectResponse("/login", status_code=http.HTTP_303_SEE_OTHER)
     response.delete_cookie(SESSION_COOKIE)

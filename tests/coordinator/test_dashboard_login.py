@@ -6,15 +6,25 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import pytest
+import sqlalchemy as sa
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy.engine import Engine
 
 from coordinator.api.main import create_app, signing_key
-from coordinator.auth import SESSION_COOKIE, SESSION_MAX_AGE_S, AdminStore, CookieSigner
+from coordinator.auth import (
+    SESSION_COOKIE,
+    SESSION_MAX_AGE_S,
+    AdminStore,
+    CookieSigner,
+    LoginThrottle,
+)
 from coordinator.db.engine import make_sessionmaker
+from coordinator.db.models import ApiToken, utcnow
 from coordinator.events import EventLog
 from coordinator.registry import DeviceRegistry
 from coordinator.settings import Settings
@@ -177,3 +187,88 @@ def test_the_signing_key_rules() -> None:
         Settings(environment="production", secret_key="")
     with pytest.raises(ValidationError, match="SPECFLEET_SECRET_KEY"):
         Settings(environment="production", secret_key="changeme")
+
+
+def test_logout_ends_the_login_on_the_server(site: Site) -> None:
+    _log_in(site)
+    cookie = site.client.cookies[SESSION_COOKIE]
+    csrf = _csrf(site.client.get("/fleet").text)
+    assert site.client.post("/logout", data={"csrf": csrf}).status_code == 303
+    # A copy of the cookie (another tab, a stolen one) is refused from now on.
+    site.client.cookies.set(SESSION_COOKIE, cookie)
+    assert site.client.get("/api/v1/me").status_code == 401
+    assert site.client.get("/fleet").status_code == 303
+    # The bearer token the login was made with still works, and logs in again.
+    site.client.cookies.clear()
+    assert site.client.get("/api/v1/me", headers=_bearer(site.token)).status_code == 200
+    _log_in(site)
+    assert site.client.get("/api/v1/me").status_code == 200
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _throttled_app(engine: Engine, **settings: float) -> tuple[FastAPI, str]:
+    sessions = make_sessionmaker(engine)
+    _, token = AdminStore(sessions).create("bob")
+    app = create_app(
+        Settings(
+            database_url=engine.url.render_as_string(hide_password=False),
+            secret_key=SECRET,
+            **settings,  # type: ignore[arg-type]
+        ),
+        engine,
+    )
+    return app, token
+
+
+def test_failed_logins_are_throttled_per_client_address(pg_clean_engine: Engine) -> None:
+    app, token = _throttled_app(pg_clean_engine, login_max_failures=3, login_window_s=60)
+    with (
+        TestClient(app, follow_redirects=False, client=("10.0.0.1", 1000)) as guesser,
+        TestClient(app, follow_redirects=False, client=("10.0.0.2", 1000)) as other,
+    ):
+        for attempt in range(3):
+            wrong = guesser.post("/login", data={"token": f"sft_wrong-{attempt}"})
+            assert wrong.status_code == 401
+        refused = guesser.post("/login", data={"token": token})  # even the right one, for now
+        assert refused.status_code == 429
+        assert 0 < int(refused.headers["Retry-After"]) <= 60
+        assert "Too many failed logins" in refused.text
+        assert other.post("/login", data={"token": token}).status_code == 303
+
+
+def test_failed_logins_are_throttled_per_token_tried(pg_clean_engine: Engine) -> None:
+    app, token = _throttled_app(pg_clean_engine, login_max_failures=3, login_window_s=60)
+    # Someone who knows a token's prefix (it shows in listings) guesses the rest from many
+    # addresses: that token's logins are throttled, other tokens' are not.
+    guess = token[:12] + "x" * 20
+    for address in range(3):
+        with TestClient(app, follow_redirects=False, client=(f"10.0.1.{address}", 1)) as c:
+            assert c.post("/login", data={"token": guess}).status_code == 401
+    with TestClient(app, follow_redirects=False, client=("10.0.2.1", 1)) as fresh:
+        assert fresh.post("/login", data={"token": guess}).status_code == 429
+
+
+def test_login_throttle_window_slides() -> None:
+    now = [0.0]
+    throttle = LoginThrottle(2, 10.0, clock=lambda: now[0])
+    throttle.failed(["a"])
+    now[0] = 4.0
+    throttle.failed(["a"])
+    assert throttle.retry_after(["a"]) == pytest.approx(6.0)
+    assert throttle.retry_after(["b"]) == 0
+    now[0] = 10.5  # the first failure has left the window
+    assert throttle.retry_after(["a"]) == 0
+
+
+def test_tokens_expire(pg_clean_engine: Engine) -> None:
+    app, token = _throttled_app(pg_clean_engine, api_token_ttl_days=1)
+    with TestClient(app) as client:
+        assert client.get("/api/v1/me", headers=_bearer(token)).status_code == 200
+        with pg_clean_engine.begin() as connection:
+            connection.execute(sa.update(ApiToken).values(created_at=utcnow() - timedelta(days=1)))
+        expired = client.get("/api/v1/me", headers=_bearer(token))
+        assert expired.status_code == 401
+        assert client.post("/login", data={"token": token}).status_code == 401
