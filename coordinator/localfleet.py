@@ -159,15 +159,15 @@ class FleetProcesses:
             self.broker_url,
             "--username",
             VERIFIER_USER,
-            f"--password={self.credentials[VERIFIER_USER]}",
             "--threads",
             str(threads),
             "--database-url",
             self.settings.database_url,
         ]
-        child = ChildProcess(
-            verifier_id, argv, self._child_env(), self.workdir / f"{verifier_id}.log"
-        )
+        env = self._child_env()
+        # Secrets go in the environment, not argv, where `ps` shows them to every user.
+        env["SPECFLEET_BROKER_PASSWORD"] = self.credentials[VERIFIER_USER]
+        child = ChildProcess(verifier_id, argv, env, self.workdir / f"{verifier_id}.log")
         child.start()
         self.verifiers[verifier_id] = child
         return child
@@ -186,7 +186,6 @@ class FleetProcesses:
             "run",
             "--device-id",
             spec.device_id,
-            f"--credential={self.credentials[spec.device_id]}",
             "--broker-url",
             broker_url or self.broker_url,
             "--kind",
@@ -201,6 +200,7 @@ class FleetProcesses:
             argv += ["--draft-runtime", spec.runtime]
         env = self._child_env()
         env["SPECFLEET_HOME"] = str(self.workdir / spec.device_id)
+        env["SPECFLEET_CREDENTIAL"] = self.credentials[spec.device_id]
         child = ChildProcess(spec.device_id, argv, env, self.workdir / f"{spec.device_id}.log")
         child.start()
         self.agents[spec.device_id] = child

@@ -92,10 +92,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class RefuseSecretInArgv(argparse.Action):
+    """A flag that once took a secret: it now exits with the reason and what to use instead."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, instead: str) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+        self.instead = instead
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{option_string} is refused: a secret in argv shows in `ps` to every user of this "
+            f"machine; use {self.instead}"
+        )
+
+
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file (flat keys, e.g. device_id)")
     parser.add_argument("--device-id", help="this device's id (env SPECFLEET_DEVICE_ID)")
-    parser.add_argument("--credential", help="this device's secret (env SPECFLEET_CREDENTIAL)")
+    # No flag takes the secret itself: argv shows in `ps` to every user of the device. The old
+    # flag stays only to refuse (else argparse would take it as short for --credential-file).
+    parser.add_argument(
+        "--credential",
+        action=RefuseSecretInArgv,
+        instead="--credential-file FILE or SPECFLEET_CREDENTIAL",
+    )
+    parser.add_argument(
+        "--credential-file",
+        type=Path,
+        help="file holding this device's secret (or env SPECFLEET_CREDENTIAL)",
+    )
     parser.add_argument("--broker-url", help="mqtt://host:port or mqtts://host:port")
     parser.add_argument("--ca-file", type=Path, help="CA bundle for an mqtts:// broker")
     parser.add_argument("--models-dir", type=Path, help="draft models and the tokenizer")
@@ -109,7 +140,7 @@ def _local_overrides(args: argparse.Namespace) -> dict[str, object]:
 def _settings(args: argparse.Namespace) -> AgentSettings:
     overrides = {
         "device_id": args.device_id,
-        "credential": args.credential,
+        "credential_file": args.credential_file,
         "broker_url": args.broker_url,
         "ca_file": args.ca_file,
         **_local_overrides(args),

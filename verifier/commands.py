@@ -40,6 +40,27 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class RefuseSecretInArgv(argparse.Action):
+    """A flag that once took a secret: it now exits with the reason and what to use instead.
+    (The agent's CLI has its twin; a device imports nothing of the verifier's, nor the reverse.)"""
+
+    def __init__(self, option_strings: list[str], dest: str, *, instead: str) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+        self.instead = instead
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{option_string} is refused: a secret in argv shows in `ps` to every user of this "
+            f"machine; use {self.instead}"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from verifier import child, core, worker
 
@@ -51,7 +72,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--broker-url", default=None, help="mqtt://host:port (default: settings)")
     parser.add_argument("--username", default=None, help="broker username (default: settings)")
-    parser.add_argument("--password", default=None, help="broker password (default: settings)")
+    # No flag takes the password itself: argv shows in `ps` to every user of the machine. The
+    # old flag stays only to refuse (else argparse would take it as short for --password-file).
+    parser.add_argument(
+        "--password",
+        action=RefuseSecretInArgv,
+        instead="--password-file FILE or SPECFLEET_BROKER_PASSWORD",
+    )
+    parser.add_argument(
+        "--password-file",
+        type=Path,
+        default=None,
+        help="file holding the broker password (default: SPECFLEET_BROKER_PASSWORD)",
+    )
     parser.add_argument(
         "--max-batch",
         type=_positive_int,
@@ -108,6 +141,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _password(path: Path | None) -> str | None:
+    from specfleet.cli import CommandError
+
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip() or None
+    except OSError as exc:
+        raise CommandError(f"--password-file: {exc}") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     from broker.client import BrokerAddress
     from coordinator.settings import Settings
@@ -143,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             config,
             address,
             username=args.username or settings.broker_username,
-            password=args.password or settings.broker_password,
+            password=_password(args.password_file) or settings.broker_password,
             protocol=settings.mqtt_protocol,
             database_url=args.database_url,
         )

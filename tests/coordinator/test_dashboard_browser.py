@@ -410,10 +410,10 @@ def test_see_a_device_come_online_live(
     agent = subprocess.Popen(
         [
             *AGENT,
-            *("--device-id", device_id, "--credential", added["credential"]),
+            *("--device-id", device_id),
             *("--broker-url", SHARED_MOSQUITTO, "--keepalive", "2", "--telemetry-interval", "0.5"),
         ],
-        env=env,
+        env=env | {"SPECFLEET_CREDENTIAL": added["credential"]},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -127,8 +127,6 @@ def test_agent_online_within_2s_and_offline_after_sigkill(
             "run",
             "--device-id",
             device_id,
-            "--credential",
-            credential,
             "--broker-url",
             SHARED_MOSQUITTO,
             "--keepalive",
@@ -136,7 +134,7 @@ def test_agent_online_within_2s_and_offline_after_sigkill(
             "--telemetry-interval",
             "0.5",
         ],
-        env=env,
+        env=env | {"SPECFLEET_CREDENTIAL": credential},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
