@@ -607,6 +607,14 @@ def _register_up(subparsers: Subparsers) -> None:
         "--mqtt-port", type=int, default=None, help="port of the embedded broker (default 1884)"
     )
     parser.add_argument("--http-port", type=int, default=None, help="port of the HTTP API")
+    parser.add_argument(
+        "--ssl-certfile",
+        type=Path,
+        metavar="PEM",
+        help="serve the HTTP API over TLS with this certificate (chain) and --ssl-keyfile "
+        "(or behind a TLS proxy: deploy/README.md)",
+    )
+    parser.add_argument("--ssl-keyfile", type=Path, metavar="PEM", help="the certificate's key")
     parser.set_defaults(func=_up)
 
 
@@ -625,6 +633,14 @@ def _up(args: argparse.Namespace) -> int:
         overrides["database_url"] = args.database_url
     if args.http_port is not None:
         overrides["http_port"] = args.http_port
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise CommandError("--ssl-certfile and --ssl-keyfile go together")
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
+        if path is not None and not path.is_file():
+            raise CommandError(f"{flag}: {path} is not a file")
+    if args.ssl_certfile is not None:
+        overrides["http_ssl_certfile"] = args.ssl_certfile
+        overrides["http_ssl_keyfile"] = args.ssl_keyfile
     if args.broker:
         try:
             BrokerAddress.from_url(args.broker)

@@ -114,9 +114,27 @@ def quickstart_broker(settings: Settings, port: int, registry: DeviceRegistry) -
 
 
 @contextlib.asynccontextmanager
-async def http_api(app: FastAPI, host: str, port: int) -> AsyncIterator[uvicorn.Server]:
-    """Serve `app` in this event loop; uvicorn turns Ctrl-C into a clean stop of everything."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+async def http_api(
+    app: FastAPI,
+    host: str,
+    port: int,
+    *,
+    ssl_certfile: Path | None = None,
+    ssl_keyfile: Path | None = None,
+) -> AsyncIterator[uvicorn.Server]:
+    """Serve `app` in this event loop (over TLS with a certificate and its key); uvicorn turns
+    Ctrl-C into a clean stop of everything."""
+    if (ssl_certfile is None) != (ssl_keyfile is None):
+        raise ValueError("TLS needs both a certificate file and its key file")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
+        ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="http-api")
     while not server.started:
@@ -159,9 +177,17 @@ async def run_up(
         coordinator = Coordinator(settings, engine)
         app = create_app(settings, engine)
         attach_service(app, coordinator, broker_revoke(settings, registry, quick))
-        async with http_api(app, settings.http_host, settings.http_port):
+        async with http_api(
+            app,
+            settings.http_host,
+            settings.http_port,
+            ssl_certfile=settings.http_ssl_certfile,
+            ssl_keyfile=settings.http_ssl_keyfile,
+        ):
+            scheme = "https" if settings.http_ssl_certfile else "http"
             print(
-                f"http api     http://{settings.http_host}:{settings.http_port}/api/v1", flush=True
+                f"http api     {scheme}://{settings.http_host}:{settings.http_port}/api/v1",
+                flush=True,
             )
             if quick is not None:
                 coordinator.background.append(lambda: _refresh_forever(quick, registry))
