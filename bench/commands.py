@@ -25,6 +25,11 @@ BENCHMARKS = (
         "bench.adaptive",
         "adaptive policy vs fixed configurations on a changing network (lan, 4g, ...)",
     ),
+    (
+        "soak",
+        "bench.soak",
+        "many short sessions for minutes: coordinator RSS growth after warm-up, and errors",
+    ),
 )
 
 
