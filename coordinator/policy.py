@@ -52,6 +52,9 @@ MODE_DWELL_ROUNDS = 3  # decisions a session stays in a mode before it may leave
 # Rounds the coordinator runs for one cloud request before the agent asks again: what bounds the
 # work for a device that vanished, and what spreads one RTT over the rounds of a request.
 CLOUD_STREAM_ROUNDS = 64
+# Rounds of a host stream between two decisions on whether it should leave the host: its window
+# is the verifier's choice pass by pass, and a decision costs ~0.4 ms of the coordinator.
+STREAM_DECISION_EVERY = 8
 HOST = "@host"  # the verifier host, where cloud rounds are drafted, in the draft-cost table
 
 # Exponential forgetting: each new observation weighs as much as the last ~1/(1 - decay).
@@ -368,6 +371,14 @@ def round_ms(
         draft_ms = k * draft_ms_per_token * (1.0 + load)
         return draft_ms + rtt_ms / CLOUD_STREAM_ROUNDS + queue_ms + verify_ms
     return k * draft_ms_per_token + rtt_ms + queue_ms + verify_ms
+
+
+def opening_candidate(decision: Decision) -> Candidate | None:
+    """Where an adaptive session opens: the best candidate of all when it is a host mode (the
+    session has not switched yet, so no margin against flapping is asked), else None (it opens
+    distributed and its device drafts)."""
+    best = max(decision.candidates, key=lambda c: c.tokens_per_s)
+    return best if best.mode in m.HOST_MODES else None
 
 
 def choose_mode(

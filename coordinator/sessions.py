@@ -30,8 +30,10 @@ from coordinator.db.round_writer import RoundWriter
 from coordinator.events import EventKind, append_event
 from coordinator.policy import (
     CLOUD_STREAM_ROUNDS,
+    STREAM_DECISION_EVERY,
     AdaptivePolicy,
     RoundObservation,
+    opening_candidate,
     resolve_task,
     verifier_load,
 )
@@ -54,8 +56,6 @@ DEFAULT_K = 4
 # its device is told to ask again.
 STREAM_ATTEMPTS = 4
 ADOPTED = "adopted"  # the lease id of a lease learnt from a verifier's heartbeat
-# The rounds of a host stream between two of the policy's decisions (whether to leave the host).
-STREAM_DECISION_EVERY = 8
 # How often idle sessions are looked for (at most; a short idle timeout looks more often), and
 # finished ones still in memory let go.
 SWEEP_INTERVAL_S = 5.0
@@ -968,8 +968,8 @@ class SessionBook:
             host_drafts=host_drafts,
             plain=True,
         )
-        best = max(decision.candidates, key=lambda c: c.tokens_per_s)
-        if best.mode not in m.HOST_MODES:
+        best = opening_candidate(decision)
+        if best is None:
             return
         live.policy = m.Policy(
             mode=best.mode,

@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "bench.commands",
     "verifier.commands",
     "netem.commands",
+    "sim.commands",
 )
 
 

@@ -1,0 +1,387 @@
+"""`specfleet sim calibrate`: the simulator's parameters from measured runs.
+
+Three sources, each optional but the first two:
+- the database of a run (`--database-url`): every round's drafter, window, drafted and accepted
+  tokens (acceptance per position, by drafter and task), draft times on devices and on the
+  verifier host, and every session's prompt and answer lengths;
+- benchmark JSON (`--bench-json`, `bench e2e`'s): the agents' per-round waits split into compute,
+  queue and overhead, their turnarounds, and their sessions' wall times, for the service times
+  beyond compute (a direct round's, a session's open);
+- the verifier's cost (`--profile FILE` from `specfleet sim profile`, or `--measure`): passes
+  of B rows and T positions timed on this host, and prefill.
+What could not be fitted is listed in the calibration's `unfit`, with the default used instead.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sim.inputs import MAX_POSITIONS, Calibration, PositionRates, VerifierProfile
+
+PRIOR_WEIGHT = 4.0  # rounds' worth of belief that a deep position does what the one before did
+PROFILE_ROWS = (1, 2, 4, 8, 16, 32)
+PROFILE_POSITIONS = (1, 2, 3, 5, 9)
+PREFILL_LENGTHS = (16, 48, 96)
+# Positions already cached in each row of a profiled pass: a chat prompt (~40 tokens) and half
+# of a 48-token answer. Attention and the cache's copies grow with it: at 32 a 32-row pass cost
+# 84 ms where sessions under way paid ~115.
+PROFILE_CONTEXT = 64
+DEFAULT_BROKER_HOP_MS = 0.15  # one QoS 1 publish through Mosquitto on loopback, bench bus p50
+
+
+@dataclass
+class _Counts:
+    """Per position: how often it was reachable, and how often it went on."""
+
+    reached: list[float] = field(default_factory=lambda: [0.0] * MAX_POSITIONS)
+    went_on: list[float] = field(default_factory=lambda: [0.0] * MAX_POSITIONS)
+
+    def add(self, reached_to: int, went_on_to: int) -> None:
+        for i in range(min(reached_to, MAX_POSITIONS)):
+            self.reached[i] += 1
+            if i < went_on_to:
+                self.went_on[i] += 1
+
+    def rates(self) -> list[float]:
+        """Each position's rate, pulled toward the position before's (the first: 0.5)."""
+        out: list[float] = []
+        for i in range(MAX_POSITIONS):
+            pull = 0.5 if i == 0 else out[-1]
+            out.append((self.went_on[i] + pull * PRIOR_WEIGHT) / (self.reached[i] + PRIOR_WEIGHT))
+        return out
+
+
+@dataclass
+class _Tables:
+    fill: _Counts = field(default_factory=_Counts)
+    accept: _Counts = field(default_factory=_Counts)
+    rounds: int = 0
+
+    def add(self, window: int, drafted: int, accepted: int) -> None:
+        # Position i (0-based) of the fill is reachable when the window allows it and the
+        # drafter proposed every token before it; of the accept, when it was proposed and
+        # every token before it was accepted.
+        self.fill.add(min(window, drafted + 1), drafted)
+        self.accept.add(min(drafted, accepted + 1), accepted)
+        self.rounds += 1
+
+    def rates(self) -> PositionRates:
+        return PositionRates(fill=self.fill.rates(), accept=self.accept.rates(), rounds=self.rounds)
+
+
+@dataclass(frozen=True)
+class RecordedRound:
+    """The columns of one stored round that calibration reads."""
+
+    session_id: str
+    round_index: int
+    mode: str
+    draft_model: str | None
+    drafted: int
+    n_accepted: int
+    window: int
+    t_draft_ms: float | None
+
+
+@dataclass(frozen=True)
+class RecordedSession:
+    session_id: str
+    task: str
+    prompt_tokens: int
+    generated: int
+    max_tokens: int
+    finished: bool
+
+
+def read_database(
+    url: str,
+) -> tuple[list[RecordedSession], list[RecordedRound], list[tuple[int, int, float]]]:
+    """Sessions and rounds of a specfleet database, oldest first, and the passes its host
+    streams' rounds record: (rows, positions, ms), a session's first round (a prefill) left
+    out."""
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session as DbSession
+
+    from coordinator.db.models import DecodingSession, Round, SessionStatus
+
+    engine = sa.create_engine(url)
+    try:
+        with DbSession(engine) as db:
+            sessions = [
+                RecordedSession(
+                    str(row.id),
+                    row.task_type,
+                    len(row.prompt_ids),
+                    len(row.committed_ids),
+                    row.max_tokens,
+                    row.status is SessionStatus.FINISHED,
+                )
+                for row in db.scalars(sa.select(DecodingSession).order_by(DecodingSession.created_at))
+            ]
+            fixed_k = {
+                str(sid): k for sid, k in db.execute(sa.select(DecodingSession.id, DecodingSession.k))
+            }
+            rounds = []
+            previous_k: dict[str, int] = {}
+            query = sa.select(Round).order_by(Round.session_id, Round.round_index)
+            for row in db.scalars(query):
+                sid = str(row.session_id)
+                policy = row.policy or {}
+                chosen = policy.get("pass", {}).get("k") if isinstance(policy, dict) else None
+                window = chosen if chosen is not None else previous_k.get(sid, fixed_k[sid])
+                if isinstance(policy, dict) and isinstance(policy.get("k"), int):
+                    previous_k[sid] = policy["k"]
+                drafted = len(row.draft_tokens)
+                rounds.append(
+                    RecordedRound(
+                        sid,
+                        row.round_index,
+                        row.mode.value,
+                        row.draft_model,
+                        drafted,
+                        row.n_accepted,
+                        max(int(window), drafted),
+                        row.t_draft_ms,
+                    )
+                )
+            passes = [
+                (int(policy["pass"]["rows"]), len(tokens) + 1, float(ms))
+                for policy, tokens, ms, index in db.execute(
+                    sa.select(Round.policy, Round.draft_tokens, Round.t_verify_ms, Round.round_index)
+                )
+                if isinstance(policy, dict) and isinstance(policy.get("pass"), dict) and ms and index
+            ]
+    finally:
+        engine.dispose()
+    return sessions, rounds, passes
+
+
+def fit_acceptance(
+    sessions: Sequence[RecordedSession], rounds: Iterable[RecordedRound]
+) -> dict[str, dict[str, PositionRates]]:
+    """Per drafter: per task and pooled over tasks ("*")."""
+    task_of = {s.session_id: s.task for s in sessions}
+    tables: dict[str, dict[str, _Tables]] = defaultdict(lambda: defaultdict(_Tables))
+    for r in rounds:
+        if r.draft_model is None or r.window <= 0 or r.mode == "local":
+            continue
+        for task in (task_of.get(r.session_id, "chat"), "*"):
+            tables[r.draft_model][task].add(r.window, r.drafted, r.n_accepted)
+    return {
+        drafter: {task: t.rates() for task, t in by_task.items()}
+        for drafter, by_task in tables.items()
+    }
+
+
+def fit_draft_costs(rounds: Iterable[RecordedRound]) -> tuple[dict[str, float], dict[str, float]]:
+    """Median draft ms per drafted token: on devices and on the verifier host, by drafter."""
+    device: dict[str, list[float]] = defaultdict(list)
+    host: dict[str, list[float]] = defaultdict(list)
+    for r in rounds:
+        if r.draft_model is None or r.t_draft_ms is None:
+            continue
+        if r.mode == "distributed" and r.drafted:
+            device[r.draft_model].append(r.t_draft_ms / r.drafted)
+        elif r.mode == "cloud" and r.window:
+            host[r.draft_model].append(r.t_draft_ms / r.window)
+    return (
+        {d: statistics.median(v) for d, v in device.items()},
+        {d: statistics.median(v) for d, v in host.items()},
+    )
+
+
+def fit_lengths(sessions: Iterable[RecordedSession]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Answer lengths (a session that reached max_tokens counts as that long: the answer went
+    on) and prompt lengths, by task."""
+    answers: dict[str, list[int]] = defaultdict(list)
+    prompts: dict[str, list[int]] = defaultdict(list)
+    for s in sessions:
+        if not s.finished or s.generated < 1:
+            continue
+        answers[s.task].append(s.generated)
+        prompts[s.task].append(s.prompt_tokens)
+    return dict(answers), dict(prompts)
+
+
+@dataclass(frozen=True)
+class BenchTimings:
+    round_service_ms: list[float]  # overhead of each device-drafted round, less two broker hops
+    agent_turn_ms: float | None
+    open_ms: float | None
+
+
+def fit_bench(document: dict[str, Any], device_draft_ms: float, hop_ms: float) -> BenchTimings:
+    """Service times from a `bench e2e` JSON: what its rounds and sessions spent beyond compute."""
+    # From lone sessions' rounds: what one round costs the services when nothing else is
+    # running. Under load the same work queues for the CPUs it shares, which the simulation
+    # models; loaded rounds' overhead holds that queueing already.
+    levels = {str(r["label"]): int(r["sessions"]) for r in document.get("runs", [])}
+    rounds = document.get("rounds", [])
+    lone = [r for r in rounds if levels.get(str(r.get("run"))) == 1] or rounds
+    service = [
+        max(0.0, r["wait_ms"] - r["verify_ms"] - r["queue_ms"] - 2 * hop_ms) for r in lone
+    ]
+    turns = [ms for s in _bus_sessions(document) for ms in s.get("turnaround_ms", [])]
+    # A lone session's time outside its rounds: its open, the first window, its end.
+    outside = [
+        float(s["elapsed_s"]) * 1e3 - sum(s["wait_ms"]) - sum(s.get("turnaround_ms", []))
+        for s in _bus_sessions(document)
+        if levels.get(str(s.get("run"))) == 1
+    ]
+    return BenchTimings(
+        round_service_ms=service,
+        agent_turn_ms=max(0.0, statistics.median(turns) - device_draft_ms) if turns else None,
+        open_ms=statistics.median(outside) if outside else None,
+    )
+
+
+def _bus_sessions(document: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in document.get("sessions", []) if s.get("arm") != "plain" and "wait_ms" in s]
+
+
+# -- the verifier's cost ---------------------------------------------------------------------
+
+
+def measure_profile(
+    models_dir: Path | None = None,
+    threads: int = 1,
+    rows: Sequence[int] = PROFILE_ROWS,
+    positions: Sequence[int] = PROFILE_POSITIONS,
+    kind: str = "cpu",
+    context: int = PROFILE_CONTEXT,
+) -> VerifierProfile:
+    """Time passes of every (rows, positions) and prefills of a few lengths, as the verifier's
+    inference process runs them (the same runtime, fp32, `threads` ONNX Runtime threads)."""
+    from tqdm import tqdm
+
+    from inference.target_build import load_target
+    from verifier.child import profile_passes
+
+    runtime, _ = load_target(models_dir, threads=threads, allow_spinning=False)
+    shapes = [(b, t) for b in rows for t in positions]
+    passes: list[tuple[int, int, float]] = []
+    for shape in tqdm(shapes, desc=f"profile {kind}", unit="shape"):
+        passes += profile_passes(runtime, [shape], repeats=2, context=context)
+    prefill: list[tuple[int, float]] = []
+    for length in PREFILL_LENGTHS:
+        best = float("inf")
+        for _ in range(3):
+            cache = runtime.new_cache()
+            t0 = time.perf_counter()
+            runtime.forward(list(range(1, length + 1)), cache)
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+        prefill.append((length, best))
+    fixed, per_token = _line(prefill)
+    return VerifierProfile(
+        passes=passes,
+        prefill_fixed_ms=fixed,
+        prefill_ms_per_token=per_token,
+        source=(
+            f"measured by specfleet sim profile: {threads} thread(s), context {context}, "
+            f"{time.strftime('%Y-%m-%d')}"
+        ),
+    )
+
+
+def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares intercept and slope, both kept >= 0."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    var = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var if var else 0.0
+    slope = max(0.0, slope)
+    return max(0.0, mean_y - slope * mean_x), slope
+
+
+SCALE_ROWS = (1, 2, 4, 8, 16, 32)  # where the run's passes are compared with the profile
+
+
+def fit_scale(
+    profile: VerifierProfile, passes: Sequence[tuple[int, int, float]]
+) -> list[tuple[int, float]]:
+    """Per batch size, the median of (measured / profiled) over a run's passes of about that
+    size (each pass counted once per row it held, as the rounds record it)."""
+    from verifier.goodput import PassCost
+
+    profiled = PassCost()
+    for _ in range(4):
+        for rows, positions, ms in profile.passes:
+            profiled.observe(rows, positions, ms, weight=50)
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for rows, positions, ms in passes:
+        nearest = min(SCALE_ROWS, key=lambda r: abs(r - rows))
+        ratios[nearest].append(ms / profiled.predict(rows, positions))
+    return [(rows, statistics.median(v)) for rows, v in sorted(ratios.items()) if len(v) >= 5]
+
+
+# -- everything together -----------------------------------------------------------------------
+
+
+def calibrate(
+    database_url: str,
+    profile: VerifierProfile,
+    bench_document: dict[str, Any] | None = None,
+    device_class: str = "bench",
+    broker_hop_ms: float | None = None,
+) -> Calibration:
+    sessions, rounds, passes = read_database(database_url)
+    unfit: list[str] = []
+    acceptance = fit_acceptance(sessions, rounds)
+    if not acceptance:
+        raise ValueError("the database holds no drafted rounds to fit acceptance on")
+    device_draft, host_draft = fit_draft_costs(rounds)
+    if not host_draft:
+        unfit.append("host draft cost: no cloud round measured it (0.2 ms/token used)")
+    answers, prompts = fit_lengths(sessions)
+    if not answers:
+        raise ValueError("the database holds no finished session to fit answer lengths on")
+    hop = DEFAULT_BROKER_HOP_MS if broker_hop_ms is None else broker_hop_ms
+    if broker_hop_ms is None:
+        unfit.append(f"broker hop: not measured here ({DEFAULT_BROKER_HOP_MS} ms used)")
+    values: dict[str, Any] = {}
+    if bench_document is None:
+        unfit.append("service times: no benchmark JSON (defaults used)")
+        service = [1.0]
+    else:
+        median_draft = statistics.median(device_draft.values()) if device_draft else 0.0
+        timings = fit_bench(bench_document, median_draft, hop)
+        service = timings.round_service_ms or [1.0]
+        if not timings.round_service_ms:
+            unfit.append("direct round service time: the JSON has no device-drafted rounds")
+        if timings.agent_turn_ms is not None:
+            values["agent_turn_ms"] = timings.agent_turn_ms
+        if timings.open_ms is not None:
+            values["open_ms"] = max(0.0, timings.open_ms)
+        else:
+            unfit.append("session open time: no single-session level in the JSON")
+    unfit.append("coordinator time per streamed round: not separable here (0.5 ms used)")
+    if passes:
+        profile = profile.model_copy(update={"scale": fit_scale(profile, passes)})
+    else:
+        unfit.append("the run's own pass costs: no host-stream round recorded one (profile as is)")
+    return Calibration(
+        verifiers={"cpu": profile},
+        acceptance=acceptance,
+        host_draft_ms_per_token=host_draft,
+        device_draft_ms_per_token={device_class: device_draft} if device_draft else {},
+        answer_tokens=answers,
+        prompt_tokens=prompts,
+        round_service_ms=sorted(service),
+        broker_hop_ms=hop,
+        unfit=unfit,
+        sources=[f"rounds: {len(rounds)}, sessions: {len(sessions)}"],
+        **values,
+    )
+
+
+def write(calibration: Calibration, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibration.model_dump(mode="json"), indent=1) + "\n")

@@ -1,0 +1,306 @@
+"""`specfleet sim ...`: profile, calibrate, validate, run and plan (docs/sim.md)."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.report import format_table, write_json
+from specfleet.cli import CommandError
+
+DEFAULT_CALIBRATION = Path("bench-results/sim-calibration.json")
+ERROR_GOAL = 0.10
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sim = subparsers.add_parser(
+        "sim", help="DSD-Sim: simulate a fleet, calibrated on measured runs (docs/sim.md)"
+    )
+    sub = sim.add_subparsers(dest="sim_command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("profile", help="time the target's passes on this host (a verifier kind)")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE")
+    p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default: 1)")
+    p.add_argument("--context", type=int, default=64, help="cached positions per row (default 64)")
+    p.add_argument("--models-dir", type=Path, default=None)
+    p.set_defaults(func=_profile)
+
+    c = sub.add_parser("calibrate", help="fit the simulator's parameters from measured runs")
+    c.add_argument("--database-url", required=True, metavar="URL", help="the run's database")
+    c.add_argument("--profile", type=Path, required=True, metavar="FILE", help="from sim profile")
+    c.add_argument("--bench-json", type=Path, default=None, metavar="FILE", help="bench e2e JSON")
+    c.add_argument("--gpu-profile", type=Path, action="append", default=[], metavar="KIND=FILE",
+                   help="another verifier kind's profile, as data (repeatable)")  # fmt: skip
+    c.add_argument("--broker-hop-ms", type=float, default=None, help="e.g. bench bus p50 / 2")
+    c.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE")
+    c.set_defaults(func=_calibrate)
+
+    v = sub.add_parser("validate", help="replay a measured bench e2e run; predicted vs measured")
+    v.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE")
+    v.add_argument("--e2e", type=Path, required=True, metavar="FILE", help="bench e2e JSON")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", type=Path, default=None, metavar="PATH")
+    v.set_defaults(func=_validate)
+
+    r = sub.add_parser("run", help="simulate a fleet and workload with a given verifier count")
+    _plan_inputs(r)
+    r.add_argument("--verifiers", type=int, required=True, help="verifiers of --kind")
+    r.add_argument("--kind", default=None, help="verifier kind (default: the fleet's first)")
+    r.set_defaults(func=_run)
+
+    q = sub.add_parser("plan", help="verifiers needed to hold a time-between-tokens SLO")
+    _plan_inputs(q)
+    q.add_argument("--slo", type=Path, required=True, metavar="FILE", help="TOML or JSON")
+    q.add_argument("--html", type=Path, default=None, metavar="PATH", help="a self-contained plot")
+    q.set_defaults(func=_plan)
+
+
+def _plan_inputs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE")
+    parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="TOML or JSON")
+    parser.add_argument("--workload", type=Path, required=True, metavar="FILE")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+
+
+def _load(path: Path, model: Any) -> Any:
+    from sim.inputs import SimInputError, load
+
+    try:
+        return load(path, model)
+    except SimInputError as exc:
+        raise CommandError(str(exc)) from None
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from sim.calibrate import measure_profile
+
+    if args.threads < 1 or args.context < 1:
+        raise CommandError("--threads and --context must be >= 1")
+    try:
+        profile = measure_profile(args.models_dir, threads=args.threads, context=args.context)
+    except FileNotFoundError as exc:
+        raise CommandError(f"no target to profile: {exc}") from None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(profile.model_dump_json(indent=1) + "\n")
+    print(f"wrote {args.out}: {len(profile.passes)} pass shapes")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from sim.calibrate import calibrate, write
+    from sim.inputs import Calibration, VerifierProfile
+
+    profile = _load(args.profile, VerifierProfile)
+    document = None
+    if args.bench_json is not None:
+        try:
+            document = json.loads(args.bench_json.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CommandError(f"cannot read {args.bench_json}: {exc}") from None
+    try:
+        calibration = calibrate(args.database_url, profile, document, broker_hop_ms=args.broker_hop_ms)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    except Exception as exc:  # a database that cannot be read: one line, not a traceback
+        if type(exc).__module__.startswith("sqlalchemy"):
+            raise CommandError(f"cannot read the database: {str(exc).splitlines()[0]}") from None
+        raise
+    kinds = dict(calibration.verifiers)
+    for item in args.gpu_profile:
+        kind, _, path = str(item).partition("=")
+        if not path:
+            raise CommandError(f"--gpu-profile {item}: expected KIND=FILE")
+        kinds[kind] = _load(Path(path), VerifierProfile)
+    calibration = Calibration.model_validate({**calibration.model_dump(), "verifiers": kinds})
+    write(calibration, args.out)
+    drafters = ", ".join(f"{d} ({sum(t.rounds for k, t in v.items() if k == '*')} rounds)"
+                         for d, v in calibration.acceptance.items())  # fmt: skip
+    print(f"wrote {args.out}: verifier kinds {', '.join(kinds)}; drafters {drafters}")
+    for line in calibration.unfit:
+        print(f"  not fitted: {line}")
+    return 0
+
+
+def _calibration(path: Path) -> Any:
+    from sim.inputs import Calibration
+
+    return _load(path, Calibration)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from sim.inputs import SimInputError
+    from sim.validate import replay_e2e
+
+    calibration = _calibration(args.calibration)
+    try:
+        document = json.loads(args.e2e.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CommandError(f"cannot read {args.e2e}: {exc}") from None
+    started = time.perf_counter()
+    try:
+        comparisons = replay_e2e(calibration, document, seed=args.seed)
+    except SimInputError as exc:
+        raise CommandError(str(exc)) from None
+    wall = time.perf_counter() - started
+    rows = [
+        [
+            c.label,
+            c.measured_tokens_per_s,
+            c.simulated_tokens_per_s,
+            f"{c.error:+.1%}",
+            f"{c.measured_wait_ms[0]:.1f} / {c.measured_wait_ms[1]:.1f}",
+            f"{c.simulated_wait_ms[0]:.1f} / {c.simulated_wait_ms[1]:.1f}",
+        ]
+        for c in comparisons
+    ]
+    headers = ["configuration", "measured tok/s", "simulated tok/s", "error",
+               "measured wait p50/p99 ms", "simulated wait p50/p99 ms"]  # fmt: skip
+    print(format_table(headers, rows))
+    worst = max(abs(c.error) for c in comparisons) if comparisons else float("nan")
+    within = sum(abs(c.error) <= ERROR_GOAL for c in comparisons)
+    print(f"\n{within}/{len(comparisons)} within {ERROR_GOAL:.0%}; worst {worst:.1%}; {wall:.2f} s")
+    if args.json is not None:
+        write_json(args.json, {
+            "benchmark": "sim-validate",
+            "source": str(args.e2e),
+            "comparisons": [c.document() for c in comparisons],
+            "worst_error": worst,
+            "goal": ERROR_GOAL,
+        })  # fmt: skip
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    from sim.inputs import FleetSpec, WorkloadSpec
+
+    return (
+        _calibration(args.calibration),
+        _load(args.fleet, FleetSpec),
+        _load(args.workload, WorkloadSpec),
+    )
+
+
+def _run_rows(results: list[Any]) -> list[list[Any]]:
+    return [
+        [
+            r.verifier_kind,
+            r.verifiers,
+            r.offered_tokens_per_s,
+            r.tokens_per_s,
+            f"{r.tbt_ms[0]:.1f} / {r.tbt_ms[1]:.1f}",
+            f"{r.session_s[0]:.2f} / {r.session_s[1]:.2f}",
+            ", ".join(f"{k} {v:.0%}" for k, v in r.utilisation.items()),
+            r.bottleneck,
+        ]
+        for r in results
+    ]
+
+
+RUN_HEADERS = ["kind", "verifiers", "offered tok/s", "served tok/s", "TBT p50/p95 ms",
+               "session p50/p95 s", "utilisation", "bottleneck"]  # fmt: skip
+
+
+def _run(args: argparse.Namespace) -> int:
+    from sim.inputs import SimInputError
+    from sim.plan import simulate
+
+    calibration, fleet, workload = _inputs(args)
+    kind = args.kind or fleet.verifiers[0].kind
+    if args.verifiers < 1:
+        raise CommandError("--verifiers must be >= 1")
+    started = time.perf_counter()
+    try:
+        result = simulate(calibration, fleet, workload, kind, args.verifiers, args.seed)
+    except SimInputError as exc:
+        raise CommandError(str(exc)) from None
+    wall = time.perf_counter() - started
+    print(format_table(RUN_HEADERS, _run_rows([result])))
+    devices = sum(d.count for d in fleet.devices)
+    print(
+        f"\n{devices} devices, {result.sessions_started} sessions, {workload.duration_s:.0f} s of "
+        f"fleet time, {result.wall_events} events in {wall:.1f} s wall"
+    )
+    if args.json is not None:
+        write_json(args.json, {"benchmark": "sim-run", "result": result.document(), "wall_s": wall})
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from sim.inputs import SimInputError, SloSpec
+    from sim.plan import plan
+
+    calibration, fleet, workload = _inputs(args)
+    slo = _load(args.slo, SloSpec)
+    try:
+        answers = plan(calibration, fleet, workload, slo, args.seed)
+    except SimInputError as exc:
+        raise CommandError(str(exc)) from None
+    print(format_table(RUN_HEADERS, _run_rows(answers)))
+    for answer in answers:
+        verdict = "holds" if answer.holds(slo) else "does NOT hold (max_verifiers reached)"
+        print(
+            f"{answer.verifiers} {answer.verifier_kind} verifier(s): TBT p95 "
+            f"{answer.tbt_ms[1]:.1f} ms against {slo.tbt_p95_ms:.0f} ms, {verdict}; "
+            f"bottleneck: {answer.bottleneck}"
+        )
+    if args.json is not None:
+        write_json(args.json, {
+            "benchmark": "sim-plan",
+            "slo": slo.model_dump(),
+            "answers": [a.document() for a in answers],
+        })  # fmt: skip
+        print(f"wrote {args.json}")
+    if args.html is not None:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(plan_html(answers, slo))
+        print(f"wrote {args.html}")
+    return 0
+
+
+def plan_html(answers: list[Any], slo: Any) -> str:
+    """A self-contained page: each kind's answer as bars of TBT p95 against the SLO."""
+    width, bar_h, gap = 640, 28, 12
+    top = max([slo.tbt_p95_ms, *(a.tbt_ms[1] for a in answers if a.tbt_ms[1] == a.tbt_ms[1])])
+    scale = (width - 220) / (top * 1.2)
+    bars = []
+    for i, a in enumerate(answers):
+        y = 30 + i * (bar_h + gap)
+        w = max(1.0, a.tbt_ms[1] * scale) if a.tbt_ms[1] == a.tbt_ms[1] else 1.0
+        label = html.escape(f"{a.verifiers} x {a.verifier_kind}")
+        bars.append(
+            f'<text x="0" y="{y + 19}">{label}</text>'
+            f'<rect x="200" y="{y}" width="{w:.1f}" height="{bar_h}" fill="#4a7"/>'
+            f'<text x="{205 + w:.1f}" y="{y + 19}">{a.tbt_ms[1]:.1f} ms</text>'
+        )
+    slo_x = 200 + slo.tbt_p95_ms * scale
+    height = 40 + len(answers) * (bar_h + gap)
+    svg = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="13">{"".join(bars)}'
+        f'<line x1="{slo_x:.1f}" x2="{slo_x:.1f}" y1="20" y2="{height}" stroke="#c33" '
+        f'stroke-dasharray="4"/><text x="{slo_x + 4:.1f}" y="14" fill="#c33">SLO '
+        f"{slo.tbt_p95_ms:.0f} ms</text></svg>"
+    )
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+        for row in _run_rows(answers)
+    )
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in RUN_HEADERS)
+    return (
+        "<!doctype html><meta charset=utf-8><title>specfleet capacity plan</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{padding:4px 8px;"
+        "border-bottom:1px solid #ddd;text-align:right}</style>"
+        f"<h1>Capacity plan</h1><p>Verifiers needed per kind for a time between tokens p95 of "
+        f"{slo.tbt_p95_ms:.0f} ms.</p>{svg}<table><tr>{head}</tr>{rows}</table>\n"
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run as: specfleet sim ...")

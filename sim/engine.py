@@ -1,0 +1,618 @@
+"""The discrete-event core: devices, links, the broker, the coordinator and verifiers.
+
+Time is in milliseconds of simulated fleet time. What the real code decides runs here as the
+real code: the coordinator's `AdaptivePolicy` chooses each adaptive session's mode, drafter and
+k from the rounds it observes, and each verifier's `GoodputControl` chooses its host streams'
+window pass by pass from the pass costs it observes, exactly as in `coordinator/sessions.py` and
+`verifier/worker.py`. What the real system measures comes from the calibration: what a pass of
+B rows and T positions costs (`PassCost` seeded with the profile, the same class the verifier
+learns with), acceptance per drafted position by drafter and task, draft costs, and the time a
+round spends in the services beyond its links and compute.
+
+The flows, as in docs/protocol.md:
+- a distributed (direct) round: the device drafts, the draft crosses its link and the broker to
+  the verifier that holds the session's lease, waits for a pass, is persisted there and its
+  verdict goes back the same way; the coordinator hears a RoundDone off the round's path and, for
+  an adaptive session, decides again (its policy reaches the device with a later verdict);
+- a host stream (cloud or plain mode): the verifier runs a round of it in every pass it has room
+  in; each result crosses the broker to the coordinator, which persists it and sends the verdict
+  over the device's link; every STREAM_DECISION_EVERY rounds the coordinator may move it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker import messages as m
+from coordinator.policy import (
+    CLOUD_STREAM_ROUNDS,
+    STREAM_DECISION_EVERY,
+    AdaptivePolicy,
+    RoundObservation,
+    opening_candidate,
+)
+from netem.profiles import PROFILES, LinkShape
+from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierProfile
+from verifier.goodput import PRIOR_ACCEPT, GoodputControl, PassCost, StreamRow
+from verifier.worker import BATCH_WINDOW_MS
+
+MESSAGE_BYTES = 320  # a draft or a verdict of a few tokens, JSON, with MQTT framing
+PROFILE_WEIGHT = 50  # the profile is the truth of a simulated verifier: it never drifts
+TIMELINE_LIMIT = 10_000_000  # events one simulation may run, against a runaway model
+
+
+class Loop:
+    """Events in time order; ties in the order they were scheduled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self.events = 0
+
+    def at(self, when: float, action: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), action, args))
+
+    def after(self, delay_ms: float, action: Callable[..., None], *args: Any) -> None:
+        self.at(self.now + delay_ms, action, *args)
+
+    def run(self, until: float = math.inf) -> None:
+        while self._heap and self._heap[0][0] <= until:
+            when, _, action, args = heapq.heappop(self._heap)
+            self.now = when
+            self.events += 1
+            if self.events > TIMELINE_LIMIT:
+                raise RuntimeError("the simulation ran past its event limit")
+            action(*args)
+        self.now = max(self.now, until) if until != math.inf else self.now
+
+
+@dataclass
+class Server:
+    """A FIFO single server (a CPU, a broker's throughput): when work given now would end."""
+
+    free_at: float = 0.0
+    busy_ms: float = 0.0
+
+    def serve(self, now: float, ms: float) -> float:
+        start = max(now, self.free_at)
+        self.free_at = start + ms
+        self.busy_ms += ms
+        return self.free_at
+
+
+class Link:
+    """One device's link: a netem profile's latency, jitter and rate, with loss and outages."""
+
+    def __init__(self, spec: LinkSpec, rng: random.Random) -> None:
+        self.spec = spec
+        if spec.profile == LOOPBACK:
+            self.up = self.down = LinkShape()
+        else:
+            self.up, self.down = PROFILES[spec.profile].up, PROFILES[spec.profile].down
+        self.rng = rng
+        self._outage_start = self._next_outage(0.0)
+
+    def _next_outage(self, after_ms: float) -> float:
+        if self.spec.outage_every_s is None or self.spec.outage_s <= 0:
+            return math.inf
+        return after_ms + self.rng.expovariate(1.0 / (self.spec.outage_every_s * 1e3))
+
+    def delay(self, now: float, upstream: bool) -> float:
+        """When a message sent now arrives on the other side."""
+        shape = self.up if upstream else self.down
+        while now >= self._outage_start + self.spec.outage_s * 1e3:
+            self._outage_start = self._next_outage(self._outage_start + self.spec.outage_s * 1e3)
+        if now >= self._outage_start:  # cut: it goes when the link comes back
+            now = self._outage_start + self.spec.outage_s * 1e3
+        ms = shape.latency_ms + self.rng.uniform(-shape.jitter_ms, shape.jitter_ms)
+        if shape.rate_kbit_s:
+            ms += MESSAGE_BYTES * 8 / shape.rate_kbit_s
+        while self.spec.loss and self.rng.random() < self.spec.loss:
+            ms += self.spec.retransmit_ms
+        return now + max(0.0, ms)
+
+
+class Broker:
+    """Every publish crosses it once: a per-hop latency behind a throughput limit."""
+
+    def __init__(self, hop_ms: float, max_messages_per_s: float | None) -> None:
+        self.hop_ms = hop_ms
+        self.service_ms = 1e3 / max_messages_per_s if max_messages_per_s else 0.0
+        self.server = Server()
+        self.messages = 0
+
+    def hop(self, now: float) -> float:
+        self.messages += 1
+        return self.server.serve(now, self.service_ms) + self.hop_ms
+
+
+class Acceptance:
+    """Draws how far a drafter fills a window and how much of it the target accepts."""
+
+    def __init__(self, calibration: Calibration, rng: random.Random) -> None:
+        self.rates = calibration.acceptance
+        self.rng = rng
+
+    def table(self, drafter: str, task: str) -> PositionRates:
+        by_task = self.rates.get(drafter) or self.rates.get(drafter.split("+")[0])
+        if by_task is None:
+            by_task = next(iter(self.rates.values()))
+        return by_task.get(task) or by_task.get("*") or next(iter(by_task.values()))
+
+    def draw(self, drafter: str, task: str, window: int) -> tuple[int, int]:
+        """(drafted, accepted) for one round with a window of `window`."""
+        table = self.table(drafter, task)
+        drafted = 0
+        while drafted < window and self.rng.random() < _at(table.fill, drafted):
+            drafted += 1
+        accepted = 0
+        while accepted < drafted and self.rng.random() < _at(table.accept, accepted):
+            accepted += 1
+        return drafted, accepted
+
+
+def _at(rates: list[float], index: int) -> float:
+    return rates[min(index, len(rates) - 1)]
+
+
+# -- sessions ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Device:
+    id: str
+    device_class: str
+    link: Link
+    draft_ms_per_token: dict[str, float]
+    cpu: Server = field(default_factory=Server)
+    throttle_after_ms: float = math.inf
+    throttle_factor: float = 1.0
+
+    def draft_ms(self, drafter: str, tokens: int) -> float:
+        per_token = self.draft_ms_per_token.get(drafter)
+        if per_token is None:
+            per_token = self.draft_ms_per_token.get(drafter.split("+")[-1], 1.0)
+        factor = self.throttle_factor if self.cpu.busy_ms > self.throttle_after_ms else 1.0
+        return tokens * per_token * factor
+
+
+@dataclass
+class Session:
+    id: str
+    device: Device
+    task: str
+    prompt_tokens: int
+    length: int  # tokens the target's answer has (its eos, or the session's max_tokens)
+    adaptive: bool
+    policy: m.Policy
+    opened_at: float
+    on_end: Callable[[Session], None]
+    generated: int = 0
+    round: int = 0
+    ended_at: float | None = None
+    verifier: Verifier | None = None
+    sent_at: float = 0.0  # the device: when its window in flight went out (or last verdict)
+    waits_ms: list[float] = field(default_factory=list)
+    commits: list[tuple[float, int]] = field(default_factory=list)  # (verdict arrived, tokens)
+    rounds_by_mode: dict[str, int] = field(default_factory=dict)
+    in_mode_rounds: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.generated >= self.length
+
+    def token_gaps_ms(self) -> list[float]:
+        """Time between tokens as the device sees them: each verdict's gap since the one
+        before, shared by the tokens it brought (the first verdict's wait is not a gap)."""
+        gaps: list[float] = []
+        for (before, _), (at, tokens) in zip(self.commits, self.commits[1:], strict=False):
+            if tokens:
+                gaps += [(at - before) / tokens] * tokens
+        return gaps
+
+    def commit(self, accepted: int) -> int:
+        kept = min(accepted + 1, self.length - self.generated)
+        self.generated += kept
+        self.round += 1
+        return kept
+
+
+@dataclass
+class _Row:
+    """One row of a pass: a device's draft or a round of a host stream."""
+
+    session: Session
+    window: int
+    drafted: int
+    accepted: int
+    arrived: float
+    stream: bool
+
+
+class Verifier:
+    """One verifier: a queue of device-drafted rounds, host streams, one pass at a time."""
+
+    def __init__(self, fleet: Fleet, name: str, profile: VerifierProfile) -> None:
+        self.fleet = fleet
+        self.name = name
+        self.profile = profile
+        self.truth = PassCost()
+        self.control = GoodputControl()
+        for rows, positions, ms in profile.passes:
+            self.truth.observe(rows, positions, ms, weight=PROFILE_WEIGHT)
+            self.control.observe_pass(rows, positions, ms)
+        for _ in range(3):  # the profile's shapes to their own means
+            for rows, positions, ms in profile.passes:
+                self.truth.observe(rows, positions, ms, weight=PROFILE_WEIGHT)
+        self.queue: list[_Row] = []
+        self.streams: dict[str, Session] = {}
+        self.last_pass: dict[str, int] = {}
+        self.cached: set[str] = set()
+        self.outstanding: set[str] = set()  # distributed sessions due back with a draft
+        self.worker_cpu = Server()  # the worker process: decoding, persisting, publishing
+        self.busy = False
+        self.waiting = False
+        self.passes = 0
+        self.busy_ms = 0.0
+        self.rows_total = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.streams) + len(self.outstanding)
+
+    def submit(self, row: _Row) -> None:
+        self.outstanding.discard(row.session.id)
+        self.queue.append(row)
+        self.kick()
+
+    def open_stream(self, session: Session) -> None:
+        self.streams[session.id] = session
+        self.last_pass.setdefault(session.id, -1)
+        self.kick()
+
+    def stop_stream(self, session: Session) -> None:
+        self.streams.pop(session.id, None)
+
+    def kick(self) -> None:
+        if self.busy or self.waiting or not (self.queue or self.streams):
+            return
+        if self.queue and not self.streams and len(self.queue) < self.profile.max_batch:
+            others = self.outstanding - {row.session.id for row in self.queue}
+            if others:  # another session is due back: the batch window
+                self.waiting = True
+                self.fleet.loop.after(BATCH_WINDOW_MS, self._window_over)
+                return
+        self._start_pass()
+
+    def _window_over(self) -> None:
+        self.waiting = False
+        if not self.busy and (self.queue or self.streams):
+            self._start_pass()
+
+    def _start_pass(self) -> None:
+        loop, rng = self.fleet.loop, self.fleet.rng
+        batch, self.queue = self.queue[: self.profile.max_batch], self.queue[self.profile.max_batch :]
+        busy = {row.session.id for row in batch}
+        self.passes += 1
+        ready = [s for s in self.streams.values() if s.id not in busy]
+        ready.sort(key=lambda s: self.last_pass[s.id])
+        turn = ready[: self.profile.max_batch - len(batch)]
+        for session in turn:
+            self.last_pass[session.id] = self.passes
+        k = 0
+        if turn:
+            rows = [self._stream_row(s) for s in turn if s.adaptive]
+            fixed = [row.drafted for row in batch]
+            fixed += [self._cap(s) for s in turn if not s.adaptive]
+            k = self.control.choose(rows, fixed).k
+        for session in turn:
+            cap = self._cap(session)
+            window = min(k, cap) if session.adaptive else cap
+            drafter = session.policy.draft_model
+            drafted, accepted = self.fleet.acceptance.draw(drafter, session.task, window)
+            batch.append(_Row(session, window, drafted, accepted, loop.now, stream=True))
+        positions = max(row.drafted for row in batch) + 1
+        prefill = sum(self._prefill_ms(row.session) for row in batch)
+        verify_ms = self.truth.predict(len(batch), positions) * self.profile.scale_at(len(batch))
+        verify_ms *= max(0.2, rng.gauss(1.0, self.profile.pass_cv))
+        drafting = sum(
+            self.fleet.host_draft_ms(row.session.policy.draft_model) * row.window
+            for row in batch
+            if row.stream and row.window
+        )
+        self.busy = True
+        self.busy_ms += verify_ms + prefill + drafting
+        self.rows_total += len(batch)
+        loop.after(verify_ms + prefill + drafting, self._end_pass, batch, positions, verify_ms, prefill)
+
+    def _stream_row(self, session: Session) -> StreamRow:
+        return StreamRow(session.policy.draft_model, session.task, self._cap(session), PRIOR_ACCEPT)
+
+    def _cap(self, session: Session) -> int:
+        if session.policy.mode is not m.Mode.CLOUD:
+            return 0
+        window = max(session.policy.k, self.fleet.policy.k_max) if session.adaptive else session.policy.k
+        return max(0, min(window, session.length - session.generated - 1, m.MAX_CLOUD_K))
+
+    def _prefill_ms(self, session: Session) -> float:
+        if session.id in self.cached:
+            return 0.0
+        self.cached.add(session.id)
+        tokens = session.prompt_tokens + session.generated
+        return self.profile.prefill_fixed_ms + self.profile.prefill_ms_per_token * tokens
+
+    def _end_pass(self, batch: list[_Row], positions: int, verify_ms: float, prefill: float) -> None:
+        self.busy = False
+        if not prefill:
+            self.control.observe_pass(len(batch), positions, verify_ms)
+        for row in batch:
+            if row.stream:
+                if row.window:
+                    drafter = row.session.policy.draft_model
+                    self.control.observe_round(
+                        drafter, row.session.task, row.window, row.drafted, row.accepted
+                    )
+                self.fleet.coordinator.stream_result(self, row, verify_ms, len(batch))
+            else:
+                self.fleet.direct_round_done(self, row, verify_ms, len(batch))
+        self.kick()
+
+
+class Coordinator:
+    """The control plane: opens sessions, persists streamed rounds, runs the adaptive policy."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.policy = fleet.policy
+        self.cpu = Server()
+
+    def _load(self) -> float:
+        verifiers = self.fleet.verifiers
+        return sum(v.load for v in verifiers) / len(verifiers)
+
+    def _host_drafts(self) -> tuple[str, ...]:
+        return tuple(self.fleet.calibration.host_draft_ms_per_token) or ("hybrid",)
+
+    def open(self, session: Session) -> None:
+        done = self.cpu.serve(self.fleet.loop.now, self.fleet.calibration.open_ms)
+        self.fleet.loop.at(done, self._opened, session)
+
+    def _opened(self, session: Session) -> None:
+        fleet = self.fleet
+        session.verifier = min(fleet.verifiers, key=lambda v: v.load)
+        if session.adaptive:
+            decision = self.policy.decide(
+                session.id,
+                session.device.id,
+                session.task,
+                session.policy.draft_model,
+                self._load(),
+                host_drafts=self._host_drafts(),
+                plain=True,
+            )
+            best = opening_candidate(decision)
+            if best is not None:
+                session.policy = m.Policy(mode=best.mode, draft_model=best.draft_model, k=best.k)
+        if session.policy.mode in m.HOST_MODES:
+            fleet.loop.at(fleet.broker.hop(fleet.loop.now), session.verifier.open_stream, session)
+            session.sent_at = fleet.loop.now
+            return
+        # The session state goes down; the device drafts its first window (an adaptive
+        # session's first is empty: it has no drafter yet).
+        fleet.send_down(session, fleet.device_drafts, session, session.adaptive)
+
+    def stream_result(self, verifier: Verifier, row: _Row, verify_ms: float, rows: int) -> None:
+        fleet = self.fleet
+        arrive = fleet.broker.hop(fleet.loop.now)
+        done = self.cpu.serve(arrive, fleet.calibration.coordinator_round_ms)
+        session = row.session
+        if session.ended_at is not None or session.policy.mode not in m.HOST_MODES:
+            return  # closed, or moved back to its device: the result is dropped
+        kept = session.commit(row.accepted)
+        mode = session.policy.mode if row.window else m.Mode.PLAIN
+        session.rounds_by_mode[mode.value] = session.rounds_by_mode.get(mode.value, 0) + 1
+        if session.finished or session.round % CLOUD_STREAM_ROUNDS == 0:
+            verifier.stop_stream(session)
+        if session.adaptive:
+            self._observe(session, row, verify_ms, mode, prefill=session.round == 1)
+            if not session.finished and session.round % STREAM_DECISION_EVERY == 0:
+                self._decide(session)
+        fleet.loop.at(done, fleet.send_down, session, fleet.verdict_arrived, session, True, kept)
+        if not session.finished and session.round % CLOUD_STREAM_ROUNDS == 0:
+            if session.policy.mode in m.HOST_MODES:  # the agent asks for the next stream
+                fleet.loop.at(done + 2 * fleet.link_ms(session), verifier.open_stream, session)
+
+    def round_done(self, session: Session, row: _Row, verify_ms: float) -> None:
+        """A direct round's report, off its path: the policy learns, and may move it."""
+        done = self.cpu.serve(self.fleet.loop.now, self.fleet.calibration.coordinator_round_ms)
+        self.fleet.loop.at(done, self._after_round_done, session, row, verify_ms)
+
+    def _after_round_done(self, session: Session, row: _Row, verify_ms: float) -> None:
+        if not session.adaptive or session.ended_at is not None:
+            return
+        self._observe(session, row, verify_ms, m.Mode.DISTRIBUTED, prefill=session.round == 1)
+        if not session.finished:
+            self._decide(session)
+
+    def _observe(
+        self, session: Session, row: _Row, verify_ms: float, mode: m.Mode, prefill: bool
+    ) -> None:
+        host = mode in m.HOST_MODES
+        drafter = session.policy.draft_model
+        self.policy.observe(
+            RoundObservation(
+                session_id=session.id,
+                device_id=session.device.id,
+                draft_model=drafter,
+                task_type=session.task,
+                k=row.drafted,
+                n_accepted=row.accepted,
+                t_draft_ms=(
+                    self.fleet.host_draft_ms(drafter) * row.window
+                    if host
+                    else session.device.draft_ms(drafter, row.drafted)
+                ),
+                t_uplink_ms=None if host else self.fleet.link_ms(session),
+                t_queue_ms=0.0 if host else max(0.0, self.fleet.loop.now - row.arrived - verify_ms),
+                t_verify_ms=verify_ms,
+                verifier_load=self._load(),
+                mode=mode,
+                window=row.window,
+                prefill=prefill,
+                overhead_ms=None if host else self.fleet.overhead_ms(session),
+            )
+        )
+
+    def _decide(self, session: Session) -> None:
+        decision = self.policy.decide(
+            session.id,
+            session.device.id,
+            session.task,
+            session.policy.draft_model,
+            self._load(),
+            current_mode=session.policy.mode,
+            host_drafts=self._host_drafts(),
+            plain=True,
+        )
+        before = session.policy.mode
+        session.policy = decision.policy
+        after = decision.policy.mode
+        verifier = session.verifier
+        assert verifier is not None
+        if before in m.HOST_MODES and after not in m.HOST_MODES:
+            verifier.stop_stream(session)  # the next verdict tells the device to draft
+        elif before not in m.HOST_MODES and after in m.HOST_MODES:
+            verifier.outstanding.discard(session.id)
+            hop = self.fleet.broker.hop(self.fleet.loop.now)
+            self.fleet.loop.at(hop, verifier.open_stream, session)
+
+
+class Fleet:
+    """Everything one simulation holds, and the legs between them."""
+
+    def __init__(
+        self,
+        calibration: Calibration,
+        verifier_kinds: list[str],
+        seed: int = 0,
+        broker_hop_ms: float | None = None,
+        broker_max_messages_per_s: float | None = None,
+        host_cpu: Server | None = None,
+    ) -> None:
+        """`host_cpu`: one CPU that the devices, the coordinator, the broker's clients and the
+        verifiers' workers all share, as on the one host the benchmarks run on (their target
+        passes run on CPUs of their own); None, each has its own, as in the field."""
+        self.calibration = calibration
+        self.host_cpu = host_cpu
+        self.rng = random.Random(seed)
+        self.loop = Loop()
+        self.policy = AdaptivePolicy()
+        self.acceptance = Acceptance(calibration, self.rng)
+        hop = calibration.broker_hop_ms if broker_hop_ms is None else broker_hop_ms
+        self.broker = Broker(hop, broker_max_messages_per_s)
+        self.verifiers = [
+            Verifier(self, f"verifier-{i}", calibration.verifiers[kind])
+            for i, kind in enumerate(verifier_kinds)
+        ]
+        self.coordinator = Coordinator(self)
+        if host_cpu is not None:
+            self.coordinator.cpu = host_cpu
+            for verifier in self.verifiers:
+                verifier.worker_cpu = host_cpu
+        self._service = sorted(calibration.round_service_ms)
+
+    # -- costs ---------------------------------------------------------------------------------
+
+    def host_draft_ms(self, drafter: str) -> float:
+        return self.calibration.host_draft_ms_per_token.get(drafter, 0.2)
+
+    def link_ms(self, session: Session) -> float:
+        link = session.device.link
+        return link.up.latency_ms + self.broker.hop_ms
+
+    def overhead_ms(self, session: Session) -> float:
+        link = session.device.link
+        return link.up.latency_ms + link.down.latency_ms + self.service_ms(0.5)
+
+    def service_ms(self, quantile: float | None = None) -> float:
+        """A direct round's service time beyond compute and links: drawn from the measured."""
+        q = self.rng.random() if quantile is None else quantile
+        return self._service[min(len(self._service) - 1, int(q * len(self._service)))]
+
+    # -- legs ------------------------------------------------------------------------------------
+
+    def send_down(self, session: Session, then: Callable[..., None], *args: Any) -> None:
+        """Coordinator or verifier -> broker -> the device's link -> the device."""
+        arrive = session.device.link.delay(self.broker.hop(self.loop.now), upstream=False)
+        self.loop.at(arrive, then, *args)
+
+    def send_up(self, session: Session, then: Callable[..., None], *args: Any) -> None:
+        arrive = self.broker.hop(session.device.link.delay(self.loop.now, upstream=True))
+        self.loop.at(arrive, then, *args)
+
+    def device_drafts(self, session: Session, empty: bool = False) -> None:
+        """The device's turn: draft a window and send it to the session's verifier."""
+        if session.ended_at is not None:
+            return
+        if session.policy.mode in m.HOST_MODES:
+            session.sent_at = self.loop.now  # the stream comes by itself
+            return
+        drafter = session.policy.draft_model
+        window = 0 if empty else min(session.policy.k, session.length - session.generated - 1)
+        drafted, accepted = self.acceptance.draw(drafter, session.task, max(0, window))
+        work = self.calibration.agent_turn_ms + session.device.draft_ms(drafter, drafted)
+        sent = session.device.cpu.serve(self.loop.now, work)
+        verifier = session.verifier
+        assert verifier is not None
+        verifier.outstanding.add(session.id)
+        self.loop.at(sent, self._draft_sent, session, _Row(session, window, drafted, accepted, 0.0, False))
+
+    def _draft_sent(self, session: Session, row: _Row) -> None:
+        session.sent_at = self.loop.now
+        self.send_up(session, self._draft_arrived, row)
+
+    def _draft_arrived(self, row: _Row) -> None:
+        row.arrived = self.loop.now
+        verifier = row.session.verifier
+        assert verifier is not None
+        verifier.submit(row)
+
+    def direct_round_done(self, verifier: Verifier, row: _Row, verify_ms: float, rows: int) -> None:
+        session = row.session
+        kept = session.commit(row.accepted)
+        key = m.Mode.DISTRIBUTED.value
+        session.rounds_by_mode[key] = session.rounds_by_mode.get(key, 0) + 1
+        persisted = verifier.worker_cpu.serve(self.loop.now, self.service_ms())
+        self.loop.at(persisted, self.send_down, session, self.verdict_arrived, session, False, kept)
+        self.loop.at(persisted, self.coordinator.round_done, session, row, verify_ms)
+
+    def verdict_arrived(self, session: Session, streamed: bool, kept: int) -> None:
+        now = self.loop.now
+        session.waits_ms.append(now - session.sent_at)
+        session.commits.append((now, kept))
+        if session.finished:
+            if session.ended_at is None:
+                session.ended_at = now + self.calibration.close_ms
+                if session.verifier is not None:
+                    session.verifier.outstanding.discard(session.id)
+                    session.verifier.stop_stream(session)
+                self.loop.at(session.ended_at, session.on_end, session)
+            return
+        if session.policy.mode in m.HOST_MODES:
+            session.sent_at = now
+            return
+        if streamed and session.verifier is not None and session.id in session.verifier.streams:
+            session.sent_at = now
+            return
+        self.device_drafts(session)
+
+    def open_session(self, session: Session) -> None:
+        """The device asks; the coordinator opens the session and starts its first round."""
+        self.send_up(session, self.coordinator.open, session)
