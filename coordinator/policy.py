@@ -472,6 +472,10 @@ class AdaptivePolicy:
         self.k_max = k_max
         self.min_confidence = min_confidence
         self._alpha: dict[tuple[str, str, str], AcceptanceRate] = {}
+        # The same rates by device, (draft, task) -> rate: a draft or task a device has not run
+        # is judged on its other rates, looked up here rather than by scanning every device's
+        # (a scan cost 0.1 ms a decision in a simulated fleet of 10,000 devices).
+        self._device_alpha: dict[str, dict[tuple[str, str], AcceptanceRate]] = {}
         self._fill: dict[tuple[str, str], ProposalLength] = {}  # (device, draft)
         self._draft_ms: dict[tuple[str, str], Ewma] = {}
         self._rtt_ms: dict[str, Ewma] = {}
@@ -499,7 +503,12 @@ class AdaptivePolicy:
         if round_.mode is not m.Mode.PLAIN:  # a plain round drafted nothing, by choice
             # The same draft accepts alike wherever it runs: a is shared by both modes.
             key = (round_.device_id, round_.draft_model, round_.task_type)
-            self._alpha.setdefault(key, AcceptanceRate()).update(round_.k, round_.n_accepted)
+            rate = self._alpha.get(key)
+            if rate is None:
+                rate = self._alpha[key] = AcceptanceRate()
+                by_device = self._device_alpha.setdefault(round_.device_id, {})
+                by_device[(round_.draft_model, round_.task_type)] = rate
+            rate.update(round_.k, round_.n_accepted)
             # How far the drafter fills a window, an empty proposal included (lookup without a
             # match).
             fill = self._fill.setdefault((round_.device_id, round_.draft_model), ProposalLength())
@@ -557,7 +566,8 @@ class AdaptivePolicy:
         rate = self._alpha.get((device_id, draft, task_type))
         if rate is None:
             # No round of this task yet: what this device and draft do on any task.
-            seen = [r for (dev, d, _), r in self._alpha.items() if dev == device_id and d == draft]
+            rates = self._device_alpha.get(device_id, {})
+            seen = [r for (d, _), r in rates.items() if d == draft]
             if seen:
                 pooled = AcceptanceRate(
                     accepted=sum(r.accepted for r in seen), tried=sum(r.tried for r in seen)
@@ -565,9 +575,7 @@ class AdaptivePolicy:
                 return pooled.alpha
             # A draft this device never ran: what its other drafts see on this task, held as
             # lightly as the prior, so that a draft is tried on its merits, not on hope.
-            device = [
-                r for (dev, _, t), r in self._alpha.items() if dev == device_id and t == task_type
-            ]
+            device = [r for (_, t), r in rates.items() if t == task_type]
             if device:
                 accepted = sum(r.accepted for r in device)
                 tried = sum(r.tried for r in device)

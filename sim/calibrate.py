@@ -123,10 +123,13 @@ def read_database(
                     row.max_tokens,
                     row.status is SessionStatus.FINISHED,
                 )
-                for row in db.scalars(sa.select(DecodingSession).order_by(DecodingSession.created_at))
+                for row in db.scalars(
+                    sa.select(DecodingSession).order_by(DecodingSession.created_at)
+                )
             ]
             fixed_k = {
-                str(sid): k for sid, k in db.execute(sa.select(DecodingSession.id, DecodingSession.k))
+                str(sid): k
+                for sid, k in db.execute(sa.select(DecodingSession.id, DecodingSession.k))
             }
             rounds = []
             previous_k: dict[str, int] = {}
@@ -154,9 +157,14 @@ def read_database(
             passes = [
                 (int(policy["pass"]["rows"]), len(tokens) + 1, float(ms))
                 for policy, tokens, ms, index in db.execute(
-                    sa.select(Round.policy, Round.draft_tokens, Round.t_verify_ms, Round.round_index)
+                    sa.select(
+                        Round.policy, Round.draft_tokens, Round.t_verify_ms, Round.round_index
+                    )
                 )
-                if isinstance(policy, dict) and isinstance(policy.get("pass"), dict) and ms and index
+                if isinstance(policy, dict)
+                and isinstance(policy.get("pass"), dict)
+                and ms
+                and index
             ]
     finally:
         engine.dispose()
@@ -197,7 +205,9 @@ def fit_draft_costs(rounds: Iterable[RecordedRound]) -> tuple[dict[str, float], 
     )
 
 
-def fit_lengths(sessions: Iterable[RecordedSession]) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+def fit_lengths(
+    sessions: Iterable[RecordedSession],
+) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     """Answer lengths (a session that reached max_tokens counts as that long: the answer went
     on) and prompt lengths, by task."""
     answers: dict[str, list[int]] = defaultdict(list)
@@ -225,9 +235,7 @@ def fit_bench(document: dict[str, Any], device_draft_ms: float, hop_ms: float) -
     levels = {str(r["label"]): int(r["sessions"]) for r in document.get("runs", [])}
     rounds = document.get("rounds", [])
     lone = [r for r in rounds if levels.get(str(r.get("run"))) == 1] or rounds
-    service = [
-        max(0.0, r["wait_ms"] - r["verify_ms"] - r["queue_ms"] - 2 * hop_ms) for r in lone
-    ]
+    service = [max(0.0, r["wait_ms"] - r["verify_ms"] - r["queue_ms"] - 2 * hop_ms) for r in lone]
     turns = [ms for s in _bus_sessions(document) for ms in s.get("turnaround_ms", [])]
     # A lone session's time outside its rounds: its open, the first window, its end.
     outside = [
@@ -309,12 +317,9 @@ def fit_scale(
 ) -> list[tuple[int, float]]:
     """Per batch size, the median of (measured / profiled) over a run's passes of about that
     size (each pass counted once per row it held, as the rounds record it)."""
-    from verifier.goodput import PassCost
+    from sim.engine import ProfileCost
 
-    profiled = PassCost()
-    for _ in range(4):
-        for rows, positions, ms in profile.passes:
-            profiled.observe(rows, positions, ms, weight=50)
+    profiled = ProfileCost(profile.model_copy(update={"scale": []}))
     ratios: dict[int, list[float]] = defaultdict(list)
     for rows, positions, ms in passes:
         nearest = min(SCALE_ROWS, key=lambda r: abs(r - rows))

@@ -104,7 +104,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             raise CommandError(f"cannot read {args.bench_json}: {exc}") from None
     try:
-        calibration = calibrate(args.database_url, profile, document, broker_hop_ms=args.broker_hop_ms)
+        calibration = calibrate(
+            args.database_url, profile, document, broker_hop_ms=args.broker_hop_ms
+        )
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     except Exception as exc:  # a database that cannot be read: one line, not a traceback

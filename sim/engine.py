@@ -39,11 +39,11 @@ from coordinator.policy import (
 )
 from netem.profiles import PROFILES, LinkShape
 from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierProfile
-from verifier.goodput import PRIOR_ACCEPT, GoodputControl, PassCost, StreamRow
+from verifier.child import PROFILE_SHAPES
+from verifier.goodput import PRIOR_ACCEPT, GoodputControl, StreamRow
 from verifier.worker import BATCH_WINDOW_MS
 
 MESSAGE_BYTES = 320  # a draft or a verdict of a few tokens, JSON, with MQTT framing
-PROFILE_WEIGHT = 50  # the profile is the truth of a simulated verifier: it never drifts
 TIMELINE_LIMIT = 10_000_000  # events one simulation may run, against a runaway model
 
 
@@ -131,6 +131,39 @@ class Broker:
     def hop(self, now: float) -> float:
         self.messages += 1
         return self.server.serve(now, self.service_ms) + self.hop_ms
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Linear between the nearest measured points; beyond them, along the last two's slope."""
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    if x < xs[0]:
+        x1, x2 = xs[0], xs[1]
+    elif x > xs[-1]:
+        x1, x2 = xs[-2], xs[-1]
+    else:
+        x2 = next(v for v in xs if v > x)
+        x1 = max(v for v in xs if v < x)
+    slope = (points[x2] - points[x1]) / (x2 - x1)
+    return max(1e-3, points[x1] + slope * (x - x1))
+
+
+class ProfileCost:
+    """What a pass of B rows and T positions costs a simulated verifier: its profile's own
+    figures, linear between the shapes timed (first along T within each B, then across B)."""
+
+    def __init__(self, profile: VerifierProfile) -> None:
+        self.table: dict[int, dict[int, float]] = {}
+        for rows, positions, ms in profile.passes:
+            self.table.setdefault(rows, {})[positions] = ms
+        self.scale_at = profile.scale_at
+
+    def predict(self, rows: int, positions: int) -> float:
+        along = {b: _interpolate(by_t, positions) for b, by_t in self.table.items()}
+        return _interpolate(along, rows) * self.scale_at(rows)
 
 
 class Acceptance:
@@ -243,14 +276,11 @@ class Verifier:
         self.fleet = fleet
         self.name = name
         self.profile = profile
-        self.truth = PassCost()
+        self.truth = ProfileCost(profile)
+        # Seeded as the real worker seeds it, with the passes its child times at start.
         self.control = GoodputControl()
-        for rows, positions, ms in profile.passes:
-            self.truth.observe(rows, positions, ms, weight=PROFILE_WEIGHT)
-            self.control.observe_pass(rows, positions, ms)
-        for _ in range(3):  # the profile's shapes to their own means
-            for rows, positions, ms in profile.passes:
-                self.truth.observe(rows, positions, ms, weight=PROFILE_WEIGHT)
+        for rows, positions in PROFILE_SHAPES:
+            self.control.observe_pass(rows, positions, self.truth.predict(rows, positions))
         self.queue: list[_Row] = []
         self.streams: dict[str, Session] = {}
         self.last_pass: dict[str, int] = {}
@@ -298,7 +328,10 @@ class Verifier:
 
     def _start_pass(self) -> None:
         loop, rng = self.fleet.loop, self.fleet.rng
-        batch, self.queue = self.queue[: self.profile.max_batch], self.queue[self.profile.max_batch :]
+        batch, self.queue = (
+            self.queue[: self.profile.max_batch],
+            self.queue[self.profile.max_batch :],
+        )
         busy = {row.session.id for row in batch}
         self.passes += 1
         ready = [s for s in self.streams.values() if s.id not in busy]
@@ -320,7 +353,7 @@ class Verifier:
             batch.append(_Row(session, window, drafted, accepted, loop.now, stream=True))
         positions = max(row.drafted for row in batch) + 1
         prefill = sum(self._prefill_ms(row.session) for row in batch)
-        verify_ms = self.truth.predict(len(batch), positions) * self.profile.scale_at(len(batch))
+        verify_ms = self.truth.predict(len(batch), positions)
         verify_ms *= max(0.2, rng.gauss(1.0, self.profile.pass_cv))
         drafting = sum(
             self.fleet.host_draft_ms(row.session.policy.draft_model) * row.window
@@ -330,7 +363,9 @@ class Verifier:
         self.busy = True
         self.busy_ms += verify_ms + prefill + drafting
         self.rows_total += len(batch)
-        loop.after(verify_ms + prefill + drafting, self._end_pass, batch, positions, verify_ms, prefill)
+        loop.after(
+            verify_ms + prefill + drafting, self._end_pass, batch, positions, verify_ms, prefill
+        )
 
     def _stream_row(self, session: Session) -> StreamRow:
         return StreamRow(session.policy.draft_model, session.task, self._cap(session), PRIOR_ACCEPT)
@@ -338,7 +373,9 @@ class Verifier:
     def _cap(self, session: Session) -> int:
         if session.policy.mode is not m.Mode.CLOUD:
             return 0
-        window = max(session.policy.k, self.fleet.policy.k_max) if session.adaptive else session.policy.k
+        window = (
+            max(session.policy.k, self.fleet.policy.k_max) if session.adaptive else session.policy.k
+        )
         return max(0, min(window, session.length - session.generated - 1, m.MAX_CLOUD_K))
 
     def _prefill_ms(self, session: Session) -> float:
@@ -348,7 +385,9 @@ class Verifier:
         tokens = session.prompt_tokens + session.generated
         return self.profile.prefill_fixed_ms + self.profile.prefill_ms_per_token * tokens
 
-    def _end_pass(self, batch: list[_Row], positions: int, verify_ms: float, prefill: float) -> None:
+    def _end_pass(
+        self, batch: list[_Row], positions: int, verify_ms: float, prefill: float
+    ) -> None:
         self.busy = False
         if not prefill:
             self.control.observe_pass(len(batch), positions, verify_ms)
@@ -368,20 +407,23 @@ class Verifier:
 class Coordinator:
     """The control plane: opens sessions, persists streamed rounds, runs the adaptive policy."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, shards: int = 1) -> None:
         self.fleet = fleet
         self.policy = fleet.policy
-        self.cpu = Server()
+        self.cpus = [Server() for _ in range(shards)]
+
+    def cpu(self, session: Session) -> Server:
+        """The CPU of the coordinator that owns the session."""
+        return self.cpus[hash(session.id) % len(self.cpus)]
 
     def _load(self) -> float:
-        verifiers = self.fleet.verifiers
-        return sum(v.load for v in verifiers) / len(verifiers)
+        return self.fleet.mean_load()
 
     def _host_drafts(self) -> tuple[str, ...]:
         return tuple(self.fleet.calibration.host_draft_ms_per_token) or ("hybrid",)
 
     def open(self, session: Session) -> None:
-        done = self.cpu.serve(self.fleet.loop.now, self.fleet.calibration.open_ms)
+        done = self.cpu(session).serve(self.fleet.loop.now, self.fleet.calibration.open_ms)
         self.fleet.loop.at(done, self._opened, session)
 
     def _opened(self, session: Session) -> None:
@@ -410,9 +452,9 @@ class Coordinator:
 
     def stream_result(self, verifier: Verifier, row: _Row, verify_ms: float, rows: int) -> None:
         fleet = self.fleet
-        arrive = fleet.broker.hop(fleet.loop.now)
-        done = self.cpu.serve(arrive, fleet.calibration.coordinator_round_ms)
         session = row.session
+        arrive = fleet.broker.hop(fleet.loop.now)
+        done = self.cpu(session).serve(arrive, fleet.calibration.coordinator_round_ms)
         if session.ended_at is not None or session.policy.mode not in m.HOST_MODES:
             return  # closed, or moved back to its device: the result is dropped
         kept = session.commit(row.accepted)
@@ -425,13 +467,15 @@ class Coordinator:
             if not session.finished and session.round % STREAM_DECISION_EVERY == 0:
                 self._decide(session)
         fleet.loop.at(done, fleet.send_down, session, fleet.verdict_arrived, session, True, kept)
-        if not session.finished and session.round % CLOUD_STREAM_ROUNDS == 0:
-            if session.policy.mode in m.HOST_MODES:  # the agent asks for the next stream
-                fleet.loop.at(done + 2 * fleet.link_ms(session), verifier.open_stream, session)
+        next_stream = not session.finished and session.round % CLOUD_STREAM_ROUNDS == 0
+        if next_stream and session.policy.mode in m.HOST_MODES:  # the agent asks again
+            fleet.loop.at(done + 2 * fleet.link_ms(session), verifier.open_stream, session)
 
     def round_done(self, session: Session, row: _Row, verify_ms: float) -> None:
         """A direct round's report, off its path: the policy learns, and may move it."""
-        done = self.cpu.serve(self.fleet.loop.now, self.fleet.calibration.coordinator_round_ms)
+        done = self.cpu(session).serve(
+            self.fleet.loop.now, self.fleet.calibration.coordinator_round_ms
+        )
         self.fleet.loop.at(done, self._after_round_done, session, row, verify_ms)
 
     def _after_round_done(self, session: Session, row: _Row, verify_ms: float) -> None:
@@ -505,6 +549,7 @@ class Fleet:
         broker_hop_ms: float | None = None,
         broker_max_messages_per_s: float | None = None,
         host_cpu: Server | None = None,
+        coordinators: int = 1,
     ) -> None:
         """`host_cpu`: one CPU that the devices, the coordinator, the broker's clients and the
         verifiers' workers all share, as on the one host the benchmarks run on (their target
@@ -521,12 +566,21 @@ class Fleet:
             Verifier(self, f"verifier-{i}", calibration.verifiers[kind])
             for i, kind in enumerate(verifier_kinds)
         ]
-        self.coordinator = Coordinator(self)
+        self.coordinator = Coordinator(self, coordinators)
         if host_cpu is not None:
-            self.coordinator.cpu = host_cpu
+            self.coordinator.cpus = [host_cpu]
             for verifier in self.verifiers:
                 verifier.worker_cpu = host_cpu
         self._service = sorted(calibration.round_service_ms)
+        self._load_at, self._load = -1.0, 0.0
+
+    def mean_load(self) -> float:
+        """The verifiers' mean load, as their heartbeats tell the coordinator (once a
+        simulated millisecond here: every decision asks for it)."""
+        if self._load_at != self.loop.now:
+            self._load_at = self.loop.now
+            self._load = sum(v.load for v in self.verifiers) / len(self.verifiers)
+        return self._load
 
     # -- costs ---------------------------------------------------------------------------------
 
@@ -572,7 +626,9 @@ class Fleet:
         verifier = session.verifier
         assert verifier is not None
         verifier.outstanding.add(session.id)
-        self.loop.at(sent, self._draft_sent, session, _Row(session, window, drafted, accepted, 0.0, False))
+        self.loop.at(
+            sent, self._draft_sent, session, _Row(session, window, drafted, accepted, 0.0, False)
+        )
 
     def _draft_sent(self, session: Session, row: _Row) -> None:
         session.sent_at = self.loop.now

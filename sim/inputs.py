@@ -7,11 +7,12 @@ docs/sim.md describes each field.
 
 from __future__ import annotations
 
+import itertools
 import json
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from netem.profiles import PROFILES
@@ -54,7 +55,7 @@ class VerifierProfile(_Strict):
         points = sorted(self.scale)
         if rows <= points[0][0]:
             return points[0][1]
-        for (r1, f1), (r2, f2) in zip(points, points[1:], strict=False):
+        for (r1, f1), (r2, f2) in itertools.pairwise(points):
             if rows <= r2:
                 return f1 + (f2 - f1) * (rows - r1) / (r2 - r1)
         return points[-1][1]
@@ -158,6 +159,8 @@ class FleetSpec(_Strict):
     verifiers: list[VerifierSpec] = Field(default_factory=lambda: [VerifierSpec()], min_length=1)
     broker: BrokerSpec = BrokerSpec()
     sessions_per_device: int = Field(default=8, ge=1)
+    # Coordinators sharing the sessions (by a hash of the session), each on a CPU of its own.
+    coordinators: int = Field(default=1, ge=1)
 
 
 class WorkloadSpec(_Strict):
@@ -199,5 +202,6 @@ def load(path: Path, model: type[M]) -> M:
     try:
         document = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise SimInputError(f"{path.name}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}")
+        kind = path.suffix.lstrip(".") or "JSON"
+        raise SimInputError(f"{path.name}: not valid {kind}: {exc}") from None
     return parse(document, model, path.name)

@@ -100,13 +100,16 @@ def simulate(
     """One open-loop run: sessions arrive at the workload's rate for its duration."""
     if verifier_kind not in calibration.verifiers:
         known = ", ".join(calibration.verifiers)
-        raise SimInputError(f"fleet: verifier kind {verifier_kind!r} has no profile; known: {known}")
+        raise SimInputError(
+            f"fleet: verifier kind {verifier_kind!r} has no profile; known: {known}"
+        )
     fleet = Fleet(
         calibration,
         [verifier_kind] * verifiers,
         seed=seed,
         broker_hop_ms=fleet_spec.broker.hop_ms,
         broker_max_messages_per_s=fleet_spec.broker.max_messages_per_s,
+        coordinators=fleet_spec.coordinators,
     )
     rng = random.Random(seed + 1)
     devices = _devices(fleet, fleet_spec, calibration)
@@ -183,12 +186,18 @@ def _result(
     durations = [
         (s.ended_at - s.opened_at) / 1e3 for s in ended if s.opened_at >= warmup_ms and s.ended_at
     ]
-    mean_tokens = sum(s.length for s in sessions) / max(1, len(sessions))
-    offered = workload.sessions_per_s * mean_tokens
+    # Offered: what the sessions that arrived after warm-up asked for, over the window.
+    offered = sum(s.length for s in sessions if s.opened_at >= warmup_ms) / window_ms * 1e3
     elapsed = max(fleet.loop.now, 1.0)
+    # A verifier with host streams passes back to back whatever its load: its use is the share
+    # of its time busy times the share of its batch rows filled.
+    used = [
+        v.busy_ms / elapsed * (v.rows_total / max(1, v.passes * v.profile.max_batch))
+        for v in fleet.verifiers
+    ]
     utilisation = {
-        "verifiers": sum(v.busy_ms for v in fleet.verifiers) / (elapsed * max(1, len(fleet.verifiers))),
-        "coordinator": fleet.coordinator.cpu.busy_ms / elapsed,
+        "verifiers": sum(used) / max(1, len(used)),
+        "coordinator": max(cpu.busy_ms for cpu in fleet.coordinator.cpus) / elapsed,
         "broker": fleet.broker.server.busy_ms / elapsed,
     }
     modes: dict[str, int] = {}
@@ -222,20 +231,31 @@ def plan(
     answers = []
     for spec in fleet_spec.verifiers:
         runs: dict[int, RunResult] = {}
-
-        def run(n: int, kind: str = spec.kind) -> RunResult:
-            if n not in runs:
-                runs[n] = simulate(calibration, fleet_spec, workload, kind, n, seed)
-            return runs[n]
-
         low, high = 1, 1
-        while not run(high).holds(slo) and high < slo.max_verifiers:
+        while not _run(runs, calibration, fleet_spec, workload, spec.kind, high, seed).holds(slo):
+            if high >= slo.max_verifiers:
+                break
             low, high = high + 1, min(slo.max_verifiers, high * 2)
         while low < high:
             mid = (low + high) // 2
-            if run(mid).holds(slo):
+            if _run(runs, calibration, fleet_spec, workload, spec.kind, mid, seed).holds(slo):
                 high = mid
             else:
                 low = mid + 1
-        answers.append(run(high))
+        answers.append(_run(runs, calibration, fleet_spec, workload, spec.kind, high, seed))
     return answers
+
+
+def _run(
+    runs: dict[int, RunResult],
+    calibration: Calibration,
+    fleet_spec: FleetSpec,
+    workload: WorkloadSpec,
+    kind: str,
+    verifiers: int,
+    seed: int,
+) -> RunResult:
+    """A count's run, simulated once per plan."""
+    if verifiers not in runs:
+        runs[verifiers] = simulate(calibration, fleet_spec, workload, kind, verifiers, seed)
+    return runs[verifiers]

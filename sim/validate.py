@@ -137,17 +137,21 @@ def _plain_wave(fleet: Fleet, work: list[_Work]) -> float:
     profile = fleet.verifiers[0].profile
     truth = fleet.verifiers[0].truth
     rng = fleet.rng
-    elapsed = sum(profile.prefill_fixed_ms + profile.prefill_ms_per_token * w.prompt_tokens for w in work)
+    elapsed = sum(
+        profile.prefill_fixed_ms + profile.prefill_ms_per_token * w.prompt_tokens for w in work
+    )
     left = [w.tokens - 1 for w in work if w.tokens > 1]  # each prefill made the first token
     while left:
         rows = len(left)
         noise = max(0.2, rng.gauss(1.0, profile.pass_cv))
-        elapsed += truth.predict(rows, 1) * profile.scale_at(rows) * noise
+        elapsed += truth.predict(rows, 1) * noise
         left = [n - 1 for n in left if n > 1]
     return elapsed
 
 
-def replay_e2e(calibration: Calibration, document: dict[str, Any], seed: int = 0) -> list[Comparison]:
+def replay_e2e(
+    calibration: Calibration, document: dict[str, Any], seed: int = 0
+) -> list[Comparison]:
     """Every configuration of a `bench e2e` JSON, measured and simulated."""
     try:
         settings = document["settings"]

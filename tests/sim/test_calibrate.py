@@ -1,0 +1,98 @@
+"""Calibration from a real database's rounds, and the command's one-line refusals."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session as DbSession
+
+from coordinator.db.models import (
+    DecodingSession,
+    Device,
+    DeviceKind,
+    Round,
+    SessionMode,
+    SessionStatus,
+)
+from sim.calibrate import calibrate
+from specfleet.cli import main
+from tests.sim.conftest import flat_profile
+
+# Rounds of a window of 4: the drafter always fills it; the target accepts 2 of 4.
+ROUNDS = 30
+
+
+def _store(engine: Engine) -> None:
+    with DbSession(engine) as db, db.begin():
+        db.add(Device(id="dev-1", kind=DeviceKind.PI, credential_hash="x"))
+        db.flush()
+        session_id = uuid.uuid4()
+        db.add(
+            DecodingSession(
+                id=session_id, device_id="dev-1", task_type="code", prompt="p",
+                prompt_ids=list(range(20)), temperature=0.0, top_p=1.0, seed=1, max_tokens=90,
+                mode=SessionMode.DISTRIBUTED, draft_model="hybrid", k=4,
+                status=SessionStatus.FINISHED, committed_ids=list(range(90)), committed_len=110,
+            )
+        )  # fmt: skip
+        db.flush()
+        for i in range(ROUNDS):
+            db.add(
+                Round(
+                    session_id=session_id, round_index=i, base_len=20 + 3 * i,
+                    draft_tokens=[1, 2, 3, 4], draft_model="hybrid", k=4,
+                    mode=SessionMode.DISTRIBUTED, n_accepted=2, next_token=5,
+                    committed_len=23 + 3 * i, t_draft_ms=2.0, policy={"k": 4},
+                )
+            )  # fmt: skip
+
+
+def test_calibration_reads_acceptance_lengths_and_costs(db_engine: Engine) -> None:
+    _store(db_engine)
+    url = db_engine.url.render_as_string(hide_password=False)
+    calibration = calibrate(url, flat_profile())
+    rates = calibration.acceptance["hybrid"]["code"]
+    assert rates.rounds == ROUNDS
+    assert rates.fill[0] == pytest.approx((ROUNDS + 2) / (ROUNDS + 4))  # the prior, 0.5 x 4
+    assert all(rate > 0.9 for rate in rates.fill[:4])
+    assert rates.accept[0] > 0.9 and rates.accept[1] > 0.9 and rates.accept[2] < 0.2
+    assert calibration.answer_tokens == {"code": [90]}
+    assert calibration.prompt_tokens == {"code": [20]}
+    assert calibration.device_draft_ms_per_token == {"bench": {"hybrid": 0.5}}
+    assert any("benchmark JSON" in line for line in calibration.unfit)
+
+
+def test_calibrating_an_empty_database_is_refused_in_one_line(
+    sqlite_engine: Engine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile = tmp_path / "profile.json"
+    profile.write_text(flat_profile().model_dump_json())
+    url = sqlite_engine.url.render_as_string(hide_password=False)
+    status = main(["sim", "calibrate", "--database-url", url, "--profile", str(profile),
+                   "--out", str(tmp_path / "cal.json")])  # fmt: skip
+    assert status == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specfleet sim: ") and "no drafted rounds" in err
+    assert "\n" not in err
+
+
+def test_a_bad_fleet_file_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.sim.conftest import make_calibration
+
+    cal = tmp_path / "cal.json"
+    cal.write_text(make_calibration().model_dump_json())
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text('[[devices]]\nname = "pi"\ncount = -3\n')
+    workload = tmp_path / "workload.toml"
+    workload.write_text("sessions_per_s = 1.0\n")
+    status = main(["sim", "run", "--calibration", str(cal), "--fleet", str(fleet),
+                   "--workload", str(workload), "--verifiers", "1"])  # fmt: skip
+    assert status == 2
+    assert capsys.readouterr().err.strip() == (
+        "specfleet sim: fleet.toml: devices.0.count: Input should be greater than or equal to 1"
+    )

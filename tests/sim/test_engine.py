@@ -1,0 +1,102 @@
+"""The discrete-event core against what can be counted by hand, and its seeded reproducibility."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from broker import messages as m
+from sim.engine import Acceptance, Device, Fleet, Link, Session
+from sim.inputs import Calibration, LinkSpec, PositionRates
+from sim.validate import LOOPBACK
+from tests.sim.conftest import PASS_MS, make_calibration
+
+
+def _one_session(calibration: Calibration, policy: m.Policy, length: int, seed: int = 0) -> Session:
+    fleet = Fleet(calibration, ["cpu"], seed=seed)
+    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
+    ended: list[Session] = []
+    session = Session(
+        id="s0",
+        device=device,
+        task="chat",
+        prompt_tokens=30,
+        length=length,
+        adaptive=False,
+        policy=policy,
+        opened_at=0.0,
+        on_end=ended.append,
+    )
+    fleet.open_session(session)
+    fleet.loop.run()
+    assert ended == [session]
+    return session
+
+
+def test_a_plain_session_takes_one_pass_per_token(calibration: Calibration) -> None:
+    session = _one_session(calibration, m.Policy(mode=m.Mode.PLAIN, draft_model="hybrid", k=0), 40)
+    assert session.generated == 40
+    assert session.ended_at == pytest.approx(40 * PASS_MS)
+    assert session.token_gaps_ms() == pytest.approx([PASS_MS] * 39)
+    assert session.rounds_by_mode == {"plain": 40}
+
+
+def test_a_distributed_session_commits_what_acceptance_says(calibration: Calibration) -> None:
+    # fill 1, accept 0.5 per position: E = 1 + .5 + .25 + .125 + .0625 tokens per round of k = 4,
+    # each round one 20 ms pass and 1 ms of service.
+    policy = m.Policy(mode=m.Mode.DISTRIBUTED, draft_model="hybrid", k=4)
+    session = _one_session(calibration, policy, 4000)
+    rounds = session.rounds_by_mode["distributed"]
+    assert session.generated / rounds == pytest.approx(1.9375, rel=0.05)
+    assert session.ended_at == pytest.approx(rounds * (PASS_MS + 1.0))
+
+
+def test_the_same_seed_gives_the_same_run() -> None:
+    calibration = make_calibration(verifiers={"cpu": _noisy()})
+    policy = m.Policy(mode=m.Mode.DISTRIBUTED, draft_model="hybrid", k=4)
+    first = _one_session(calibration, policy, 300, seed=7)
+    again = _one_session(calibration, policy, 300, seed=7)
+    other = _one_session(calibration, policy, 300, seed=8)
+    assert first.commits == again.commits
+    assert first.commits != other.commits
+
+
+def _noisy():  # type: ignore[no-untyped-def]
+    from tests.sim.conftest import flat_profile
+
+    return flat_profile(cv=0.1)
+
+
+@pytest.mark.parametrize(
+    ("fill", "accept", "window", "mean_drafted", "mean_accepted"),
+    [
+        (1.0, 1.0, 4, 4.0, 4.0),  # fills every window, all accepted
+        (1.0, 0.0, 4, 4.0, 0.0),  # fills every window, none accepted
+        (0.0, 1.0, 4, 0.0, 0.0),  # never proposes
+        (1.0, 0.5, 2, 2.0, 0.75),  # 0.5 + 0.25
+        (0.5, 1.0, 2, 0.75, 0.75),
+    ],
+)
+def test_acceptance_draws_follow_the_rates(
+    fill: float, accept: float, window: int, mean_drafted: float, mean_accepted: float
+) -> None:
+    rates = PositionRates(fill=[fill] * 4, accept=[accept] * 4)
+    calibration = make_calibration(acceptance={"hybrid": {"chat": rates}})
+    draws = Acceptance(calibration, random.Random(3))
+    samples = [draws.draw("hybrid", "chat", window) for _ in range(20_000)]
+    assert statistics.fmean(d for d, _ in samples) == pytest.approx(mean_drafted, abs=0.03)
+    assert statistics.fmean(a for _, a in samples) == pytest.approx(mean_accepted, abs=0.03)
+    assert all(a <= d <= window for d, a in samples)
+
+
+def test_a_link_adds_its_profiles_latency_and_waits_out_an_outage() -> None:
+    rng = random.Random(1)
+    four_g = Link(LinkSpec(profile="4g"), rng)
+    delays = [four_g.delay(0.0, upstream=True) for _ in range(1000)]
+    assert min(delays) >= 22.0 and max(delays) <= 39.0  # 30 ms +- 8 ms jitter, plus 0.5 ms rate
+    assert statistics.fmean(delays) == pytest.approx(30.5, abs=0.5)
+    cut = Link(LinkSpec(profile="loopback", outage_every_s=1.0, outage_s=2.0), rng)
+    start = cut._outage_start
+    assert cut.delay(start + 1.0, upstream=True) == pytest.approx(start + 2000.0)
