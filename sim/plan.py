@@ -189,12 +189,9 @@ def _result(
     # Offered: what the sessions that arrived after warm-up asked for, over the window.
     offered = sum(s.length for s in sessions if s.opened_at >= warmup_ms) / window_ms * 1e3
     elapsed = max(fleet.loop.now, 1.0)
-    # A verifier with host streams passes back to back whatever its load: its use is the share
-    # of its time busy times the share of its batch rows filled.
-    used = [
-        v.busy_ms / elapsed * (v.rows_total / max(1, v.passes * v.profile.max_batch))
-        for v in fleet.verifiers
-    ]
+    # A verifier's busy share: with host streams it passes back to back, so at 100% it is
+    # what sets the time between their tokens (its rows per pass are in the JSON's runs).
+    used = [v.busy_ms / elapsed for v in fleet.verifiers]
     utilisation = {
         "verifiers": sum(used) / max(1, len(used)),
         "coordinator": max(cpu.busy_ms for cpu in fleet.coordinator.cpus) / elapsed,
