@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from broker.secrets import RefuseSecretInArgv
 from device_agent.settings import (
     AgentSettings,
     LocalSettings,
@@ -90,26 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print the session summary as JSON")
     _add_device_arguments(ask)
     return parser
-
-
-class RefuseSecretInArgv(argparse.Action):
-    """A flag that once took a secret: it now exits with the reason and what to use instead."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, *, instead: str) -> None:
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
-        self.instead = instead
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        parser.error(
-            f"{option_string} is refused: a secret in argv shows in `ps` to every user of this "
-            f"machine; use {self.instead}"
-        )
 
 
 def _add_device_arguments(parser: argparse.ArgumentParser) -> None:

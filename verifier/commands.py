@@ -12,6 +12,8 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from broker.secrets import RefuseSecretInArgv
+
 if TYPE_CHECKING:
     from verifier.worker import VerifierWorker
 
@@ -38,27 +40,6 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
-
-
-class RefuseSecretInArgv(argparse.Action):
-    """A flag that once took a secret: it now exits with the reason and what to use instead.
-    (The agent's CLI has its twin; a device imports nothing of the verifier's, nor the reverse.)"""
-
-    def __init__(self, option_strings: list[str], dest: str, *, instead: str) -> None:
-        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
-        self.instead = instead
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        parser.error(
-            f"{option_string} is refused: a secret in argv shows in `ps` to every user of this "
-            f"machine; use {self.instead}"
-        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
