@@ -213,15 +213,23 @@ def _register_devices(subparsers: Subparsers) -> None:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_database_url(listing)
 
-    retire = _command(group, "retire", "retire a device for good", _devices_retire)
+    retire = _command(
+        group,
+        "retire",
+        "retire a device for good: off the broker (with --broker-dir) and, within seconds, its "
+        "sessions closed by the running coordinator",
+        _devices_retire,
+    )
     retire.add_argument("device_id", metavar="NAME")
     retire.add_argument("--reason", default="", help="recorded in the event log")
+    _add_broker_files(retire)
     _add_database_url(retire)
 
     rotate = _command(
         group, "rotate-credential", "issue a new credential; prints it once", _devices_rotate
     )
     rotate.add_argument("device_id", metavar="NAME")
+    _add_broker_files(rotate)
     _add_database_url(rotate)
 
     provision = _command(
@@ -251,20 +259,7 @@ def _register_devices(subparsers: Subparsers) -> None:
     provision.add_argument(
         "--ca-file", type=Path, help="the broker's CA certificate, bundled for mqtts:// brokers"
     )
-    provision.add_argument(
-        "--broker-dir",
-        type=Path,
-        metavar="DIR",
-        help="the directory `broker write-config` wrote; its acl and passwords are updated",
-    )
-    provision.add_argument(
-        "--broker-pid-file", type=Path, metavar="FILE", help="reload mosquitto: SIGHUP to this pid"
-    )
-    provision.add_argument(
-        "--broker-reload-command",
-        metavar="CMD",
-        help="reload the broker with this command instead (e.g. 'systemctl reload mosquitto')",
-    )
+    _add_broker_files(provision)
     provision.add_argument("--models-dir", type=Path, help="models directory (default: settings)")
     provision.add_argument(
         "--rotate",
@@ -273,6 +268,44 @@ def _register_devices(subparsers: Subparsers) -> None:
     )
     provision.add_argument("--json", action="store_true", help="print JSON instead of text")
     _add_database_url(provision)
+
+
+def _add_broker_files(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--broker-dir",
+        type=Path,
+        metavar="DIR",
+        help="the directory `broker write-config` wrote; its acl and passwords are updated",
+    )
+    parser.add_argument(
+        "--broker-pid-file", type=Path, metavar="FILE", help="reload mosquitto: SIGHUP to this pid"
+    )
+    parser.add_argument(
+        "--broker-reload-command",
+        metavar="CMD",
+        help="reload the broker with this command instead (e.g. 'systemctl reload mosquitto')",
+    )
+
+
+def _check_broker_files(args: argparse.Namespace) -> None:
+    if args.broker_pid_file and args.broker_reload_command:
+        raise CommandError("--broker-pid-file and --broker-reload-command exclude each other")
+    if (args.broker_pid_file or args.broker_reload_command) and not args.broker_dir:
+        raise CommandError("reloading the broker needs --broker-dir (the files to reload)")
+
+
+def _sync_broker_files(args: argparse.Namespace, registry: DeviceRegistry) -> str:
+    """The broker's acl and passwords rewritten from the registry and the broker reloaded, with
+    --broker-dir; says what was done. Raises ProvisioningError or OSError."""
+    from coordinator import provisioning
+
+    if args.broker_dir is None:
+        return "broker files not updated (no --broker-dir)"
+    sync = provisioning.BrokerSync(
+        args.broker_dir,
+        provisioning.BrokerReload(args.broker_pid_file, args.broker_reload_command),
+    )
+    return sync.run(registry.broker_accounts(), [d.id for d in registry.list()])
 
 
 def _registry(engine: Engine) -> DeviceRegistry:
@@ -338,14 +371,29 @@ def _devices_list(args: argparse.Namespace) -> int:
 
 
 def _devices_retire(args: argparse.Namespace) -> int:
-    from coordinator.registry import RegistryError
+    from coordinator.provisioning import ProvisioningError
+    from coordinator.registry import RETIREMENT_POLL_S, RegistryError
 
+    _check_broker_files(args)
     with _engine(args) as engine:
+        registry = _registry(engine)
         try:
-            device = _registry(engine).retire(args.device_id, reason=args.reason, actor="cli")
+            device = registry.retire(args.device_id, reason=args.reason, actor="cli")
         except RegistryError as exc:
             raise CommandError(str(exc)) from exc
-    print(f"retired {device.id}; run `specfleet broker write-config` and reload the broker")
+        try:
+            broker = _sync_broker_files(args, registry)
+        except (ProvisioningError, OSError) as exc:
+            raise CommandError(
+                f"{device.id} is retired, but the broker was not updated: {exc}. Fix it, then "
+                f"run `specfleet broker write-config` and reload the broker"
+            ) from exc
+    print(f"retired     {device.id}")
+    print(f"broker      {broker}")
+    print(
+        "sessions    closed by the running coordinator within "
+        f"{RETIREMENT_POLL_S:g} s, which also takes the device off its broker"
+    )
     return 0
 
 
@@ -358,10 +406,7 @@ def _devices_provision(args: argparse.Namespace) -> int:
     from inference.artifacts import ArtifactError, load_manifest
 
     kind = _choice(DeviceKind, args.kind, "--kind")
-    if args.broker_pid_file and args.broker_reload_command:
-        raise CommandError("--broker-pid-file and --broker-reload-command exclude each other")
-    if (args.broker_pid_file or args.broker_reload_command) and not args.broker_dir:
-        raise CommandError("reloading the broker needs --broker-dir (the files to reload)")
+    _check_broker_files(args)
     settings = Settings()
     broker_url = args.device_broker_url or settings.broker_url
     try:
@@ -424,15 +469,7 @@ def _devices_provision(args: argparse.Namespace) -> int:
                 ca_file=args.ca_file,
                 drafts=drafts,
             )
-            reloaded = "broker files not updated (no --broker-dir)"
-            if args.broker_dir is not None:
-                provisioning.sync_broker_files(
-                    args.broker_dir,
-                    registry.broker_accounts(),
-                    [d.id for d in registry.list()],
-                )
-                reload = provisioning.BrokerReload(args.broker_pid_file, args.broker_reload_command)
-                reloaded = reload.run()
+            reloaded = _sync_broker_files(args, registry)
         except (provisioning.ProvisioningError, OSError) as exc:
             raise CommandError(
                 f"{device.id} is registered, but: {exc}. Fix it, then run "
@@ -459,15 +496,26 @@ def _devices_provision(args: argparse.Namespace) -> int:
 
 
 def _devices_rotate(args: argparse.Namespace) -> int:
+    from coordinator.provisioning import ProvisioningError
     from coordinator.registry import RegistryError
 
+    _check_broker_files(args)
     with _engine(args) as engine:
+        registry = _registry(engine)
         try:
-            credential = _registry(engine).rotate_credential(args.device_id, actor="cli")
+            credential = registry.rotate_credential(args.device_id, actor="cli")
         except RegistryError as exc:
             raise CommandError(str(exc)) from exc
+        try:
+            broker = _sync_broker_files(args, registry)
+        except (ProvisioningError, OSError) as exc:
+            broker = f"not updated: {exc}"
     print(f"credential  {credential}")
-    print("Shown only now; run `specfleet broker write-config` and reload the broker.")
+    print(f"broker      {broker}")
+    if args.broker_dir is None:
+        print("Shown only now; run `specfleet broker write-config` and reload the broker.")
+    else:
+        print("Shown only now.")
     return 0
 
 

@@ -29,6 +29,7 @@ from coordinator.fleet import CommandFailed
 from coordinator.live import ControlError, SessionStartRequest, VerifierLoad
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.provisioning import ProvisioningError
+from coordinator.registry import RETIREMENT_POLL_S
 from coordinator.service import Coordinator
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class ServiceControl:
     def __init__(self, coordinator: Coordinator, revoke: BrokerRevoke | None = None) -> None:
         self._coordinator = coordinator
         self._revoke = revoke
+        # Retired devices already revoked, or found retired with nothing left to revoke.
+        self._revoked: set[str] | None = None
 
     def verifier_loads(self) -> Sequence[VerifierLoad]:
         loads = []
@@ -131,6 +134,8 @@ class ServiceControl:
 
     async def revoke_device(self, device_id: str, *, reason: str, actor: str) -> None:
         """Off the broker first, so that no draft follows; then its sessions end (recorded)."""
+        if self._revoked is not None:
+            self._revoked.add(device_id)
         broker = "no broker files configured: the broker was not told"
         failure: str | None = None
         if self._revoke is not None:
@@ -146,6 +151,56 @@ class ServiceControl:
             raise ControlError(
                 f"{device_id} is retired and its sessions closed, but {failure}", 502
             )
+
+    async def watch_retirements(self) -> None:
+        """Revoke, until cancelled, devices retired without this API (the CLI, another process):
+        each is taken off the broker and its sessions closed within a poll, as the API's retire
+        does. The first poll revokes retired devices that still hold open sessions."""
+        while True:
+            try:
+                await self.revoke_retired()
+            except Exception:
+                # The database may be briefly away; the next poll tries again.
+                log.exception("reading retired devices failed")
+            await asyncio.sleep(RETIREMENT_POLL_S)
+
+    async def revoke_retired(self) -> list[str]:
+        """One poll of `watch_retirements`; returns the devices it revoked."""
+        retired, holding = await asyncio.to_thread(self._retired_devices)
+        if self._revoked is None:
+            self._revoked = retired - holding
+        pending = sorted(retired - self._revoked)
+        for device_id in pending:
+            reason = await asyncio.to_thread(self._retired_reason, device_id)
+            try:
+                await self.revoke_device(device_id, reason=reason, actor="coordinator")
+            except ControlError as exc:
+                log.error("retired %s out of band: %s", device_id, exc)
+        return pending
+
+    def _retired_devices(self) -> tuple[set[str], set[str]]:
+        """Retired devices, and those of them that still hold open sessions."""
+        with self._coordinator.sessions() as db:
+            retired = set(
+                db.scalars(sa.select(Device.id).where(Device.status == DeviceStatus.RETIRED))
+            )
+            holding = set(
+                db.scalars(
+                    sa.select(DecodingSession.device_id)
+                    .join(Device, Device.id == DecodingSession.device_id)
+                    .where(
+                        Device.status == DeviceStatus.RETIRED,
+                        DecodingSession.status.in_([SessionStatus.ACTIVE, SessionStatus.SUSPENDED]),
+                    )
+                    .distinct()
+                )
+            )
+        return retired, holding
+
+    def _retired_reason(self, device_id: str) -> str:
+        with self._coordinator.sessions() as db:
+            device = db.get(Device, device_id)
+            return "" if device is None else device.status_reason or ""
 
     async def _close_sessions(self, device_id: str, reason: str) -> list[str]:
         """Close the device's active sessions through the book (which records each) and end its
@@ -210,6 +265,7 @@ def attach_service(
     counted in the app's /metrics."""
     control = ServiceControl(coordinator, revoke)
     app.state.control = control
+    coordinator.background.append(control.watch_retirements)
     metrics: CoordinatorMetrics = app.state.metrics
 
     def observe(_live: object, row: Round) -> None:

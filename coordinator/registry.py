@@ -18,6 +18,9 @@ from coordinator.db.models import Device, DeviceKind, DeviceStatus, utcnow
 from coordinator.events import EventKind, append_event
 
 ADMIN_ACTOR = "admin"
+# How often a running coordinator reads the registry for devices retired without its API (the
+# CLI, another process), to take them off the broker and close their sessions.
+RETIREMENT_POLL_S = 2.0
 MAX_TAG_LENGTH = 64
 
 TelemetryValue = float | int | str | bool | None

@@ -259,10 +259,12 @@ def _open_session_row(engine: Engine, device_id: str, status: SessionStatus) -> 
 
 
 async def _retire_while_connected(
-    settings: Settings, engine: Engine, device_id: str, credential: str
+    settings: Settings, engine: Engine, device_id: str, credential: str, *, through: str = "api"
 ) -> float:
-    """Retire `device_id` through the API of a running coordinator while the device is
-    connected; returns how long the broker took to cut it off."""
+    """Retire `device_id` while the device is connected, through the API of a running
+    coordinator or (`through="cli"`) with `specfleet devices retire` beside it, which leaves
+    the broker and the sessions to the coordinator; returns how long until the broker cut the
+    device off."""
     registry = DeviceRegistry(make_sessionmaker(engine))
     coordinator = Coordinator(settings, engine)
     app = create_app(settings, engine)
@@ -284,11 +286,16 @@ async def _retire_while_connected(
         ):
             await device.subscribe(device_topic(device_id, DeviceChannel.VERDICT))
             retired_at = time.monotonic()
-            response = await client.post(
-                f"/api/v1/devices/{device_id}/retire", json={"reason": "stolen"}
-            )
-            assert response.status_code == 200, response.text
-            assert response.json()["status"] == "retired"
+            if through == "cli":
+                command = ["devices", "retire", device_id, "--reason", "stolen"]
+                command += ["--database-url", settings.database_url]
+                assert await asyncio.to_thread(run_cli, command) == 0
+            else:
+                response = await client.post(
+                    f"/api/v1/devices/{device_id}/retire", json={"reason": "stolen"}
+                )
+                assert response.status_code == 200, response.text
+                assert response.json()["status"] == "retired"
             with pytest.raises(BusConnectionError):
                 async with timeout(5.0):
                     async for _ in device.messages():
@@ -304,7 +311,9 @@ async def _retire_while_connected(
             await service
 
 
+@pytest.mark.parametrize("through", ["api", "cli"])
 def test_retiring_a_device_revokes_it_on_the_broker_and_closes_its_sessions(
+    through: str,
     tmp_path: Path,
     sqlite_db: tuple[str, Engine],
     broker_dir: Path,
@@ -332,7 +341,9 @@ def test_retiring_a_device_revokes_it_on_the_broker_and_closes_its_sessions(
         broker_pid_file=broker_dir / "mosquitto.pid",
     )
 
-    cut_after_s = asyncio.run(_retire_while_connected(settings, engine, "pi-r", credential))
+    cut_after_s = asyncio.run(
+        _retire_while_connected(settings, engine, "pi-r", credential, through=through)
+    )
 
     assert cut_after_s < 5.0
     assert "pi-r" not in parse_acl((broker_dir / "acl").read_text())
@@ -348,9 +359,43 @@ def test_retiring_a_device_revokes_it_on_the_broker_and_closes_its_sessions(
         suspended: {"reason": "device retired: stolen"},
     }
     (revoked,) = [e for e in events if e.kind == "device.revoked"]
-    assert revoked.actor == "user:alice"
+    assert revoked.actor == ("user:alice" if through == "api" else "coordinator")
     assert "SIGHUP" in revoked.detail["broker"]
     assert set(revoked.detail["sessions_closed"]) == {str(active), str(suspended)}
+
+
+def test_the_retire_command_updates_and_reloads_the_broker_itself(
+    tmp_path: Path,
+    sqlite_db: tuple[str, Engine],
+    broker_dir: Path,
+    secured_mosquitto: Callable[[], PrivateMosquitto],
+    settings_home: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With --broker-dir, `devices retire` needs no running coordinator to cut the device off."""
+    url, _ = sqlite_db
+    write_config(broker_dir, url, capsys)
+    broker = secured_mosquitto()
+    assert provision("pi-c", broker_dir, url, tmp_path / "bundle") == 0
+    credential = (tmp_path / "bundle" / "credential").read_text().strip()
+    asyncio.run(try_connect(broker.url, "pi-c", credential))
+    capsys.readouterr()
+
+    retire = ["devices", "retire", "pi-c", "--reason", "lost", "--database-url", url]
+    reload = ["--broker-dir", str(broker_dir), "--broker-pid-file", str(broker_dir / "x.pid")]
+    assert run_cli([*retire, "--broker-pid-file", "x.pid"]) == 2
+    assert "needs --broker-dir" in capsys.readouterr().out
+    assert run_cli([*retire, *reload]) == 2  # a pid file that is not there
+    failed = capsys.readouterr().out
+    assert "pi-c is retired, but the broker was not updated" in failed, failed
+    assert len(failed.strip().splitlines()) == 1
+    reload[-1] = str(broker_dir / "mosquitto.pid")
+    assert run_cli([*retire, *reload]) == 0
+    out = capsys.readouterr().out
+    assert "SIGHUP" in out, out
+    assert "pi-c" not in parse_acl((broker_dir / "acl").read_text())
+    with pytest.raises(BusAuthError):
+        asyncio.run(try_connect(broker.url, "pi-c", credential))
 
 
 def test_the_quickstart_broker_revokes_a_retired_device_at_once(
