@@ -16,6 +16,8 @@ Role = Literal["target", "draft"]
 ModelFormat = Literal["onnx", "tflite"]
 ROLES: tuple[Role, ...] = ("target", "draft")
 FORMATS: tuple[ModelFormat, ...] = ("onnx", "tflite")
+DECODER = "decoder"  # a causal LM with a KV cache (the target, the drafts)
+KINDS = (DECODER, "feature-head")  # a feature head: inference/feature_head.py
 
 
 class ArtifactError(Exception):
@@ -47,8 +49,11 @@ class ModelManifest:
     source_sha256: str  # of what it was built from (the GGUF, or the target for a draft)
     builder_version: str
     extra: dict[str, Any] = field(default_factory=dict)  # builder-specific facts (head size, ...)
+    kind: str = DECODER  # what the graph computes; manifests older than kinds hold decoders
 
     def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ArtifactError(f"{self.name}: kind must be one of {KINDS}, got {self.kind!r}")
         if self.role not in ROLES:
             raise ArtifactError(f"{self.name}: role must be one of {ROLES}, got {self.role!r}")
         if self.format not in FORMATS:
@@ -64,7 +69,7 @@ class ModelManifest:
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> ModelManifest:
         known = set(cls.__dataclass_fields__)
-        missing = known - set(document) - {"extra"}
+        missing = known - set(document) - {"extra", "kind"}
         if missing:
             raise ArtifactError(f"manifest lacks {sorted(missing)}")
         return cls(**{key: document[key] for key in known if key in document})
@@ -83,6 +88,7 @@ def describe_model(
     source_sha256: str,
     builder_version: str,
     extra: dict[str, Any] | None = None,
+    kind: str = DECODER,
 ) -> ModelManifest:
     """A manifest for files already written under `directory` (hashes and sizes read from disk)."""
     model_path = directory / model_file
@@ -100,6 +106,7 @@ def describe_model(
         source_sha256=source_sha256,
         builder_version=builder_version,
         extra=extra or {},
+        kind=kind,
     )
 
 

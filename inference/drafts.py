@@ -10,7 +10,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from inference.artifacts import ModelManifest, list_models
+from inference.artifacts import DECODER, ModelManifest, list_models
 from inference.gguf_source import LlamaConfig
 from inference.runtime import Runtime
 
@@ -52,7 +52,7 @@ def list_drafts(models_dir: Path) -> list[DraftInfo]:
     found = [
         DraftInfo(draft_family(manifest), manifest.format, directory, manifest)
         for directory, manifest in list_models(models_dir)
-        if manifest.role == "draft"
+        if manifest.role == "draft" and manifest.kind == DECODER
     ]
     return sorted(found, key=lambda d: (d.name, d.format))
 

@@ -175,3 +175,32 @@ def _described_beside(model_path: Path) -> tuple[LlamaConfig, npt.NDArray[np.int
 
     manifest = load_manifest(model_path.parent)
     return LlamaConfig.from_json(manifest.config), read_output_ids(model_path.parent)
+
+
+class LiteRtGraph:
+    """Any TFLite graph run by input name (a feature head's step), inputs resized as they change."""
+
+    def __init__(self, model_path: Path, *, threads: int | None = None) -> None:
+        self.interpreter = _make_interpreter(model_path, threads)
+        self._inputs = {_short(d["name"]): d["index"] for d in self.interpreter.get_input_details()}
+        details = self.interpreter.get_output_details()
+        self._outputs = [d["index"] for d in details]
+        self.output_shapes = [tuple(int(n) for n in d["shape_signature"]) for d in details]
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._allocated = False
+
+    def run(self, feeds: dict[str, npt.NDArray[Any]]) -> list[npt.NDArray[Any]]:
+        """Every output, copied, in the interpreter's output order."""
+        interpreter = self.interpreter
+        for role, array in feeds.items():
+            if self._shapes.get(role) != array.shape:
+                interpreter.resize_tensor_input(self._inputs[role], list(array.shape), strict=False)
+                self._shapes[role] = array.shape
+                self._allocated = False
+        if not self._allocated:
+            interpreter.allocate_tensors()
+            self._allocated = True
+        for role, array in feeds.items():
+            interpreter.set_tensor(self._inputs[role], array)
+        interpreter.invoke()
+        return [interpreter.get_tensor(index).copy() for index in self._outputs]

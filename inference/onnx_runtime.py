@@ -190,3 +190,25 @@ class OnnxRuntime:
                 )
             )
         return outputs
+
+
+class OnnxGraph:
+    """Any ONNX graph run on the CPU by input and output names (a feature head's step)."""
+
+    def __init__(self, model_path: Path, *, threads: int | None = None) -> None:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # As OnnxRuntime: spinning threads of two sessions on a small machine steal each other's.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(
+            str(model_path), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+
+    def run(
+        self, outputs: Sequence[str], feeds: dict[str, npt.NDArray[np.generic]]
+    ) -> list[npt.NDArray[np.float32]]:
+        results: list[npt.NDArray[np.float32]] = self.session.run(list(outputs), feeds)
+        return results
