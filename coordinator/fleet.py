@@ -133,9 +133,19 @@ class Fleet:
         self.telemetry_limit = RateLimiter(quotas.telemetry_per_s, quotas.telemetry_burst)
         self._refusal_replies = RateLimiter(1.0 / REFUSAL_REPLY_INTERVAL_S, 1)
         self.telemetry_refused = 0
+        self.status_limit = RateLimiter(quotas.status_per_s, quotas.status_burst)
+        self.status_refused = 0
         self.telemetry = TelemetryQueue(telemetry_queue_size)
 
     async def on_status(self, device_id: str, status: m.Status) -> None:
+        """Presence and installed drafts, within the device's quota (each costs the registry a
+        write; a device that floods loses only its own presence, which the sweep restores)."""
+        if not self.status_limit.allow(device_id):
+            self.status_refused += 1
+            await self._refuse(
+                device_id, DeviceChannel.STATUS, self.status_limit, self.status_refused
+            )
+            return
         now = utcnow()
         if status.state is m.DeviceState.ONLINE:
             if not await self.admit(device_id, status.kind):
@@ -194,18 +204,24 @@ class Fleet:
         await self._registry_call(self.registry.mark_online, device_id, at)
 
     async def _refuse_telemetry(self, device_id: str) -> None:
+        self.telemetry_refused += 1
+        await self._refuse(
+            device_id, DeviceChannel.TELEMETRY, self.telemetry_limit, self.telemetry_refused
+        )
+
+    async def _refuse(
+        self, device_id: str, channel: DeviceChannel, limit: RateLimiter, refused: int
+    ) -> None:
         """Over quota: dropped and counted; the device hears why, at most once a few seconds
         (a reply to every refused message would double the flood)."""
-        self.telemetry_refused += 1
         if not self._refusal_replies.allow(device_id):
             return
-        limit = self.telemetry_limit
         reason = (
-            f"telemetry over quota ({limit.rate:g}/s, burst {limit.burst}): dropped "
-            f"({self.telemetry_refused} refused from all devices so far)"
+            f"{channel.value} over quota ({limit.rate:g}/s, burst {limit.burst}): dropped "
+            f"({refused} refused from all devices so far)"
         )
-        log.warning("refused telemetry from %s: %s", device_id, reason)
-        reply = m.ErrorReply(refused_type=DeviceChannel.TELEMETRY.value, reason=reason)
+        log.warning("refused %s from %s: %s", channel.value, device_id, reason)
+        reply = m.ErrorReply(refused_type=channel.value, reason=reason)
         try:
             await self._publish(device_topic(device_id, DeviceChannel.VERDICT), m.encode(reply))
         except (ConnectionError, BusConnectionError) as exc:

@@ -27,6 +27,8 @@ class Quotas:
     session_open_burst: int
     telemetry_per_s: float
     telemetry_burst: int
+    status_per_s: float
+    status_burst: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Quotas:
@@ -37,6 +39,8 @@ class Quotas:
             session_open_burst=settings.device_session_open_burst,
             telemetry_per_s=settings.device_telemetry_per_s,
             telemetry_burst=settings.device_telemetry_burst,
+            status_per_s=settings.device_status_per_s,
+            status_burst=settings.device_status_burst,
         )
 
 

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     # Telemetry messages per second; an agent sends one every few seconds.
     device_telemetry_per_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     device_telemetry_burst: int = Field(default=10, ge=1)
+    # Status messages per second; an agent sends one as it connects, and when its drafts change.
+    device_status_per_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    device_status_burst: int = Field(default=10, ge=1)
     # Devices whose latest telemetry waits to be written; past it, new devices' are dropped.
     telemetry_queue_size: int = Field(default=10_000, ge=1)
     # An active session that hears nothing (no draft, no round, no resume) for this long ends.

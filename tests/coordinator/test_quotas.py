@@ -182,6 +182,36 @@ def test_telemetry_past_the_rate_is_dropped_and_the_device_told_why(
     )
 
 
+def test_status_past_the_rate_is_dropped_and_the_device_told_why(
+    tmp_path: Path, pg_clean_engine: Engine, mosquitto: PrivateMosquitto, caplog: Any
+) -> None:
+    async def body(coordinator: Coordinator, device: Any) -> None:
+        for i in range(20):
+            status = m.Status(
+                device_id=device.device_id,
+                state=m.DeviceState.ONLINE,
+                at=1.0 + i,
+                agent_version=f"0.{i}",
+            )
+            await device.send(DeviceChannel.STATUS, status)
+        reply = await device.reply()
+        assert refused(reply, "status", "status over quota"), reply
+        assert await device.drain(quiet_s=0.5) == []
+        assert coordinator.fleet.status_refused == 15
+        # The five within quota were written: the device is online.
+        assert coordinator.registry.get(device.device_id).status.value == "online"
+
+    run(
+        tmp_path,
+        pg_clean_engine,
+        mosquitto,
+        caplog,
+        body,
+        device_status_per_s=0.001,
+        device_status_burst=5,
+    )
+
+
 @pytest.mark.parametrize(
     "quota",
     [
