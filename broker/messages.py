@@ -182,11 +182,13 @@ class Draft(_Message):
     def cloud(self) -> bool:
         return self.cloud_k is not None
 
-    def misfit(self, next_round: int, committed_len: int, greedy: bool) -> str | None:
+    def misfit(
+        self, next_round: int, committed_len: int, greedy: bool, vocab_size: int | None = None
+    ) -> str | None:
         """Why this draft does not fit a session at (next_round, committed_len), or None.
 
         Whoever answers a session's rounds (the coordinator, or the verifier holding its lease)
-        refuses such a draft with this reason."""
+        refuses such a draft with this reason; `vocab_size`, when known, bounds its token ids."""
         if self.round != next_round or self.base_len != committed_len:
             return (
                 f"expected round {next_round} at base_len {committed_len}, got round "
@@ -194,6 +196,14 @@ class Draft(_Message):
             )
         if self.q_ids is None and not greedy and self.tokens:
             return "a sampled session needs q' (q_ids, q_probs) with its draft"
+        if vocab_size is not None:
+            highest = max((max(row) for row in self.q_ids or ()), default=-1)
+            highest = max(highest, max(self.tokens, default=-1))
+            if highest >= vocab_size:
+                return (
+                    f"draft token id {highest} is outside the target's vocabulary "
+                    f"(ids 0..{vocab_size - 1})"
+                )
         return None
 
 

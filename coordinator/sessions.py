@@ -406,7 +406,12 @@ class SessionBook:
                 )
                 await self._send_state(live)
                 return
-            misfit = draft.misfit(live.next_round, live.committed_len, live.sampling.greedy)
+            misfit = draft.misfit(
+                live.next_round,
+                live.committed_len,
+                live.sampling.greedy,
+                self.pool.vocab_size() or self.vocab_size,
+            )
             if misfit is not None:
                 await self._error(device_id, "draft", live.id, draft.round, misfit)
                 if draft.round != live.next_round or draft.base_len != live.committed_len:

@@ -329,10 +329,21 @@ def test_a_prompt_outside_the_vocabulary_is_refused_at_open(
                 await asyncio.sleep(0.05)
         reply = await open_session(device, session_open((1, vocab_size, 2)))
         assert refused(reply, "session_open", f"token id {vocab_size} is outside"), reply
-        assert isinstance(
-            await open_session(device, session_open((1, vocab_size - 1))), m.SessionState
-        )
+        request = session_open((1, vocab_size - 1))
+        opened = await open_session(device, request)
+        assert isinstance(opened, m.SessionState)
         assert coordinator.book.open_sessions(device.device_id) == 1
+        # A draft past the vocabulary is refused by the coordinator, before any verifier.
+        draft = m.Draft(
+            session_id=request.session_id,
+            round=opened.next_round,
+            base_len=opened.committed_len,
+            tokens=(5, vocab_size + 7),
+            draft_model="lookup",
+        )
+        await device.send(DeviceChannel.DRAFT, draft)
+        reply = await device.reply(accept=is_about(request.session_id))
+        assert refused(reply, "draft", f"draft token id {vocab_size + 7} is outside"), reply
 
     run(
         tmp_path,
