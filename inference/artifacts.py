@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,9 @@ class ModelManifest:
     source_sha256: str  # of what it was built from (the GGUF, or the target for a draft)
     builder_version: str
     extra: dict[str, Any] = field(default_factory=dict)  # builder-specific facts (head size, ...)
+    # `inference.tokenizer.vocab_sha256` of the tokenizer beside it: a draft serves a target
+    # only when the two agree. Manifests written before it existed get it from their tokenizer.
+    vocab_sha256: str = ""
     kind: str = DECODER  # what the graph computes; manifests older than kinds hold decoders
 
     def __post_init__(self) -> None:
@@ -69,7 +73,7 @@ class ModelManifest:
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> ModelManifest:
         known = set(cls.__dataclass_fields__)
-        missing = known - set(document) - {"extra", "kind"}
+        missing = known - set(document) - {"extra", "kind", "vocab_sha256"}
         if missing:
             raise ArtifactError(f"manifest lacks {sorted(missing)}")
         return cls(**{key: document[key] for key in known if key in document})
@@ -92,6 +96,7 @@ def describe_model(
 ) -> ModelManifest:
     """A manifest for files already written under `directory` (hashes and sizes read from disk)."""
     model_path = directory / model_file
+    tokenizer_path = directory / tokenizer_file
     return ModelManifest(
         name=name,
         role=role,
@@ -100,14 +105,64 @@ def describe_model(
         sha256=sha256_file(model_path),
         size_bytes=model_path.stat().st_size,
         tokenizer_file=tokenizer_file,
-        tokenizer_sha256=sha256_file(directory / tokenizer_file),
+        tokenizer_sha256=sha256_file(tokenizer_path),
         precision=precision,
         config=config,
         source_sha256=source_sha256,
         builder_version=builder_version,
         extra=extra or {},
         kind=kind,
+        vocab_sha256=tokenizer_vocab_sha256(tokenizer_path),
     )
+
+
+def tokenizer_vocab_sha256(path: Path) -> str:
+    """The vocabulary identity of a tokenizer.json (see `inference.tokenizer.vocab_sha256`)."""
+    from tokenizers import Tokenizer
+
+    from inference.tokenizer import vocab_sha256
+
+    try:
+        return vocab_sha256(Tokenizer.from_file(str(path)))
+    except Exception as exc:  # tokenizers raises its own untyped errors on a bad file
+        raise ArtifactError(f"{path}: not a readable tokenizer ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What every role must agree on about the target: read from its manifest, never assumed."""
+
+    name: str
+    sha256: str
+    vocab_sha256: str
+    vocab_size: int
+    eos_id: int
+
+    @property
+    def label(self) -> str:
+        """`name@sha256 prefix`, as verifiers announce it."""
+        return f"{self.name}@{self.sha256[:12]}"
+
+    @classmethod
+    def from_manifest(cls, manifest: ModelManifest) -> TargetIdentity:
+        if manifest.role != "target":
+            raise ArtifactError(f"{manifest.name} is a {manifest.role}, not a target")
+        return cls(
+            name=manifest.name,
+            sha256=manifest.sha256,
+            vocab_sha256=manifest.vocab_sha256,
+            vocab_size=int(manifest.config["vocab_size"]),
+            eos_id=int(manifest.config["eos_id"]),
+        )
+
+
+def check_same_vocabulary(draft: ModelManifest, target_vocab_sha256: str, target: str) -> None:
+    """Refuse a draft whose vocabulary is not the target's (its ids would mean other tokens)."""
+    if draft.vocab_sha256 != target_vocab_sha256:
+        raise ArtifactError(
+            f"{draft.name} was built for another vocabulary (vocab {draft.vocab_sha256[:12]}) "
+            f"than {target}'s (vocab {target_vocab_sha256[:12]})"
+        )
 
 
 def write_manifest(directory: Path, manifest: ModelManifest) -> Path:
@@ -129,7 +184,11 @@ def load_manifest(directory: Path) -> ModelManifest:
         raise ArtifactError(f"{path}: not JSON ({exc})") from exc
     if not isinstance(document, dict):
         raise ArtifactError(f"{path}: not a JSON object")
-    return ModelManifest.from_json(document)
+    manifest = ModelManifest.from_json(document)
+    if not manifest.vocab_sha256:
+        vocab = tokenizer_vocab_sha256(directory / manifest.tokenizer_file)
+        manifest = dataclasses.replace(manifest, vocab_sha256=vocab)
+    return manifest
 
 
 def list_models(models_dir: Path) -> list[tuple[Path, ModelManifest]]:

