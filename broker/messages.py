@@ -38,6 +38,8 @@ Milliseconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 SessionId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 Name = Annotated[str, Field(min_length=1, max_length=128)]
+# `inference.tokenizer.vocab_sha256`, hex; "" from a sender that predates it.
+VocabHash = Annotated[str, Field(max_length=64, pattern=r"^[0-9a-f]*$")]
 
 
 class BusError(Exception):
@@ -323,6 +325,9 @@ class SessionOpen(_Message):
     # The modes the agent runs, so a coordinator chooses no other for it: an agent that predates
     # cloud mode sends none, and is never asked for it.
     modes: tuple[Mode, ...] = Field(default=(Mode.DISTRIBUTED,), min_length=1, max_length=4)
+    # The vocabulary hash of the tokenizer that wrote `prompt_ids` (and that the drafter
+    # shares): the coordinator refuses a session whose vocabulary is not the target's.
+    vocab: VocabHash = ""
 
     @model_validator(mode="after")
     def _mode_is_chosen_online(self) -> SessionOpen:
@@ -377,6 +382,10 @@ class VerifierStatus(_Message):
     leased: tuple[SessionId, ...] = Field(default=(), max_length=4096)
     # The target's vocabulary: a session whose prompt holds a larger id is refused at open.
     vocab_size: int | None = Field(default=None, ge=1, le=MAX_TOKEN_ID)
+    # The target's EOS and vocabulary hash, from its manifest: the coordinator's stop rule, and
+    # the vocabulary a session's drafter must share (refused at open otherwise).
+    eos_id: TokenId | None = None
+    vocab: VocabHash = ""
 
 
 MAX_STREAM_ROUNDS = 256
