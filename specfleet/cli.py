@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from types import FrameType
 
 # Modules that expose `register(subparsers)`; each adds its subcommands with a `func` default.
 COMMAND_MODULES = (
@@ -21,6 +24,15 @@ COMMAND_MODULES = (
 
 class CommandError(Exception):
     """A bad argument or a failed precondition: printed as one line, exit status 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be: a command cleans up after either alike (its
+    child processes, private brokers and temporary files), then exits 143."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
 
 
 def add_module_command(
@@ -59,11 +71,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         result: int | None = args.func(args)
     except CommandError as exc:
         print(f"specfleet {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return result or 0
