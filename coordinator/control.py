@@ -71,6 +71,9 @@ class ServiceControl:
             )
         return loads
 
+    def broker_connected(self) -> bool:
+        return self._coordinator.connected.is_set()
+
     def _device_status(self, device_id: str) -> DeviceStatus | None:
         with self._coordinator.sessions() as db:
             device = db.get(Device, device_id)

@@ -60,6 +60,10 @@ class CoordinatorControl(Protocol):
         """Every verifier known to the service, online or recently lost."""
         ...
 
+    def broker_connected(self) -> bool:
+        """The service holds its bus connection now (subscribed); `/readyz` reports it."""
+        ...
+
     async def start_session(self, request: SessionStartRequest) -> uuid.UUID:
         """Persist the session, send the device its start command, return the session id.
 

@@ -20,6 +20,7 @@ from coordinator.api.routes import (
     auth,
     devices,
     events,
+    health,
     metrics,
     models,
     sessions,
@@ -116,6 +117,7 @@ def create_app(
 
     app.include_router(api_router, prefix=API_PREFIX)
     app.include_router(metrics.router)
+    app.include_router(health.router)
     # Devices fetch artifacts with the download token of their deploy_model command.
     app.include_router(artifacts.router, prefix=API_PREFIX)
     mount_dashboard(app)
