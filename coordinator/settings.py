@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8420, ge=0, le=65535)
     models_dir: Path | None = None
+    # The target by its model name in the models directory (`specfleet models build-target
+    # --name`); None: SmolLM2-135M-Instruct. Verifiers load it; the coordinator reads its
+    # identity (EOS, vocabulary) from the manifest there, where it has one.
+    target: str | None = None
     # Presence: a device is offline after its Last Will, or after this many keepalives of silence.
     device_keepalive_s: int = Field(default=10, ge=1)
     # Quotas per device, so that one device (or one stolen credential) cannot starve the others.

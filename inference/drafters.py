@@ -57,16 +57,21 @@ class DrafterError(Exception):
     """An unknown drafter name, or one whose files are missing."""
 
 
-def draft_model_names(models_dir: Path) -> list[str]:
-    """The manifest name of every built draft: `draft-l2` (ONNX), `draft-l2-tflite` (LiteRT)."""
+def draft_model_names(models_dir: Path, vocab: str | None = None) -> list[str]:
+    """The manifest name of every built draft: `draft-l2` (ONNX), `draft-l2-tflite` (LiteRT);
+    with `vocab`, only the drafts of that vocabulary (a target's `vocab_sha256`)."""
     from inference.drafts import list_drafts
 
-    return sorted(draft.manifest.name for draft in list_drafts(models_dir))
+    return sorted(
+        draft.manifest.name
+        for draft in list_drafts(models_dir)
+        if vocab is None or draft.manifest.vocab_sha256 == vocab
+    )
 
 
-def drafter_names(models_dir: Path) -> list[str]:
-    """The names `make_proposer` accepts for this models directory."""
-    drafts = draft_model_names(models_dir)
+def drafter_names(models_dir: Path, vocab: str | None = None) -> list[str]:
+    """The names `make_proposer` accepts for this models directory (and vocabulary)."""
+    drafts = draft_model_names(models_dir, vocab)
     return [*BUILTIN_DRAFTERS, *drafts, *(HYBRID_PREFIX + name for name in drafts)]
 
 

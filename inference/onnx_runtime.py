@@ -25,6 +25,30 @@ from inference.onnx_graph import (
 )
 from inference.runtime import KVCache, Logits
 
+# The execution providers a verifier may ask for, by their command-line names.
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class ProviderError(Exception):
+    """An execution provider this onnxruntime build does not have."""
+
+
+def check_provider(provider: str) -> None:
+    """Refuse, in one line, a provider that is unknown or missing from this onnxruntime."""
+    if provider not in PROVIDERS:
+        raise ProviderError(f"unknown provider {provider!r}; one of {', '.join(PROVIDERS)}")
+    available = ort.get_available_providers()
+    if PROVIDERS[provider] not in available:
+        raise ProviderError(
+            f"provider {provider}: this onnxruntime has no {PROVIDERS[provider]} (it has "
+            f"{', '.join(available)}); CUDA needs onnxruntime-gpu and an NVIDIA GPU"
+        )
+
+
+def _provider_chain(provider: str) -> list[str]:
+    """The provider, then the CPU for the few operators it lacks."""
+    return [PROVIDERS[provider]] + ([] if provider == "cpu" else [PROVIDERS["cpu"]])
+
 
 class OnnxKVCache:
     """Keys and values of one sequence, per layer # [1, n_kv, length, head_dim]."""
@@ -65,7 +89,7 @@ class StepOutput:
 
 
 class OnnxRuntime:
-    """A decoder exported by `inference.onnx_graph`, run on the CPU."""
+    """A decoder exported by `inference.onnx_graph`, run by one execution provider (CPU default)."""
 
     def __init__(
         self,
@@ -75,7 +99,9 @@ class OnnxRuntime:
         allow_spinning: bool = False,
         consistent_decode: bool = True,
         name: str | None = None,
+        provider: str = "cpu",
     ) -> None:
+        check_provider(provider)
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads is not None:
@@ -85,8 +111,9 @@ class OnnxRuntime:
         options.add_session_config_entry(
             "session.intra_op.allow_spinning", "1" if allow_spinning else "0"
         )
+        self.provider = provider
         self.session = ort.InferenceSession(
-            str(model_path), sess_options=options, providers=["CPUExecutionProvider"]
+            str(model_path), sess_options=options, providers=_provider_chain(provider)
         )
         self.name = name or model_path.stem
         # CPU kernels take another path for a single row, whose last bits differ from those of

@@ -256,9 +256,10 @@ def load_target(
     allow_spinning: bool = False,
     consistent_decode: bool = True,
     name: str | None = None,
+    provider: str = "cpu",
 ) -> tuple[OnnxRuntime, ChatTokenizer]:
     """The target runtime and its tokenizer, building SmolLM2 on first use; `name` picks another
-    built target.
+    built target, `provider` the execution provider (`inference.onnx_runtime.PROVIDERS`).
 
     The options are OnnxRuntime's: `consistent_decode=False` makes one-token steps ~20% faster,
     but their logits then differ from a verification window's in the last bits.
@@ -274,6 +275,7 @@ def load_target(
         allow_spinning=allow_spinning,
         consistent_decode=consistent_decode,
         name=manifest.name,
+        provider=provider,
     )
     return runtime, ChatTokenizer.load(directory)
 

@@ -47,6 +47,8 @@ class ChildConfig:
 
     models_dir: Path | None = None  # None: the settings' models directory
     precision: str = PRECISION
+    target: str | None = None  # a built target's name; None: SmolLM2 at `precision`
+    provider: str = "cpu"  # ONNX Runtime execution provider (inference.onnx_runtime.PROVIDERS)
     threads: int | None = None  # ORT intra-op threads; None: ORT's default (every core)
     max_sessions: int = MAX_SESSIONS
     max_cache_mb: int = MAX_CACHE_MB
@@ -63,6 +65,8 @@ class ChildReady:
     # Pass costs timed at start: (rows, positions per row, ms), for goodput control.
     profile: tuple[tuple[int, int, float], ...] = ()
     vocab_size: int | None = None  # the target's; the coordinator refuses prompts beyond it
+    eos_id: int | None = None  # the target's, from its manifest
+    vocab: str = ""  # the target's vocabulary hash, from its manifest
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,17 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
     )
     started = time.perf_counter()
     try:
-        from inference.artifacts import load_manifest
-        from inference.target_build import PRECISIONS, load_target, target_name
+        from inference.target_build import PRECISIONS, load_target, load_target_identity
         from verifier.core import VerifierCore, kv_bytes_per_position
 
         precision = next(p for p in PRECISIONS if p == config.precision)
         runtime, _ = load_target(
-            config.models_dir, precision=precision, threads=config.threads, allow_spinning=False
+            config.models_dir,
+            precision=precision,
+            threads=config.threads,
+            allow_spinning=False,
+            name=config.target,
+            provider=config.provider,
         )
         c = runtime.config
         per_position = kv_bytes_per_position(c.n_layers, c.n_kv_heads, c.head_dim)
@@ -101,11 +109,12 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             from inference.artifacts import default_models_dir
 
             models_dir = default_models_dir()
+        identity = load_target_identity(models_dir, config.target or runtime.name)
         drafters = None
         if config.cloud_drafts:
             from verifier.drafting import HostDrafters
 
-            drafters = HostDrafters(models_dir, threads=config.threads)
+            drafters = HostDrafters(models_dir, threads=config.threads, vocab=identity.vocab_sha256)
         core = VerifierCore(
             runtime,
             max_sessions=config.max_sessions,
@@ -113,14 +122,15 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             max_positions=c.context_length,
             drafters=drafters,
         )
-        manifest = load_manifest(models_dir / target_name(precision))
         ready = ChildReady(
             os.getpid(),
-            f"{manifest.name}@{manifest.sha256[:12]}",
+            identity.label,
             time.perf_counter() - started,
             drafts=() if drafters is None else drafters.names,
             profile=profile_passes(runtime) if config.profile else (),
             vocab_size=c.vocab_size,
+            eos_id=identity.eos_id,
+            vocab=identity.vocab_sha256,
         )
     # Whatever stops the load is reported to the worker, which decides to retry or give up.
     except Exception as exc:

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING
 from broker.secrets import RefuseSecretInArgv
 
 if TYPE_CHECKING:
+    from coordinator.settings import Settings
     from verifier.worker import VerifierWorker
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "q4")  # inference.target_build.PRECISIONS, without importing the builder
+PROVIDERS = ("cpu", "cuda")  # inference.onnx_runtime.PROVIDERS, without importing onnxruntime
 
 
 def default_verifier_id() -> str:
@@ -110,6 +112,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"target build to load (default: {child.PRECISION})",
     )
     parser.add_argument(
+        "--target",
+        default=None,
+        help="the built target to load, by name (`specfleet models list`; default: the "
+        "settings' target, else SmolLM2 at --precision)",
+    )
+    parser.add_argument(
+        "--provider",
+        choices=PROVIDERS,
+        default="cpu",
+        help="ONNX Runtime execution provider; the pass cost table is timed on it at start "
+        "(default: cpu)",
+    )
+    parser.add_argument(
         "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
     )
     parser.add_argument(
@@ -120,6 +135,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "their devices' drafts itself (direct rounds: one bus round trip and one commit a "
         "round); without it every round goes through the coordinator",
     )
+
+
+def _check_target(args: argparse.Namespace, settings: Settings) -> None:
+    """Refuse, before any process starts, a provider this machine lacks or an unbuilt target."""
+    from inference.artifacts import ArtifactError
+    from inference.onnx_runtime import ProviderError, check_provider
+    from inference.target_build import load_target_identity
+    from specfleet.cli import CommandError
+
+    try:
+        check_provider(args.provider)
+    except ProviderError as exc:
+        raise CommandError(str(exc)) from exc
+    name = args.target or settings.target
+    if name is not None:
+        try:
+            load_target_identity(args.models_dir or settings.resolved_models_dir, name)
+        except ArtifactError as exc:
+            raise CommandError(str(exc)) from exc
 
 
 def _password(path: Path | None) -> str | None:
@@ -143,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings()
     if not args.heartbeat_s > 0:
         raise CommandError(f"--heartbeat-s must be > 0, got {args.heartbeat_s}")
+    _check_target(args, settings)
     try:
         address = BrokerAddress.from_url(args.broker_url or settings.broker_url)
         config = WorkerConfig(
@@ -153,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
             child=ChildConfig(
                 models_dir=args.models_dir or settings.resolved_models_dir,
                 precision=args.precision,
+                target=args.target or settings.target,
+                provider=args.provider,
                 threads=args.threads or len(os.sched_getaffinity(0)),
                 max_sessions=args.max_sessions,
                 max_cache_mb=args.max_cache_mb,

@@ -70,13 +70,15 @@ class HostDrafters:
         *,
         threads: int | None = None,
         factory: ProposerFactory | None = None,
+        vocab: str | None = None,
     ) -> None:
         self.models_dir = models_dir
         self.threads = threads
         self._factory = factory or self._make
         self._proposers: OrderedDict[tuple[str, float, str], Proposer] = OrderedDict()
         self._runtimes: dict[str, Runtime] = {}
-        self.names: tuple[str, ...] = tuple(drafter_names(models_dir))
+        # With the target's vocabulary given, drafts built for another target are left out.
+        self.names: tuple[str, ...] = tuple(drafter_names(models_dir, vocab))
 
     def _make(self, name: str, temperature: float) -> Proposer:
         return make_proposer(

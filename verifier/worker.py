@@ -57,7 +57,7 @@ from broker.topics import (
 )
 from coordinator.db.engine import make_engine
 from coordinator.db.round_writer import RoundWriter
-from verifier.child import ChildConfig, ChildDied, ChildStartError, InferenceChild
+from verifier.child import ChildConfig, ChildDied, ChildReady, ChildStartError, InferenceChild
 from verifier.core import Verification
 from verifier.goodput import GoodputControl
 from verifier.leases import LeaseBook
@@ -239,9 +239,8 @@ class VerifierWorker:
         self._work_ready = asyncio.Event()
         self._passes = 0
         self._sessions_cached = 0
-        self._target = ""
-        self._vocab_size: int | None = None
-        self._drafts: tuple[str, ...] = ()
+        # What the inference process loaded (the target's identity, its drafters), once up.
+        self._loaded: ChildReady | None = None
         # Direct rounds need the database: a verifier without one takes no leases.
         self.leases: LeaseBook | None = None
         self._writer: RoundWriter | None = None
@@ -268,6 +267,7 @@ class VerifierWorker:
         return self._sessions_cached
 
     def status(self, state: DeviceState) -> VerifierStatus:
+        loaded = self._loaded
         return VerifierStatus(
             verifier_id=self.config.verifier_id,
             state=state,
@@ -277,11 +277,13 @@ class VerifierWorker:
             sessions_cached=self._sessions_cached,
             max_batch=self.config.max_batch,
             heartbeat_s=self.config.heartbeat_s,
-            target=self._target,
-            drafts=self._drafts,
+            target="" if loaded is None else loaded.target,
+            drafts=() if loaded is None else loaded.drafts,
             leases=self.leases is not None,
             leased=() if self.leases is None else tuple(self.leases.sessions)[:4096],
-            vocab_size=self._vocab_size,
+            vocab_size=None if loaded is None else loaded.vocab_size,
+            eos_id=None if loaded is None else loaded.eos_id,
+            vocab="" if loaded is None else loaded.vocab,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -293,9 +295,7 @@ class VerifierWorker:
                 ready = await self.child.start()
             except ChildStartError as exc:
                 raise VerifierError(f"cannot start the inference process: {exc}") from exc
-            self._target = ready.target
-            self._vocab_size = ready.vocab_size
-            self._drafts = ready.drafts
+            self._loaded = ready
             for rows, positions, ms in ready.profile:
                 self.goodput.observe_pass(rows, positions, ms)
             options = ConnectOptions(
@@ -693,9 +693,7 @@ class VerifierWorker:
                 await asyncio.sleep(RESTART_BACKOFF_S * 2 ** (attempt - 1))
                 continue
             self.counters.child_restarts += 1
-            self._target = ready.target
-            self._vocab_size = ready.vocab_size
-            self._drafts = ready.drafts
+            self._loaded = ready
             return
         raise VerifierError(f"the inference process failed to restart {RESTART_ATTEMPTS} times")
 

@@ -14,6 +14,7 @@ from specfleet.cli import main
         (["--broker-url", "http://example"], "scheme must be mqtt"),
         (["--heartbeat-s", "0"], "--heartbeat-s must be > 0"),
         (["--models-dir", "/nonexistent/specfleet-models"], "does not exist"),
+        (["--target", "never-built"], "no target 'never-built'"),
     ],
 )
 def test_bad_arguments_are_refused_in_one_line(
@@ -39,3 +40,16 @@ def test_help_lists_the_batching_flags(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     for flag in ("--max-batch", "--batch-window-ms", "--max-sessions", "--threads", "--id"):
         assert flag in out
+
+
+def test_cuda_is_refused_where_onnxruntime_has_no_cuda_provider(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA: there is nothing to refuse")
+    assert main(["verifier", "--provider", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specfleet verifier: provider cuda: this onnxruntime has no ")
+    assert "CUDAExecutionProvider" in err and "\n" not in err

@@ -28,6 +28,7 @@ from broker.messages import DeviceState, VerifierStatus, VerifyRequest, decode_a
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import VerifierChannel, verifier_topic
 from inference.artifacts import default_models_dir
+from inference.target_build import load_target_identity
 from verifier.child import ChildConfig
 from verifier.worker import VerifierWorker, WorkerConfig
 
@@ -134,6 +135,10 @@ def test_a_cloud_round_over_the_bus_comes_back_with_the_hosts_draft(
         status = await listener.status(lambda s: s.state == DeviceState.ONLINE)
         assert "hybrid" in status.drafts  # announced, so the coordinator may choose cloud mode
         assert status.vocab_size == 49152  # the target's: prompts past it are refused at open
+        # The target's identity from its manifest: the coordinator's EOS and vocabulary check.
+        identity = load_target_identity(default_models_dir())
+        assert (status.eos_id, status.vocab) == (identity.eos_id, identity.vocab_sha256)
+        assert status.target == identity.label
         request = VerifyRequest(
             request_id="cloud-1",
             session_id="cloud-bus",
