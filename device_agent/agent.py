@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -141,11 +142,26 @@ class Agent:
         # Sessions that ran when this agent stopped without closing them (a crash, a power cut)
         # go on; each asks the coordinator for its state once the bus is up.
         await self.sessions.resume_journal()
-        try:
-            await run_with_reconnect(
+        bus = asyncio.create_task(
+            run_with_reconnect(
                 address, self.connect_options(), self._session, on_disconnect=self._on_disconnect
-            )
+            ),
+            name="agent-bus",
+        )
+        stopping = asyncio.create_task(self._stopping.wait(), name="agent-stopping")
+        try:
+            await asyncio.wait({bus, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not bus.done() and not self.connected.is_set():
+                # Stopped while the broker is out of reach: the reconnect loop never ends by
+                # itself (a connected session does, once it has said goodbye).
+                bus.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await bus
+            else:
+                await bus
         finally:
+            stopping.cancel()
+            bus.cancel()
             if self.local_api is not None:
                 await self.local_api.close()
             self.drafting.shutdown(wait=False, cancel_futures=True)
