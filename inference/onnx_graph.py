@@ -24,7 +24,7 @@ INPUT_IDS = "input_ids"  # [batch, new] int64
 POSITION_IDS = "position_ids"  # [batch, new] int64
 ATTENTION_MASK = "attention_mask"  # [batch, past + new] int64, 1 = a real position
 LOGITS = "logits"  # [batch, new, head]
-HIDDEN = "hidden_states"  # [batch, new, d_model], after the final norm
+HIDDEN = "hidden"  # [batch, new, d_model], after the final norm: the features a head drafts from
 META_HEAD_IDS = "specfleet.head_ids"  # JSON list of vocabulary ids of a trimmed head
 META_CONFIG = "specfleet.config"  # JSON LlamaConfig (with the graph's own n_layers)
 

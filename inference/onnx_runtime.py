@@ -85,7 +85,7 @@ class StepOutput:
     """One sequence's share of a forward pass."""
 
     logits: Logits  # [new, head]
-    hidden: F32 | None  # [new, d_model] after the final norm, when the graph exports it
+    hidden: F32 | None  # [new, d_model] after the final norm, when the pass asked for it
 
 
 class OnnxRuntime:
@@ -134,8 +134,7 @@ class OnnxRuntime:
             present_name(i, kind) for i in range(self.config.n_layers) for kind in ("key", "value")
         ]
         self.has_hidden = HIDDEN in {output.name for output in self.session.get_outputs()}
-        if self.has_hidden:
-            self._outputs.append(HIDDEN)
+        self.hidden_size = self.config.d_model
 
     def new_cache(self) -> OnnxKVCache:
         c = self.config
@@ -148,14 +147,25 @@ class OnnxRuntime:
     def forward_batch(self, requests: Sequence[tuple[Sequence[int], KVCache]]) -> list[Logits]:
         return [step.logits for step in self.run_batch(requests)]
 
-    def run_batch(self, requests: Sequence[tuple[Sequence[int], KVCache]]) -> list[StepOutput]:
+    def forward_batch_hidden(
+        self, requests: Sequence[tuple[Sequence[int], KVCache]]
+    ) -> list[tuple[Logits, F32]]:
+        steps = self.run_batch(requests, with_hidden=True)
+        return [(step.logits, step.hidden) for step in steps if step.hidden is not None]
+
+    def run_batch(
+        self, requests: Sequence[tuple[Sequence[int], KVCache]], *, with_hidden: bool = False
+    ) -> list[StepOutput]:
         """One pass over several sequences; each cache grows by its own new tokens.
 
         Pasts are left-padded to the longest and new tokens right-padded to the longest, so every
-        row's new block starts at the same slot; `attention_mask` hides the padding.
+        row's new block starts at the same slot; `attention_mask` hides the padding. The hidden
+        states come back only `with_hidden`: ORT copies out only the outputs asked for.
         """
         if not requests:
             return []
+        if with_hidden and not self.has_hidden:
+            raise ValueError(f"{self.name} was built without the {HIDDEN!r} output")
         c = self.config
         own = [(ids, _own_cache(cache)) for ids, cache in requests]
         past_lens = [cache.length for _, cache in own]
@@ -193,10 +203,11 @@ class OnnxRuntime:
                         stacked[row, :, past - p :] = part[0]
                     feeds[past_name(layer, kind)] = stacked
 
-        results = self.session.run(self._outputs, feeds)
+        outputs_asked = [*self._outputs, HIDDEN] if with_hidden else self._outputs
+        results = self.session.run(outputs_asked, feeds)
         logits = results[0]
         presents = results[1 : 1 + 2 * c.n_layers]
-        hidden = results[-1] if self.has_hidden else None
+        hidden = results[-1] if with_hidden else None
 
         outputs: list[StepOutput] = []
         for row, ((_, cache), p, n) in enumerate(zip(own, past_lens, new_lens, strict=True)):

@@ -9,6 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 Logits = npt.NDArray[np.float32]
+Features = npt.NDArray[np.float32]  # last-layer hidden states after the final norm
 
 
 class KVCache(Protocol):
@@ -40,4 +41,20 @@ class Runtime(Protocol):
 
     def forward_batch(self, requests: Sequence[tuple[Sequence[int], KVCache]]) -> list[Logits]:
         """Score several sequences in one pass; per sequence, the contract of `forward`."""
+        ...
+
+
+class FeatureRuntime(Runtime, Protocol):
+    """A Runtime that can also hand out its last hidden state, the features a head drafts from.
+
+    Only a pass that asks pays for them: `forward_batch` never copies them out.
+    """
+
+    has_hidden: bool  # False when the model was built without the output
+    hidden_size: int
+
+    def forward_batch_hidden(
+        self, requests: Sequence[tuple[Sequence[int], KVCache]]
+    ) -> list[tuple[Logits, Features]]:
+        """`forward_batch`, plus each sequence's hidden states # [len(token_ids), hidden_size]."""
         ...

@@ -60,7 +60,7 @@ def test_trimmed_head_is_a_column_subset(
 
 
 def test_hidden_state_output(small: OnnxRuntime, source: GgufModel) -> None:
-    steps = small.run_batch([([1, 4093, 198], small.new_cache())])
+    steps = small.run_batch([([1, 4093, 198], small.new_cache())], with_hidden=True)
     hidden = steps[0].hidden
     assert hidden is not None and hidden.shape == (3, source.config.d_model)
     # The tied head applied to the exported hidden state gives the exported logits.

@@ -58,10 +58,18 @@ def test_runtime_describes_its_model(target: Target) -> None:
 def test_hidden_state_rides_with_logits(target: Target) -> None:
     runtime, tokenizer = target
     prompt = tokenizer.apply_chat_template(FRANCE)
-    (step,) = runtime.run_batch([(prompt, runtime.new_cache())])
+    (step,) = runtime.run_batch([(prompt, runtime.new_cache())], with_hidden=True)
     assert step.hidden is not None
-    assert step.hidden.shape == (len(prompt), runtime.config.d_model)
+    assert step.hidden.shape == (len(prompt), runtime.hidden_size)
     assert np.isfinite(step.hidden).all()
+    # Asking for the features leaves the logits bit for bit as they were, and a pass that does
+    # not ask gets none.
+    (plain,) = runtime.run_batch([(prompt, runtime.new_cache())])
+    assert plain.hidden is None
+    np.testing.assert_array_equal(plain.logits, step.logits)
+    ((logits, hidden),) = runtime.forward_batch_hidden([(prompt, runtime.new_cache())])
+    np.testing.assert_array_equal(logits, step.logits)
+    np.testing.assert_array_equal(hidden, step.hidden)
 
 
 def window_and_steps(
