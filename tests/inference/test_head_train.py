@@ -1,0 +1,168 @@
+"""Head training pieces: acceptance counting, vocabulary ranking, target features, torch export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference.distill import TeacherRecord
+from inference.feature_head import HeadWeights, step_reference
+from inference.gguf_source import EMBED, GgufModel
+from inference.head_train import (
+    MAX_K,
+    FeatureSet,
+    acceptance,
+    answer_features,
+    chain_starts,
+    collect_features,
+    coverage,
+    rank_vocabulary,
+    read_features,
+)
+from inference.onnx_runtime import OnnxRuntime
+from inference.tokenizer import ChatTokenizer
+
+VOCAB_IDS = np.arange(100, 120, dtype=np.int64)
+NEAR_TIE = 0.1  # fp16 features move logits of magnitude ~40 by up to ~0.03 (measured)
+
+
+def scripted_step(right_for: np.ndarray, windows: np.ndarray):  # type: ignore[no-untyped-def]
+    """A step whose i-th draft from start s is right while i < right_for[s]; features carry
+    (start, i) so the step knows where it is."""
+
+    def step(features: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        start, i = features[:, 0].astype(int), features[:, 1].astype(int)
+        truth = windows[start, i + 1]
+        wrong = VOCAB_IDS[(np.searchsorted(VOCAB_IDS, truth) + 1) % len(VOCAB_IDS)]
+        drafted = np.where(i < right_for[start], truth, wrong)
+        logits = (VOCAB_IDS[None, :] == drafted[:, None]).astype(np.float32)
+        return np.stack([start, i + 1], axis=1).astype(np.float32), logits
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("right_for", "per_position", "tokens_per_pass"),
+    [
+        ([0, 0], [0.0] * MAX_K, [1.0] * MAX_K),
+        ([MAX_K, MAX_K], [1.0] * MAX_K, [1.0 + k for k in range(1, MAX_K + 1)]),
+        ([2, 0], [0.5, 1.0, 0.0] + [0.0] * (MAX_K - 3), [1.5] + [2.0] * (MAX_K - 1)),
+        ([3, 1], [1.0, 0.5, 1.0, 0.0] + [0.0] * (MAX_K - 4), [2.0, 2.5, 3.0] + [3.0] * 5),
+    ],
+)
+def test_acceptance_counts_chained_drafts(
+    right_for: list[int], per_position: list[float], tokens_per_pass: list[float]
+) -> None:
+    rng = np.random.default_rng(0)
+    windows = rng.choice(VOCAB_IDS, size=(len(right_for), MAX_K + 1))
+    starts = np.stack([np.arange(len(right_for)), np.zeros(len(right_for))], 1).astype(np.float32)
+    step = scripted_step(np.asarray(right_for), windows)
+    result = acceptance(step, VOCAB_IDS, starts, windows)
+    assert result.starts == len(right_for)
+    assert result.per_position == pytest.approx(per_position)
+    assert result.tokens_per_pass == pytest.approx(tokens_per_pass)
+
+
+def test_chain_starts_need_a_whole_window() -> None:
+    features = [np.full((n + 1, 4), n, np.float16) for n in (MAX_K - 1, MAX_K, MAX_K + 3)]
+    tokens = [np.arange(n + 1) for n in (MAX_K - 1, MAX_K, MAX_K + 3)]
+    starts_f, windows = chain_starts(FeatureSet([0, 1, 2], features, tokens), None)
+    assert len(windows) == 0 + 1 + 4
+    assert windows.shape == (5, MAX_K + 1)
+    assert np.array_equal(windows[0], np.arange(MAX_K + 1))
+    assert starts_f.shape == (5, 4) and starts_f.dtype == np.float32
+
+
+def record(index: int, answer: list[int], prompt: list[int] | None = None) -> TeacherRecord:
+    return TeacherRecord(index, "qa", prompt or [1, 5, 9], answer, [], [])
+
+
+def test_vocabulary_is_ranked_by_frequency_with_eos_first() -> None:
+    records = [record(0, [7, 7, 7, 3, 3, 2]), record(1, [3, 9, 7, 2])]
+    ranked = rank_vocabulary(records, vocab_size=12, eos_id=2)
+    assert ranked[:4] == [2, 7, 3, 9]
+    assert sorted(ranked) == list(range(12))
+    assert coverage(records, ranked[:2]) == pytest.approx(6 / 10)
+    assert coverage(records, ranked[:4]) == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def greedy_records(
+    target: tuple[OnnxRuntime, ChatTokenizer],
+) -> list[TeacherRecord]:
+    """Three short greedy answers of the real target, each token from a whole prefill (the pass
+    the features come from, so that near-ties fall the same way)."""
+    runtime, tokenizer = target
+    records = []
+    for index, text in enumerate(["Name a colour.", "What is 2 + 2?", "Say hello."]):
+        prompt = tokenizer.apply_chat_template(text)
+        answer: list[int] = []
+        while len(answer) < 12 and tokenizer.eos_id not in answer:
+            logits = runtime.forward(prompt + answer, runtime.new_cache())
+            answer.append(int(logits[-1].argmax()))
+        records.append(record(index, answer, prompt))
+    return records
+
+
+def test_features_predict_the_targets_own_tokens(
+    target: tuple[OnnxRuntime, ChatTokenizer], greedy_records: list[TeacherRecord]
+) -> None:
+    runtime, _ = target
+    embed = GgufModel().weights(0)[EMBED]
+    for teacher in greedy_records:
+        features, tokens = answer_features(runtime, teacher)
+        n = len(teacher.answer_ids)
+        assert features.shape == (n + 1, runtime.config.d_model) and features.dtype == np.float16
+        assert tokens.tolist() == [teacher.prompt_ids[-1], *teacher.answer_ids]
+        # Row r is h_{n-1} beside x_n: its logits chose x_n, the token beside it.
+        logits = features[1:].astype(np.float32) @ embed.T
+        missed = logits.argmax(-1) != np.asarray(teacher.answer_ids)
+        # fp16 features and another pass shape may only tip near-ties (gap of the two best).
+        best_two = np.sort(logits[missed], axis=-1)[:, -2:]
+        assert missed.mean() <= 0.25
+        assert np.all(best_two[:, 1] - best_two[:, 0] < NEAR_TIE)
+
+
+def test_features_are_cached_and_resumed(
+    target: tuple[OnnxRuntime, ChatTokenizer],
+    greedy_records: list[TeacherRecord],
+    tmp_path: Path,
+) -> None:
+    runtime, _ = target
+    first = collect_features(runtime, greedy_records[:2], tmp_path)
+    assert first.indices == [0, 1] and len(list(tmp_path.glob("shard-*.npz"))) == 1
+    both = collect_features(runtime, greedy_records, tmp_path)
+    assert both.indices == [0, 1, 2] and len(list(tmp_path.glob("shard-*.npz"))) == 2
+    again = read_features(tmp_path)
+    for a, b in zip(both.features, again.features, strict=True):
+        assert np.array_equal(a, b)
+    assert collect_features(runtime, greedy_records[1:2], tmp_path).indices == [1]
+
+
+def test_torch_head_exports_the_step_it_trained() -> None:
+    torch = pytest.importorskip("torch")
+    from inference.feature_head import HeadConfig
+    from inference.head_torch import HeadModel
+
+    config = HeadConfig("eagle-test", hidden_size=32, intermediate_size=48, vocab_size=90)
+    rng = np.random.default_rng(3)
+    embed = (0.1 * rng.standard_normal((90, 32))).astype(np.float32)
+    ids = np.arange(10, 50, dtype=np.int64)
+    model = HeadModel(config, embed, embed[ids], np.ones(32, np.float32), seed=1)
+    with torch.no_grad():
+        for parameter in model.parameters():  # move away from the identity start
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    features = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    tokens = rng.integers(0, 90, size=(2, 5))
+    with torch.no_grad():
+        unrolled = model.unroll(torch.from_numpy(features), torch.from_numpy(tokens), 3)
+    weights = HeadWeights(config, model.trained_tensors(), ids)
+    weights.validate()
+    expected, _ = step_reference(weights, embed, features[:, 0], tokens[:, 0])
+    np.testing.assert_allclose(unrolled[0][:, 0].numpy(), expected, atol=1e-5)
+    # Step 2 at position 2 reads step 1's prediction at position 1.
+    chained, logits = step_reference(weights, embed, unrolled[0][:, 1].numpy(), tokens[:, 2])
+    np.testing.assert_allclose(unrolled[1][:, 2].numpy(), chained, atol=1e-5)
+    np.testing.assert_allclose(model.logits(unrolled[1][:, 2]).detach().numpy(), logits, atol=1e-4)
