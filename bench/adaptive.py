@@ -371,7 +371,6 @@ async def run_trace(
     from coordinator.settings import Settings
     from inference.drafters import BUILTIN_DRAFTERS
     from inference.target_build import ensure_target
-    from inference.tokenizer import ChatTokenizer
     from netem import NetworkEmulator
 
     base = Settings()
@@ -383,8 +382,7 @@ async def run_trace(
         database_url=f"sqlite:///{home / 'specfleet.db'}",
         coordinator_id=f"bench-adaptive-{uuid.uuid4().hex[:8]}",
     )
-    target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
-    eos_id = ChatTokenizer.load(target_dir).eos_id
+    await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
     trace = Trace(configs, list(args.phases), workdir=workdir)
     with PrivateMosquitto(tcp_nodelay=True) as mosquitto:
         print(
@@ -401,7 +399,6 @@ async def run_trace(
                     ["bench-verifier"],
                     workdir=workdir,
                     external_broker=mosquitto.url,
-                    eos_id=eos_id,
                 )
             )
             links: dict[str, NetworkEmulator] = {}

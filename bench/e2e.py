@@ -886,7 +886,6 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
             ["bench-verifier"],
             workdir=workdir,
             external_broker=broker_url,
-            eos_id=tokenizer.eos_id,
         ) as fleet:
             placement = _place(fleet, server, shared=args.shared_cpus)
             probes = CoordinatorProbes(fleet.coordinator, hold_zero_window=args.bus_target_only)

@@ -68,7 +68,6 @@ async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list
     from coordinator.settings import Settings
     from inference.distill import ensure_drafts
     from inference.target_build import ensure_target
-    from inference.tokenizer import ChatTokenizer
 
     settings = Settings()
     overrides: dict[str, Any] = {}
@@ -81,7 +80,6 @@ async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list
     target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
     # The drafts are built from the weights committed in models/drafts/ (once; then cached).
     await asyncio.to_thread(ensure_drafts, settings.resolved_models_dir, target_dir)
-    tokenizer = ChatTokenizer.load(target_dir)
     agents = list(DEMO_AGENTS[: args.agents])
     verifiers = list(DEMO_VERIFIERS[: args.verifiers])
     print(
@@ -94,7 +92,6 @@ async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list
         verifiers,
         workdir=workdir,
         external_broker=args.broker,
-        eos_id=tokenizer.eos_id,
     ) as fleet:
         print(f"broker {fleet.broker_url}; database {settings.database_url}", flush=True)
         return await _answer_all(fleet, agents, prompts, args)

@@ -21,7 +21,7 @@ from pathlib import Path
 from broker.client import BrokerAddress
 from broker.mosquitto import MosquittoError, free_port, wait_for_port
 from coordinator.registry import DeviceExistsError, DeviceRegistry
-from coordinator.service import Coordinator
+from coordinator.service import Coordinator, configured_target
 from coordinator.settings import Settings
 from coordinator.stack import (
     COORDINATOR_USER,
@@ -253,7 +253,6 @@ class LocalFleet(FleetProcesses):
     """A fleet whose coordinator runs in this process (the demo, most tests, the benchmarks)."""
 
     coordinator: Coordinator
-    eos_id: int
     quick: QuickstartBroker | None = None
     # Network emulators between agents and the broker, by device id (`behind_netem`): cut,
     # stall or reshape one agent's link alone.
@@ -293,7 +292,6 @@ async def local_fleet(
     *,
     workdir: Path,
     external_broker: str | None = None,
-    eos_id: int = 2,
     behind_netem: Collection[str] = (),
     agent_flags: Sequence[str] = (),
 ) -> AsyncIterator[LocalFleet]:
@@ -329,14 +327,14 @@ async def local_fleet(
         credentials.update({COORDINATOR_USER: "", VERIFIER_USER: ""})
         broker_url = external_broker
         settings = settings.model_copy(update={"broker_url": broker_url})
-    coordinator = Coordinator(settings, engine, eos_id=eos_id)
+    # The target comes from the settings (`target`, the models directory), as in production.
+    coordinator = Coordinator(settings, engine, target=configured_target(settings))
     fleet = LocalFleet(
         settings=settings,
         coordinator=coordinator,
         broker_url=broker_url,
         credentials=credentials,
         workdir=workdir,
-        eos_id=eos_id,
         quick=quick,
     )
     fleet._coordinator_task = asyncio.create_task(coordinator.run(), name="coordinator")

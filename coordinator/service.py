@@ -36,6 +36,7 @@ from coordinator.registry import DeviceRegistry
 from coordinator.sessions import LiveSession, SessionBook
 from coordinator.settings import Settings
 from coordinator.verifiers import VerifierPool
+from inference.artifacts import TargetIdentity
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,19 @@ EXPECTED_ON_DEVICE_CHANNEL: dict[DeviceChannel, tuple[type[Any], ...]] = {
 DeviceHandler = Callable[[str, Any], Awaitable[None]]
 
 
+def configured_target(settings: Settings) -> TargetIdentity | None:
+    """The settings' target (SmolLM2 unless `target` names another) from its manifest in the
+    models directory; None where this host has no build of it (verifiers then announce it)."""
+    from inference.artifacts import ArtifactError
+    from inference.target_build import load_target_identity
+
+    try:
+        return load_target_identity(settings.resolved_models_dir, settings.target)
+    except ArtifactError as exc:
+        log.info("no target manifest here (%s); verifiers will announce the target", exc)
+        return None
+
+
 class Coordinator:
     """Presence, telemetry and commands now; sessions and verifiers plug in through handlers."""
 
@@ -70,9 +84,11 @@ class Coordinator:
         *,
         client_id: str | None = None,
         accept_unknown_devices: bool | None = None,
-        eos_id: int = 2,
+        target: TargetIdentity | None = None,
         vocab_size: int | None = None,
     ) -> None:
+        """`target`: the target's identity from its manifest (EOS, vocabulary), for when no
+        verifier has announced it yet; `vocab_size` defaults to its vocabulary's."""
         self.settings = settings
         self.sessions = make_sessionmaker(engine)
         self.registry = DeviceRegistry(self.sessions)
@@ -97,11 +113,13 @@ class Coordinator:
             self.sessions,
             self.verifiers,
             self.publish,
-            eos_id=eos_id,
+            target=target,
             admit=self.fleet.admit,
             quotas=quotas,
             idle_timeout_s=settings.session_idle_timeout_s,
-            vocab_size=vocab_size,
+            vocab_size=vocab_size
+            if vocab_size is not None or target is None
+            else target.vocab_size,
         )
         self.fleet.rtt_observers.append(self.book.policy.observe_rtt)
         self.fleet.drafts_observers.append(self.book.policy.set_device_drafts)

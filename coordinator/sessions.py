@@ -44,6 +44,7 @@ from coordinator.verifiers import (
     VerificationFailed,
     VerifierPool,
 )
+from inference.artifacts import TargetIdentity
 from inference.speculative import apply_stop_rules
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ ADOPTED = "adopted"  # the lease id of a lease learnt from a verifier's heartbea
 # How often idle sessions are looked for (at most; a short idle timeout looks more often), and
 # finished ones still in memory let go.
 SWEEP_INTERVAL_S = 5.0
+
+
+class UnknownTarget(RuntimeError):
+    """No verifier has announced the target's EOS, and the coordinator has no manifest of it."""
 
 
 @dataclass
@@ -138,7 +143,7 @@ class SessionBook:
         pool: VerifierPool,
         publish: Publish,
         *,
-        eos_id: int,
+        target: TargetIdentity | None = None,
         admit: Callable[[str], Awaitable[bool]],
         quotas: Quotas,
         idle_timeout_s: float,
@@ -149,7 +154,8 @@ class SessionBook:
         self._admit = admit
         self.pool = pool
         self._publish = publish
-        self.eos_id = eos_id
+        # The target as configured here (its manifest), for when no verifier has announced one.
+        self.target = target
         self.default_draft = default_draft
         # Active sessions only: a session that ends is let go (the database keeps it).
         self.live: dict[str, LiveSession] = {}
@@ -167,6 +173,29 @@ class SessionBook:
         self.policy = AdaptivePolicy()
         self._tasks: set[asyncio.Task[None]] = set()
         pool.lost_observers.append(self.on_verifier_lost)
+
+    @property
+    def eos_id(self) -> int:
+        """The target's EOS as its verifiers announce it, else from the configured manifest.
+
+        Work reaches a verifier only after its heartbeat, which names the EOS, so a round never
+        waits on this; only a fleet of verifiers that predate it, and no manifest here, fails.
+        """
+        announced = self.pool.announced_target()
+        if announced is not None and announced.eos_id is not None:
+            return announced.eos_id
+        if self.target is not None:
+            return self.target.eos_id
+        raise UnknownTarget(
+            "the target's EOS is unknown: no verifier announced it and no target manifest here"
+        )
+
+    def target_vocab(self) -> str:
+        """The target's vocabulary hash, as announced or configured; "" while unknown."""
+        announced = self.pool.announced_target()
+        if announced is not None and announced.vocab:
+            return announced.vocab
+        return self.target.vocab_sha256 if self.target is not None else ""
 
     async def run_writer(self) -> None:
         await self._writer.run()
@@ -234,6 +263,12 @@ class SessionBook:
             return (
                 f"prompt of {len(request.prompt_ids)} tokens exceeds the quota of "
                 f"{quotas.max_prompt_tokens}"
+            )
+        target_vocab = self.target_vocab()
+        if request.vocab and target_vocab and request.vocab != target_vocab:
+            return (
+                f"the session's vocabulary ({request.vocab[:12]}) is not the target's "
+                f"({target_vocab[:12]}): its drafter and tokenizer belong to another target"
             )
         vocab_size = self.pool.vocab_size() or self.vocab_size
         highest = max(request.prompt_ids)

@@ -22,7 +22,7 @@ from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.migrate import upgrade
 from coordinator.provisioning import BrokerReload, BrokerSync
 from coordinator.registry import DeviceRegistry
-from coordinator.service import Coordinator
+from coordinator.service import Coordinator, configured_target
 from coordinator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ async def run_up(
         else:
             print(f"broker       {settings.broker_url}  (external)", flush=True)
         print(f"database     {engine.url.render_as_string(hide_password=True)}", flush=True)
-        coordinator = Coordinator(settings, engine)
+        coordinator = Coordinator(settings, engine, target=configured_target(settings))
         app = create_app(settings, engine)
         attach_service(app, coordinator, broker_revoke(settings, registry, quick))
         async with http_api(

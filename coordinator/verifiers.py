@@ -174,6 +174,14 @@ class VerifierPool:
         sizes = [v.status.vocab_size for v in self.live() if v.status.vocab_size is not None]
         return min(sizes) if sizes else None
 
+    def announced_target(self) -> m.VerifierStatus | None:
+        """The heartbeat of the first live verifier (by id) that names its target's EOS: the
+        target as the fleet runs it."""
+        for info in sorted(self.live(), key=lambda v: v.verifier_id):
+            if info.status.eos_id is not None:
+                return info.status
+        return None
+
     def pick(self, session_id: str, exclude: set[str] | None = None) -> VerifierInfo | None:
         """The verifier holding the session's cache, unless far busier than the least loaded."""
         candidates = [v for v in self.live() if v.verifier_id not in (exclude or set())]

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-from dashboard_rows import chat_tokenizer
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -88,14 +87,12 @@ async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], d
         coordinator_id=f"coordinator-api-{secrets.token_hex(4)}",
     )
     verifier_id = f"verifier-api-{secrets.token_hex(3)}"
-    tokenizer = chat_tokenizer()
     async with local_fleet(
         settings,
         [AgentSpec(device_id, "pi", "lookup", "none")],
         [verifier_id],
         workdir=workdir / "fleet",
         external_broker=SHARED_MOSQUITTO,
-        eos_id=tokenizer.eos_id,
     ) as fleet:
         engine = make_engine(database_url)
         try:

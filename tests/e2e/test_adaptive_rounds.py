@@ -90,7 +90,7 @@ def test_adaptive_sessions_carry_decisions_and_fixed_ones_keep_their_window(
     async def main() -> dict[str, tuple[list[m.Verdict], m.Verdict, list[Round]]]:
         settings = Settings(home=tmp_path / "home")
         async with local_fleet(
-            settings, [], ["adaptive-verifier"], workdir=tmp_path / "fleet", eos_id=tokenizer.eos_id
+            settings, [], ["adaptive-verifier"], workdir=tmp_path / "fleet"
         ) as fleet:
             address = BrokerAddress.from_url(fleet.broker_url)
             options = ConnectOptions(client_id=f"dev-{DEVICE}", protocol="3.1.1")

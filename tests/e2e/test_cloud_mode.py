@@ -27,8 +27,6 @@ from coordinator.demo import ask
 from coordinator.localfleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
 from coordinator.registry import DeviceExistsError
 from coordinator.settings import Settings
-from inference.target_build import ensure_target
-from inference.tokenizer import ChatTokenizer
 from netem import NetworkEmulator
 
 MAX_TOKENS = 24
@@ -68,7 +66,6 @@ def _rebuilt(session: DecodingSession, rounds: list[Round]) -> list[int]:
 
 
 def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
-    eos_id = ChatTokenizer.load(ensure_target()).eos_id
     prompts = shared_prompts()[:2]
 
     async def main() -> tuple[list[dict[str, Any]], Counter[str], dict[str, Any]]:
@@ -82,7 +79,6 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
                     ["cloud-verifier"],
                     workdir=tmp_path / "fleet",
                     external_broker=mosquitto.url,
-                    eos_id=eos_id,
                 ) as fleet,
             ):
                 _start_agent(fleet, CLOUD, mosquitto.url)

@@ -67,7 +67,7 @@ def test_duplicate_out_of_order_unknown_and_malformed_drafts(tmp_path: Path) -> 
     async def main() -> tuple[list[int], list[Round], DecodingSession]:
         settings = Settings(home=tmp_path / "home")
         async with local_fleet(
-            settings, [], ["idem-verifier"], workdir=tmp_path / "fleet", eos_id=tokenizer.eos_id
+            settings, [], ["idem-verifier"], workdir=tmp_path / "fleet"
         ) as fleet:
             address = BrokerAddress.from_url(fleet.broker_url)
             options = ConnectOptions(client_id=f"dev-{DEVICE}", protocol="3.1.1")
