@@ -30,6 +30,18 @@ from broker.topics import DOWNLINK_CHANNELS, UPLINK_CHANNELS, device_topic
 
 log = logging.getLogger(__name__)
 
+
+class _ShutdownIsNotAnError(logging.Filter):
+    """amqtt logs its broadcast loop's cancellation, which is how every stop ends it, as an
+    error with a traceback; an operator who pressed Ctrl-C should see nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, asyncio.CancelledError)
+
+
+logging.getLogger("amqtt.broker").addFilter(_ShutdownIsNotAnError())
+
 DEFAULT_PORT = 1884  # 1883 is usually taken by a system Mosquitto
 # Where anonymous clients' ids live; '~' is no username character, so no account owns it.
 ANONYMOUS_NAMESPACE = "~anonymous"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -66,6 +67,7 @@ async def ask(
 
 async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list[dict[str, Any]]:
     from coordinator.settings import Settings
+    from coordinator.stack import home_lock
     from inference.distill import ensure_drafts
     from inference.target_build import ensure_target
 
@@ -86,15 +88,17 @@ async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list
         f"starting {len(verifiers)} verifiers and {len(agents)} agents (logs in {workdir})",
         flush=True,
     )
-    async with local_fleet(
-        settings,
-        agents,
-        verifiers,
-        workdir=workdir,
-        external_broker=args.broker,
-    ) as fleet:
-        print(f"broker {fleet.broker_url}; database {settings.database_url}", flush=True)
-        return await _answer_all(fleet, agents, prompts, args)
+    own_broker = args.broker is None  # its files live in the home, as `up`'s do
+    with home_lock(settings.home, "demo") if own_broker else contextlib.nullcontext():
+        async with local_fleet(
+            settings,
+            agents,
+            verifiers,
+            workdir=workdir,
+            external_broker=args.broker,
+        ) as fleet:
+            print(f"broker {fleet.broker_url}; database {settings.database_url}", flush=True)
+            return await _answer_all(fleet, agents, prompts, args)
 
 
 async def _answer_all(
@@ -211,7 +215,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot read prompts: {exc}") from exc
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    results = asyncio.run(run_demo(args, prompts))
+    from coordinator.stack import StackError
+
+    try:
+        results = asyncio.run(run_demo(args, prompts))
+    except StackError as exc:
+        raise CommandError(str(exc)) from exc
     results.sort(key=lambda r: r["prompt_id"])
     rows = [
         [

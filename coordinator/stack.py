@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
-from collections.abc import AsyncIterator
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +39,48 @@ NOISY_LOGGERS = ("alembic", "amqtt", "transitions")
 
 # Devices provisioned while the stack runs can connect within this many seconds.
 PASSWORD_REFRESH_S = 2.0
+
+
+class StackError(OSError):
+    """The stack cannot start here: a port or the home is taken (one line, for the operator)."""
+
+
+def check_port_free(host: str, port: int, what: str, flag: str) -> None:
+    """Refuse, before anything starts, a port that something else listens on."""
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise StackError(
+                f"{what} port {host}:{port} is in use ({exc.strerror}): stop what holds it, "
+                f"or choose another with {flag}"
+            ) from None
+
+
+@contextlib.contextmanager
+def home_lock(home: Path, role: str) -> Iterator[None]:
+    """One stack per home: `up` and `demo` write the same broker files under it, and two would
+    lock each other out. Held (an advisory lock) for as long as the stack runs."""
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "stack.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            raise StackError(
+                f"{home} is in use by another specfleet stack ({holder}): stop it, or give this "
+                "one its own home with SPECFLEET_HOME"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"specfleet {role}, pid {os.getpid()}".encode())
+        yield
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -155,6 +200,19 @@ async def run_up(
     """Serve until cancelled. `embedded_port` None means: use settings.broker_url as it is."""
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if embedded_port is not None:
+        check_port_free("127.0.0.1", embedded_port, "the embedded broker's", "--mqtt-port")
+    check_port_free(settings.http_host, settings.http_port, "the HTTP API's", "--http-port")
+    # The embedded broker's files live in the home; with an external broker, coordinators may
+    # share one (scale-out).
+    embedded = embedded_port is not None
+    with home_lock(settings.home, "up") if embedded else contextlib.nullcontext():
+        await _run_up(settings, embedded_port, ready)
+
+
+async def _run_up(
+    settings: Settings, embedded_port: int | None, ready: asyncio.Event | None
+) -> None:
     engine = prepare_database(settings)
     registry = DeviceRegistry(make_sessionmaker(engine))
     quick: QuickstartBroker | None = None

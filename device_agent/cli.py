@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from broker.secrets import RefuseSecretInArgv
+from device_agent import __version__
 from device_agent.settings import (
     AgentSettings,
     LocalSettings,
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specfleet-agent", description="The specfleet device agent."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"specfleet-agent {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     run = sub.add_parser("run", help="connect to the bus and serve until stopped")
     _add_device_arguments(run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import signal
 import sys
@@ -52,12 +53,23 @@ def add_module_command(
     parser.set_defaults(func=module.run)
 
 
+def _version() -> str:
+    """The installed distribution's version; the agent's own when run from a checkout."""
+    try:
+        return importlib.metadata.version("specfleet")
+    except importlib.metadata.PackageNotFoundError:
+        from device_agent import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specfleet",
         description="Distributed speculative decoding on a fleet of edge devices over MQTT.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"specfleet {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
