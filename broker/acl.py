@@ -26,7 +26,11 @@ from broker.topics import (
 CONFIG_FILE = "mosquitto.conf"
 ACL_FILE = "acl"
 PASSWORD_FILE = "passwords"
+# The service accounts alone, for the cloud's own listener (`render_mosquitto_conf`).
+SERVICE_PASSWORD_FILE = "service-passwords"
 DATA_DIR = "data"
+# Options that each listener holds for itself once per_listener_settings is true.
+LISTENER_AUTH_OPTIONS = ("allow_anonymous", "password_file", "acl_file", "use_username_as_clientid")
 
 
 class Access(str, Enum):
@@ -223,12 +227,15 @@ def render_mosquitto_conf(
     listeners: Sequence[str] | None = None,
     tls: TlsFiles | None = None,
     run_as_user: str | None = None,
+    service_listener: str | None = None,
 ) -> str:
     """The shipped config with its file paths pointed at `config_dir` (and `data_dir`).
 
     `listeners` replaces the template's listener lines in order ("PORT [ADDRESS]"): the TLS
     template has the TLS listener first and the loopback one second. `run_as_user` is the user
     mosquitto switches to when started as root; it must be able to read the written files.
+    `service_listener` ("PORT [ADDRESS]") adds the cloud's own listener for replicated services
+    (see `_with_service_listener`); its accounts are in SERVICE_PASSWORD_FILE.
     """
     config_dir = config_dir.resolve()
     data_dir = (data_dir or config_dir / DATA_DIR).resolve()
@@ -246,7 +253,40 @@ def render_mosquitto_conf(
             _set_directive(lines, "cafile", [str(tls.cafile.resolve())])
     if run_as_user is not None:
         _set_directive(lines, "user", [run_as_user])
+    if service_listener is not None:
+        lines = _with_service_listener(lines, config_dir, service_listener)
     return "\n".join(lines) + "\n"
+
+
+def _with_service_listener(lines: list[str], config_dir: Path, service_listener: str) -> list[str]:
+    """Every listener gets its own copy of the auth options, and one more listener takes the
+    service accounts only, without use_username_as_clientid.
+
+    Why: with a client id forced to the username, one account holds one connection, so N
+    verifier replicas would need N accounts. On the service listener they share an account
+    and pick their own client ids; devices cannot log in there at all (its password file
+    holds no device), so none of them can take a service's client id.
+    """
+    auth = [line for line in lines if line.split(" ", 1)[0] in LISTENER_AUTH_OPTIONS]
+    auth = list(dict.fromkeys(auth))  # the TLS template repeats use_username_as_clientid
+    kept = [line for line in lines if line.split(" ", 1)[0] not in LISTENER_AUTH_OPTIONS]
+    _set_directive(kept, "per_listener_settings", ["true"])
+    result: list[str] = []
+    for line in kept:
+        result.append(line)
+        if line.startswith("listener "):
+            result.extend(auth)
+    result += [
+        "",
+        "# The cloud's own listener: coordinators and verifiers only (service-passwords), each",
+        "# replica with a client id of its own. Keep it off the devices' network.",
+        f"listener {service_listener}",
+        "allow_anonymous false",
+        f"password_file {config_dir / SERVICE_PASSWORD_FILE}",
+        f"acl_file {config_dir / ACL_FILE}",
+        "use_username_as_clientid false",
+    ]
+    return result
 
 
 @dataclass(frozen=True)
@@ -258,9 +298,18 @@ class BrokerFiles:
 
 
 def write_broker_files(
-    out_dir: Path, *, config_text: str, acl_text: str, passwords_text: str
+    out_dir: Path,
+    *,
+    config_text: str,
+    acl_text: str,
+    passwords_text: str,
+    service_passwords_text: str | None = None,
 ) -> BrokerFiles:
-    """Write the three files atomically (readers never see half a file); secrets stay 0600."""
+    """Write the files atomically (readers never see half a file); secrets stay 0600.
+
+    `service_passwords_text` (the service accounts alone) is written only when given; a
+    provisioning run leaves the one already there as it is.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     files = BrokerFiles(
         config=out_dir / CONFIG_FILE,
@@ -269,11 +318,14 @@ def write_broker_files(
         data_dir=out_dir / DATA_DIR,
     )
     files.data_dir.mkdir(exist_ok=True)
-    for path, text, mode in (
+    writes = [
         (files.config, config_text, 0o644),
         (files.acl, acl_text, 0o644),
         (files.passwords, passwords_text, 0o600),
-    ):
+    ]
+    if service_passwords_text is not None:
+        writes.append((out_dir / SERVICE_PASSWORD_FILE, service_passwords_text, 0o600))
+    for path, text, mode in writes:
         tmp = path.with_name(f".{path.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "w") as handle:

@@ -566,6 +566,20 @@ def _register_broker(subparsers: Subparsers) -> None:
         metavar="USER",
         help="the user mosquitto drops to when started as root (default: its own, mosquitto)",
     )
+    write.add_argument(
+        "--service-listener",
+        metavar="'PORT [ADDRESS]'",
+        help="add the cloud's own listener: service accounts only (DIR/service-passwords), "
+        "client ids not forced to the username, so replicas (verifiers in a Deployment) share "
+        "one account; keep it off the devices' network",
+    )
+    write.add_argument(
+        "--service-credential",
+        action="append",
+        metavar="NAME=FILE",
+        help="take service user NAME's credential from FILE (a mounted secret) instead of "
+        "minting one; its hash is written afresh (repeat for more)",
+    )
     _add_database_url(write)
 
 
@@ -579,6 +593,25 @@ def _parse_service_users(specs: list[str]) -> list[tuple[str, ServiceRole]]:
             raise CommandError(f"--service-user {spec!r}: expected NAME:ROLE")
         users.append((name, _choice(ServiceRole, role, f"--service-user {name}:")))
     return users
+
+
+def _read_service_credentials(specs: list[str], names: set[str]) -> dict[str, str]:
+    """NAME=FILE pairs -> NAME: the credential in FILE (one line, surrounding space dropped)."""
+    credentials = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CommandError(f"--service-credential {spec!r}: expected NAME=FILE")
+        if name not in names:
+            raise CommandError(f"--service-credential {name}: not one of the service users")
+        try:
+            credential = Path(path).read_text().strip()
+        except OSError as exc:
+            raise CommandError(f"--service-credential {name}: {exc}") from exc
+        if not credential or "\n" in credential:
+            raise CommandError(f"--service-credential {name}: {path} must hold one line")
+        credentials[name] = credential
+    return credentials
 
 
 def _broker_write_config(args: argparse.Namespace) -> int:
@@ -604,9 +637,13 @@ def _broker_write_config(args: argparse.Namespace) -> int:
 
     new_credentials: list[tuple[str, ServiceRole, str]] = []
     service_users = []
-    for name, role in _parse_service_users(args.service_user or list(DEFAULT_SERVICE_USERS)):
+    users = _parse_service_users(args.service_user or list(DEFAULT_SERVICE_USERS))
+    given = _read_service_credentials(args.service_credential or [], {name for name, _ in users})
+    for name, role in users:
         credential_hash = existing.get(name)
-        if credential_hash is None:
+        if name in given:
+            credential_hash = hash_credential(given[name])
+        elif credential_hash is None:
             credential = new_credential()
             credential_hash = hash_credential(credential)
             new_credentials.append((name, role, credential))
@@ -625,13 +662,23 @@ def _broker_write_config(args: argparse.Namespace) -> int:
             listeners=args.listener,
             tls=tls,
             run_as_user=args.run_as_user,
+            service_listener=args.service_listener,
+        )
+        service_passwords_text = (
+            acl.generate_passwords([], service_users) if args.service_listener else None
         )
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
     files = acl.write_broker_files(
-        out_dir, config_text=config_text, acl_text=acl_text, passwords_text=passwords_text
+        out_dir,
+        config_text=config_text,
+        acl_text=acl_text,
+        passwords_text=passwords_text,
+        service_passwords_text=service_passwords_text,
     )
     print(f"wrote {files.config}, {files.acl}, {files.passwords}")
+    if service_passwords_text is not None:
+        print(f"wrote {out_dir / acl.SERVICE_PASSWORD_FILE} (the service listener's accounts)")
     print(f"{len(devices)} device(s), {len(service_users)} service user(s)")
     for name, role, credential in new_credentials:
         print(f"new {role.value} user {name}: credential {credential}  (shown only now)")
