@@ -581,6 +581,61 @@ def _register_broker(subparsers: Subparsers) -> None:
         "minting one; its hash is written afresh (repeat for more)",
     )
     _add_database_url(write)
+    probe = _command(
+        group,
+        "probe-verifier",
+        "exit 0 if a verifier's retained heartbeat is online and fresh (a container probe); "
+        "credentials from SPECFLEET_BROKER_USERNAME and SPECFLEET_BROKER_PASSWORD",
+        _broker_probe_verifier,
+    )
+    probe.add_argument("verifier_id", metavar="VERIFIER_ID", help="the verifier's --id")
+    probe.add_argument("--broker-url", metavar="URL", help="default: the settings' broker_url")
+    probe.add_argument(
+        "--max-age",
+        type=float,
+        default=None,
+        metavar="S",
+        help="oldest heartbeat that counts as alive (default: 15)",
+    )
+    probe.add_argument(
+        "--unreachable-ok",
+        action="store_true",
+        help="exit 0 when the broker cannot be asked (a liveness probe: restarting the "
+        "verifier would not bring the broker back)",
+    )
+
+
+def _broker_probe_verifier(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from broker.client import BrokerAddress
+    from broker.probe import DEFAULT_MAX_AGE_S, BrokerUnreachable, judge_heartbeat, read_heartbeat
+    from broker.topics import validate_device_id
+    from coordinator.settings import Settings
+
+    settings = Settings()
+    max_age = DEFAULT_MAX_AGE_S if args.max_age is None else args.max_age
+    if max_age <= 0:
+        raise CommandError("--max-age must be positive")
+    try:
+        verifier_id = validate_device_id(args.verifier_id)
+        address = BrokerAddress.from_url(args.broker_url or settings.broker_url)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    try:
+        status = asyncio.run(
+            read_heartbeat(address, settings.broker_username, settings.broker_password, verifier_id)
+        )
+    except BrokerUnreachable as exc:
+        if args.unreachable_ok:
+            print(f"broker unreachable, not judged: {exc}")
+            return 0
+        raise CommandError(f"broker unreachable: {exc}") from exc
+    verdict = judge_heartbeat(status, max_age)
+    if not verdict.healthy:
+        raise CommandError(f"verifier {verifier_id}: {verdict.reason}")
+    print(f"verifier {verifier_id}: {verdict.reason}")
+    return 0
 
 
 def _parse_service_users(specs: list[str]) -> list[tuple[str, ServiceRole]]:
