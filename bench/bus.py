@@ -3,6 +3,8 @@
 The agent side publishes a real Draft (k=8 with a top-8 sparse q'); the coordinator side decodes
 it, builds the Verdict and publishes it back. Each broker is measured with TCP_NODELAY on and off
 on the clients, in the same run, so the ratio between them is what to read on a noisy machine.
+With `--features N` each configuration runs again with a feature drafter's round: the draft asks
+for features and the verdict carries N fp16 values (576 for SmolLM2-135M's hidden state).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from bench.report import add_json_argument, format_table, median, percentile, write_json
@@ -22,6 +25,7 @@ from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.mosquitto import MosquittoError, PrivateMosquitto
 from broker.topics import DeviceChannel, device_topic
+from inference.features import features_to_wire
 
 K = 8
 TOP_K = 8
@@ -44,10 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip the private Mosquitto started with the production setting set_tcp_nodelay",
     )
     parser.add_argument("--embedded", action="store_true", help="also measure the embedded amqtt")
+    parser.add_argument(
+        "--features",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure rounds whose verdict carries N fp16 features (the target's: 576)",
+    )
     add_json_argument(parser, Path("bench-results/bus.json"))
 
 
-def sample_draft(round_index: int) -> m.Draft:
+def sample_draft(round_index: int, want_features: bool = False) -> m.Draft:
     probs = (0.65, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01)
     return m.Draft(
         session_id="3f2b8c1e-bench-0000-0000-000000000000",
@@ -58,7 +69,14 @@ def sample_draft(round_index: int) -> m.Draft:
         q_probs=tuple(probs for _ in range(K)),
         draft_model="draft-l2",
         timings=m.DraftTimings(draft_ms=3.2, sent_at=time.time()),
+        want_features=True if want_features else None,
     )
+
+
+def sample_features(size: int) -> str:
+    """A hidden state's worth of fp16 values, as a verdict carries them."""
+    values = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    return features_to_wire(values * 4.0)
 
 
 @dataclass(frozen=True)
@@ -67,13 +85,17 @@ class Result:
     tcp_nodelay: bool
     rtts_ms: list[float]
     payload_bytes: int
+    verdict_bytes: int = 0
+    features: int = 0  # fp16 values on each verdict
 
     def row(self) -> dict[str, Any]:
         return {
             "broker": self.broker,
             "tcp_nodelay": self.tcp_nodelay,
+            "features": self.features,
             "count": len(self.rtts_ms),
             "payload_bytes": self.payload_bytes,
+            "verdict_bytes": self.verdict_bytes,
             "p50_ms": median(self.rtts_ms),
             "p99_ms": percentile(self.rtts_ms, 99),
             "mean_ms": sum(self.rtts_ms) / len(self.rtts_ms),
@@ -88,6 +110,7 @@ async def measure(
     warmup: int,
     username: str | None = None,
     password: str | None = None,
+    features: int = 0,
 ) -> Result:
     address = BrokerAddress.from_url(url)
     draft_topic = device_topic(DEVICE_ID, DeviceChannel.DRAFT)
@@ -101,6 +124,7 @@ async def measure(
     async with connect(address, agent_opts) as agent, connect(address, coord_opts) as coord:
         await coord.subscribe(draft_topic)
         await agent.subscribe(verdict_topic)
+        hidden = sample_features(features) if features else None
 
         async def coordinator() -> None:
             async for incoming in coord.messages():
@@ -113,29 +137,34 @@ async def measure(
                     next_token=42,
                     committed_len=draft.base_len + 6,
                     policy=m.Policy(draft_model=draft.draft_model, k=K),
+                    features=hidden if draft.want_features else None,
                 )
                 await coord.publish(verdict_topic, m.encode(verdict))
 
         server = asyncio.create_task(coordinator(), name="bench-coordinator")
         verdicts = agent.messages()
         rtts: list[float] = []
-        payload_bytes = 0
+        payload_bytes = verdict_bytes = 0
         try:
             for i in tqdm(
-                range(warmup + count), desc=f"{label} nodelay={tcp_nodelay}", leave=False
+                range(warmup + count),
+                desc=f"{label} nodelay={tcp_nodelay} features={features}",
+                leave=False,
             ):
-                payload = m.encode(sample_draft(i))
+                payload = m.encode(sample_draft(i, want_features=features > 0))
                 payload_bytes = len(payload)
                 start = time.perf_counter()
                 await agent.publish(draft_topic, payload)
-                m.decode_as((await anext(verdicts)).payload, m.Verdict)
+                answer = (await anext(verdicts)).payload
+                m.decode_as(answer, m.Verdict)
                 if i >= warmup:
                     rtts.append((time.perf_counter() - start) * 1000.0)
+                verdict_bytes = len(answer)
         finally:
             server.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await server
-    return Result(label, tcp_nodelay, rtts, payload_bytes)
+    return Result(label, tcp_nodelay, rtts, payload_bytes, verdict_bytes, features)
 
 
 async def run_all(args: argparse.Namespace) -> list[Result]:
@@ -150,10 +179,14 @@ async def run_all(args: argparse.Namespace) -> list[Result]:
         except MosquittoError as exc:
             print(f"skipping the private Mosquitto: {exc}")
             private = None
+    sizes = (0, args.features) if args.features else (0,)
     try:
         for label, url in targets:
             for nodelay in (True, False):
-                results.append(await measure(label, url, nodelay, args.count, args.warmup))
+                for size in sizes:
+                    results.append(
+                        await measure(label, url, nodelay, args.count, args.warmup, features=size)
+                    )
         if args.embedded:
             results += await _measure_embedded(args)
     finally:
@@ -194,23 +227,49 @@ def run(args: argparse.Namespace) -> int:
 
     if args.count < 1 or args.warmup < 0:
         raise CommandError("--count must be >= 1 and --warmup >= 0")
+    if not 0 <= args.features <= m.MAX_FEATURE_DIM:
+        raise CommandError(f"--features must be in 0..{m.MAX_FEATURE_DIM}")
     results = asyncio.run(run_all(args))
     if not results:
         raise CommandError("no broker to measure")
     rows = [r.row() for r in results]
-    # Baseline per broker: the same broker with TCP_NODELAY off.
-    baseline = {r["broker"]: r["p50_ms"] for r in rows if not r["tcp_nodelay"]}
+    # Baseline per broker and round kind: the same with TCP_NODELAY off.
+    baseline = {(r["broker"], r["features"]): r["p50_ms"] for r in rows if not r["tcp_nodelay"]}
     for r in rows:
-        r["p50_vs_nodelay_off"] = r["p50_ms"] / baseline[r["broker"]]
+        r["p50_vs_nodelay_off"] = r["p50_ms"] / baseline[(r["broker"], r["features"])]
+    plain_verdict = {(r["broker"], r["tcp_nodelay"]): r for r in rows if not r["features"]}
+    for r in rows:
+        plain = plain_verdict[(r["broker"], r["tcp_nodelay"])]
+        r["round_bytes_added"] = (
+            r["payload_bytes"]
+            + r["verdict_bytes"]
+            - plain["payload_bytes"]
+            - plain["verdict_bytes"]
+        )
     print(
         format_table(
-            ["broker", "TCP_NODELAY", "n", "bytes", "p50 ms", "p99 ms", "mean ms", "p50 / off"],
+            [
+                "broker",
+                "TCP_NODELAY",
+                "features",
+                "n",
+                "draft B",
+                "verdict B",
+                "+B/round",
+                "p50 ms",
+                "p99 ms",
+                "mean ms",
+                "p50 / off",
+            ],
             [
                 [
                     r["broker"],
                     "on" if r["tcp_nodelay"] else "off",
+                    r["features"],
                     r["count"],
                     r["payload_bytes"],
+                    r["verdict_bytes"],
+                    r["round_bytes_added"],
                     r["p50_ms"],
                     r["p99_ms"],
                     r["mean_ms"],
@@ -220,7 +279,11 @@ def run(args: argparse.Namespace) -> int:
             ],
         )
     )
-    goal = [r for r in rows if r["tcp_nodelay"] and r["broker"].startswith("mosquitto")]
+    goal = [
+        r
+        for r in rows
+        if r["tcp_nodelay"] and r["broker"].startswith("mosquitto") and not r["features"]
+    ]
     if goal:
         verdict = "met" if goal[0]["p50_ms"] <= 1.0 else "NOT met"
         print(

@@ -7,6 +7,8 @@ changing the meaning of one does.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from enum import Enum
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar
@@ -32,6 +34,12 @@ MAX_DRAFT_TOKENS = 2048
 MAX_SPARSE_K = 64
 MAX_CLOUD_K = 64  # the most tokens a verifier host drafts in one cloud round
 MAX_TOKEN_ID = 2**31 - 1
+# A verdict's features: the target's hidden state at one position, fp16. 8,192 values is past
+# any target a device drafts for (SmolLM2-135M has 576: 1,536 base64 characters).
+MAX_FEATURE_DIM = 8192
+MAX_FEATURE_CHARS = 4 * -(-2 * MAX_FEATURE_DIM // 3)  # base64 of 2 bytes a value
+# The high byte of a little-endian fp16 whose exponent bits are all set: an inf or a NaN.
+_NOT_FINITE = bytes(1 if (b & 0x7C) == 0x7C else 0 for b in range(256))
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Milliseconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -142,6 +150,30 @@ def check_sparse_q(
             raise ValueError("each q' row must sum to 1")
 
 
+def feature_bytes(text: str) -> bytes:
+    """The fp16 values (little-endian) a `features` field carries, checked: base64 of 1 to
+    MAX_FEATURE_DIM finite values. Raises ValueError with the reason."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("features must be base64 (of little-endian fp16 values)") from None
+    if len(raw) % 2 or not 2 <= len(raw) <= 2 * MAX_FEATURE_DIM:
+        raise ValueError(
+            f"features hold {len(raw)} bytes: expected 1..{MAX_FEATURE_DIM} fp16 values"
+        )
+    if 1 in raw[1::2].translate(_NOT_FINITE):
+        raise ValueError("features hold an infinite or NaN value")
+    return raw
+
+
+def encode_features(raw: bytes) -> str:
+    """The `features` field for fp16 values (little-endian bytes)."""
+    return base64.b64encode(raw).decode("ascii")
+
+
+Features = Annotated[str, Field(min_length=4, max_length=MAX_FEATURE_CHARS)]
+
+
 class DraftTimings(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
@@ -172,6 +204,9 @@ class Draft(_Message):
     # Cloud mode: no tokens; the verifier host drafts up to `cloud_k` tokens a round with its own
     # copy of `draft_model` and the coordinator streams a Verdict per round (docs/protocol.md).
     cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
+    # A feature drafter asks for the target's features on this round's verdict. Left out (None)
+    # by drafters that do not ask, so their drafts carry no byte of it. Cloud rounds carry none.
+    want_features: bool | None = None
 
     @model_validator(mode="after")
     def _sparse_q_matches_tokens(self) -> Draft:
@@ -255,6 +290,17 @@ class Verdict(_Message):
     # Cloud mode: the coordinator runs round + 1 itself; the agent waits for its verdict rather
     # than drafting it.
     continues: bool = False
+    # Asked for by the draft (`want_features`): the target's last-layer hidden state, after the
+    # final norm, at the position of the second-to-last committed token (whose logits chose
+    # next_token), as base64 of little-endian fp16 # [hidden_size]. See `feature_bytes`.
+    features: Features | None = None
+
+    @field_validator("features")
+    @classmethod
+    def _features_are_fp16(cls, text: str | None) -> str | None:
+        if text is not None:
+            feature_bytes(text)
+        return text
 
     @model_validator(mode="after")
     def _lengths_add_up(self) -> Verdict:
@@ -270,6 +316,8 @@ class Verdict(_Message):
             )
         if self.continues and self.finished:
             raise ValueError("a finished session does not continue")
+        if self.features is not None and (self.next_token is None or self.finished):
+            raise ValueError("features come only with a next token of a session that goes on")
         return self
 
 
@@ -446,6 +494,9 @@ class VerifyRequest(_Message):
     # A host stream from `round` on (cloud_k is then the cap of each pass's window; without
     # cloud_draft the stream is plain decoding).
     stream: StreamSpec | None = None
+    # Return the target's features at the verdict's position (see Verdict.features); a device's
+    # feature drafter asked. Left out when not asked; cloud rounds and streams carry none.
+    want_features: bool | None = None
 
     @model_validator(mode="after")
     def _sparse_q_matches_tokens(self) -> VerifyRequest:
@@ -561,6 +612,16 @@ class VerifyResult(_Message):
     # A host stream's round: the pass's choice of window, and whether the stream ends with it.
     pass_choice: PassChoice | None = None
     stream_ends: bool = False
+    # Asked for by the request (`want_features`): as Verdict.features, at the position whose
+    # logits chose next_token.
+    features: Features | None = None
+
+    @field_validator("features")
+    @classmethod
+    def _features_are_fp16(cls, text: str | None) -> str | None:
+        if text is not None:
+            feature_bytes(text)
+        return text
 
     @model_validator(mode="after")
     def _cloud_draft_adds_up(self) -> VerifyResult:
@@ -570,6 +631,8 @@ class VerifyResult(_Message):
             check_sparse_q(self.draft_tokens, self.q_ids, self.q_probs)
             if self.n_accepted > len(self.draft_tokens):
                 raise ValueError("n_accepted exceeds the drafted tokens")
+        if self.features is not None and self.next_token is None:
+            raise ValueError("features come only with a next token")
         return self
 
 

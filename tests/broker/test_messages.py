@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 from hypothesis import given, settings
@@ -50,7 +51,15 @@ def drafts(draw: st.DrawFn) -> m.Draft:
         timings=m.DraftTimings(
             draft_ms=draw(ms), sent_at=draw(unix_times), downlink_ms=draw(st.none() | ms)
         ),
+        want_features=draw(st.sampled_from([None, True, False])),
     )
+
+
+# fp16 bit patterns with an exponent short of all ones: every finite half, as bytes.
+finite_halves = st.integers(0, 0xFFFF).filter(lambda h: h & 0x7C00 != 0x7C00)
+features = st.lists(finite_halves, min_size=1, max_size=64).map(
+    lambda halves: m.encode_features(b"".join(h.to_bytes(2, "little") for h in halves))
+)
 
 
 @st.composite
@@ -80,6 +89,7 @@ def verdicts(draw: st.DrawFn) -> m.Verdict:
         verifier_id=draw(names),
         draft_tokens=draft_tokens,
         continues=cloud and not finished and draw(st.booleans()),
+        features=draw(features) if next_token is not None and not finished else None,
     )
 
 
@@ -507,3 +517,84 @@ def test_decode_as_refuses_the_wrong_type() -> None:
     status = m.encode(m.Status(device_id="pi-1", state=m.DeviceState.ONLINE, at=1.0))
     with pytest.raises(m.BusError, match="expected draft, got status"):
         m.decode_as(status, m.Draft)
+
+
+def _fp16(*values: float) -> str:
+    return m.encode_features(struct.pack(f"<{len(values)}e", *values))
+
+
+def _verdict_with(features: object, **fields: object) -> bytes:
+    document = {
+        "v": 1,
+        "type": "verdict",
+        "session_id": "s",
+        "round": 1,
+        "base_len": 3,
+        "n_accepted": 1,
+        "next_token": 9,
+        "committed_len": 5,
+        "features": features,
+        **fields,
+    }
+    return json.dumps(document).encode()
+
+
+def test_features_ride_as_fp16_and_round_trip() -> None:
+    verdict = m.decode_as(_verdict_with(_fp16(0.5, -2.0, 65504.0)), m.Verdict)
+    assert verdict.features is not None
+    assert struct.unpack("<3e", m.feature_bytes(verdict.features)) == (0.5, -2.0, 65504.0)
+    assert m.decode(m.encode(verdict)) == verdict
+    # A verdict that was not asked for them says nothing of them.
+    plain = verdict.model_copy(update={"features": None})
+    assert b"features" not in m.encode(plain)
+
+
+@pytest.mark.parametrize(
+    ("features", "fields", "reason_part"),
+    [
+        ("not base64!", {}, "features must be base64"),
+        (m.encode_features(b"\x00\x3c\x00"), {}, "3 bytes"),
+        (_fp16(1.0, float("inf")), {}, "infinite or NaN"),
+        (_fp16(float("nan")), {}, "infinite or NaN"),
+        (_fp16(*[0.0] * (m.MAX_FEATURE_DIM + 1)), {}, "expected 1..8192 fp16"),
+        (_fp16(*[0.0] * (2 * m.MAX_FEATURE_DIM)), {}, "at most 21848 characters"),
+        (12, {}, "features: Input should be a valid string"),
+        (_fp16(1.0), {"finished": True}, "session that goes on"),
+        (
+            _fp16(1.0),
+            {"next_token": None, "n_accepted": 2, "committed_len": 5},
+            "only with a next token",
+        ),
+    ],
+)
+def test_malformed_features_are_refused_with_a_reason(
+    features: object, fields: dict[str, object], reason_part: str
+) -> None:
+    with pytest.raises(m.SchemaViolation, match=reason_part):
+        m.decode(_verdict_with(features, **fields))
+
+
+def test_a_result_carries_features_only_with_its_next_token() -> None:
+    result = {
+        "v": 1,
+        "type": "verify_result",
+        "request_id": "r",
+        "session_id": "s",
+        "round": 0,
+        "base_len": 3,
+        "verifier_id": "v",
+        "error": "target pass failed",
+        "features": _fp16(1.0, 2.0),
+    }
+    with pytest.raises(m.SchemaViolation, match="only with a next token"):
+        m.decode(json.dumps(result).encode())
+    result.update(next_token=4, error="")
+    decoded = m.decode_as(json.dumps(result).encode(), m.VerifyResult)
+    assert decoded.features == _fp16(1.0, 2.0)
+
+
+def test_drafts_that_do_not_ask_for_features_carry_no_byte_of_it() -> None:
+    draft = m.Draft(session_id="s", round=0, base_len=3, tokens=(4,), draft_model="hybrid")
+    assert b"want_features" not in m.encode(draft)
+    asking = draft.model_copy(update={"want_features": True})
+    assert m.decode_as(m.encode(asking), m.Draft).want_features is True
