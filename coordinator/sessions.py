@@ -716,6 +716,7 @@ class SessionBook:
             q_ids=draft.q_ids,
             q_probs=draft.q_probs,
             sampling=live.sampling,
+            want_features=draft.want_features,
         )
         queued_at = time.perf_counter()
         try:
@@ -913,6 +914,8 @@ class SessionBook:
             verifier_id=result.verifier_id,
             draft_tokens=tuple(drafted) if hosted_round else None,
             continues=continues,
+            # The features belong to next_token's position: only when the stop rules kept it.
+            features=None if finished or hosted_round else result.features,
         )
         live.last_verdict = verdict
         await self._send_verdict(live, verdict)

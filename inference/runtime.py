@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,7 @@ class Runtime(Protocol):
         ...
 
 
+@runtime_checkable
 class FeatureRuntime(Runtime, Protocol):
     """A Runtime that can also hand out its last hidden state, the features a head drafts from.
 

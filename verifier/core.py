@@ -9,6 +9,10 @@ one would pad every other sequence of the batch to its length.
 
 A cloud round names a drafter instead of carrying tokens: the host drafts its window first
 (`verifier.drafting`), and the window then rides in the batched pass like any other.
+
+A request that asks for features (a device's feature drafter) gets the target's hidden state at
+the position whose logits chose its next token. A pass copies the hidden states out only when one
+of its rows asks; cloud rounds never do.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import numpy.typing as npt
 
 from broker.messages import VerifyRequest
 from inference.drafters import DrafterError
-from inference.runtime import KVCache, Logits, Runtime
+from inference.features import features_to_wire
+from inference.runtime import FeatureRuntime, Features, KVCache, Logits, Runtime
 from inference.sampling import (
     SamplingParams,
     SparseDraftProbs,
@@ -70,6 +75,8 @@ class Verification:
     q_ids: tuple[tuple[int, ...], ...] | None = None  # [k, K]
     q_probs: tuple[tuple[float, ...], ...] | None = None  # [k, K]
     draft_ms: float = 0.0
+    # Asked for: the hidden state at the position that chose next_token, in its wire form.
+    features: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -147,6 +154,10 @@ class VerifierCore:
         self.max_cached_positions = max_cached_positions
         self.max_positions = max_positions  # the model's context length, when it has one
         self.drafters = drafters  # None: this host refuses cloud rounds
+        # None: the target has no hidden output, and rounds that ask for features get none.
+        self.features: FeatureRuntime | None = (
+            runtime if isinstance(runtime, FeatureRuntime) and runtime.has_hidden else None
+        )
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent first
         self._hits = 0
         self._misses = 0
@@ -316,7 +327,7 @@ class VerifierCore:
             return done
 
         try:
-            logits = self.runtime.forward_batch([(row.ids, row.session.cache) for row in rows])
+            scored = self._score(rows)
         except Exception as exc:
             log.exception("batched pass over %d sessions failed", len(rows))
             for row in rows:
@@ -324,13 +335,27 @@ class VerifierCore:
                 done.append((row.index, _failed(row.request, f"target pass failed: {exc}")))
             return done
 
-        for row, row_logits in zip(rows, logits, strict=True):
+        for row, (row_logits, row_hidden) in zip(rows, scored, strict=True):
             window = len(row.request.tokens) + 1
-            done.append((row.index, self._decide(row, row_logits[-window:], len(rows))))
+            hidden = None if row_hidden is None else row_hidden[-window:]
+            done.append((row.index, self._decide(row, row_logits[-window:], hidden, len(rows))))
         return done
 
-    def _decide(self, row: _Row, logits: Logits, batch_size: int) -> Verification:
-        """Rejection-sample one window (logits # [k+1, V]); roll the cache back to the verdict."""
+    def _score(self, rows: list[_Row]) -> list[tuple[Logits, Features | None]]:
+        """The batched pass: logits per row, and hidden states only if a row asks for them."""
+        requests = [(row.ids, row.session.cache) for row in rows]
+        asked = any(row.request.want_features and row.request.cloud_k is None for row in rows)
+        if asked and self.features is not None:
+            return [
+                (logits, hidden) for logits, hidden in self.features.forward_batch_hidden(requests)
+            ]
+        return [(logits, None) for logits in self.runtime.forward_batch(requests)]
+
+    def _decide(
+        self, row: _Row, logits: Logits, hidden: Features | None, batch_size: int
+    ) -> Verification:
+        """Rejection-sample one window (logits # [k+1, V], hidden # [k+1, H] when asked for);
+        roll the cache back to the verdict."""
         request = row.request
         spec = request.sampling
         params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed)
@@ -348,6 +373,9 @@ class VerifierCore:
             self._rollback(row.session, request, base_len - 1)
             return _failed(request, f"rejection sampling refused the draft: {exc}", row.prefilled)
         self._rollback(row.session, request, base_len + verdict.n_accepted)
+        features = None
+        if hidden is not None and request.want_features and request.cloud_k is None:
+            features = _wire_features(request, hidden[verdict.n_accepted])
         return Verification(
             request_id=request.request_id,
             session_id=request.session_id,
@@ -357,6 +385,7 @@ class VerifierCore:
             next_token=verdict.next_token,
             prefilled=row.prefilled,
             batch_size=batch_size,
+            features=features,
         )
 
     def _rollback(self, session: _Session, request: VerifyRequest, length: int) -> None:
@@ -373,6 +402,16 @@ class VerifierCore:
             positions -= session.cache.length
             self._evictions += 1
             log.debug("evicted session %s (%d positions)", session_id, session.cache.length)
+
+
+def _wire_features(request: VerifyRequest, hidden: Features) -> str | None:
+    """Row n_accepted of the window scored [context[-1], *draft] and chose the next token: its
+    hidden state is the one a feature drafter chains from. None (logged) if it is not finite."""
+    try:
+        return features_to_wire(hidden)
+    except ValueError as exc:
+        log.warning("no features for round %d of %s: %s", request.round, request.session_id, exc)
+        return None
 
 
 def _failed(request: VerifyRequest, error: str, prefilled: int = 0) -> Verification:

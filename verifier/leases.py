@@ -194,6 +194,7 @@ class LeaseBook:
                 q_ids=draft.q_ids,
                 q_probs=draft.q_probs,
                 sampling=held.sampling,
+                want_features=draft.want_features,
             )
             result = await self._verify(request, time.perf_counter())
             if result.error or result.next_token is None:
@@ -280,6 +281,8 @@ class LeaseBook:
             finished=finished,
             policy=held.policy,
             verifier_id=self.verifier_id,
+            # The features belong to next_token's position: only when the stop rules kept it.
+            features=None if finished else result.features,
         )
         held.last_verdict = verdict
         self._to_device(held.device_id, verdict.model_copy(update={"sent_at": time.time()}))

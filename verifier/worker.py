@@ -657,6 +657,7 @@ class VerifierWorker:
             batch_size=verification.batch_size if verification is not None else 1,
             batch_prefilled=prefilled,
             error=(error or (verification.error if verification is not None else ""))[:1024],
+            features=verification.features if verification is not None else None,
         )
         if verification is not None and verification.draft_tokens is not None:
             result = result.model_copy(
