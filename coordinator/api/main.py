@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Scope
 
 from coordinator.api.deps import get_current_user
+from coordinator.api.docs import mount_api_docs
 from coordinator.api.limits import BodyLimits, Refusal, RequestBodyGuard
 from coordinator.api.routes import (
     artifacts,
@@ -94,7 +95,7 @@ def create_app(
         description="Admin API of a specfleet fleet: devices, sessions, models, verifiers, "
         "events. Authenticate with `Authorization: Bearer TOKEN` (`specfleet admin create`).",
         openapi_url=f"{API_PREFIX}/openapi.json",
-        docs_url=f"{API_PREFIX}/docs",
+        docs_url=None,  # served by mount_api_docs, with no CDN
         redoc_url=None,
     )
     app.state.settings = settings
@@ -121,6 +122,7 @@ def create_app(
     # Devices fetch artifacts with the download token of their deploy_model command.
     app.include_router(artifacts.router, prefix=API_PREFIX)
     mount_dashboard(app)
+    mount_api_docs(app, f"{API_PREFIX}/docs", f"{API_PREFIX}/openapi.json")
     limits = BodyLimits(
         settings.http_max_body_bytes,
         [(prefix, settings.http_max_upload_bytes) for prefix in UPLOAD_PREFIXES],

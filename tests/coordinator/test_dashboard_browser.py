@@ -22,7 +22,7 @@ import pytest
 import uvicorn
 from dashboard_rows import StoredSession, add_fleet, add_session, recent
 from fastapi import FastAPI
-from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Playwright, Route, expect, sync_playwright
 from sqlalchemy.engine import Engine
 
 from broker.mosquitto import free_port
@@ -427,3 +427,26 @@ def test_see_a_device_come_online_live(
         agent.wait(timeout=5)
     # The Last Will arrives: the row goes offline again without a reload.
     expect(row).to_have_attribute("data-status", "offline", timeout=20_000)
+
+
+def test_the_api_docs_render_with_no_network_beyond_this_host(
+    page: Page, dashboard: Dashboard
+) -> None:
+    """Swagger UI comes from this host: with every other host refused, the page still renders
+    the API's operations (FastAPI's default page loads Swagger UI from a CDN, and is blank on
+    a fleet's private network)."""
+    elsewhere: list[str] = []
+
+    def refuse_other_hosts(route: Route) -> None:
+        if route.request.url.startswith(dashboard.url):
+            route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", refuse_other_hosts)
+    page.goto(dashboard.url + "/api/v1/docs")
+    expect(page.locator(".swagger-ui .info .title")).to_contain_text("specfleet coordinator")
+    expect(page.locator(".opblock-summary-path", has_text="/api/v1/devices").first).to_be_visible()
+    screenshot(page, "api-docs")
+    assert elsewhere == []
