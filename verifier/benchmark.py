@@ -5,8 +5,10 @@ session and waits for all results. The same rounds run three ways: `VerifierCore
 in this process (model compute only), then through a `VerifierWorker` whose child reports its
 compute time, so that the pipe hop per batch (`roundtrip - compute`) and the bus, JSON and
 batching window per round (`end to end - roundtrips`) come out separately. Contexts grow by each
-round's verdict, as in a real session. Follows the `add_arguments`/`run` convention of the
-`specfleet bench` commands.
+round's verdict, as in a real session. The core also runs every round a second time on caches
+of its own with each request asking for the target's features (a feature drafter's rounds), in
+alternating order, so `core_features_p50_ms` against `core_p50_ms` is what features cost a pass.
+Follows the `add_arguments`/`run` convention of the `specfleet bench` commands.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument(
+        "--core-only", action="store_true", help="measure the core alone (no worker, no bus)"
+    )
+    parser.add_argument(
         "--json", type=Path, nargs="?", const=Path("bench-results/verifier.json"), default=None,
         help="write the results as JSON (default path bench-results/verifier.json)",
     )  # fmt: skip
@@ -70,7 +75,7 @@ class _Sessions:
     contexts: list[list[int]]
     round: int = 0
 
-    def requests(self, k: int) -> list[VerifyRequest]:
+    def requests(self, k: int, want_features: bool = False) -> list[VerifyRequest]:
         return [
             VerifyRequest(
                 request_id=uuid.uuid4().hex,
@@ -78,6 +83,7 @@ class _Sessions:
                 round=self.round,
                 context_ids=tuple(context),
                 tokens=tuple(draft_for(context, k)),
+                want_features=want_features or None,
             )
             for session_id, context in zip(self.ids, self.contexts, strict=True)
         ]
@@ -92,23 +98,28 @@ class _Sessions:
 
 def measure_core(
     models_dir: Path | None, threads: int | None, prompts: list[list[int]], rounds: int, k: int
-) -> list[float]:
-    """Milliseconds of `verify_batch` per round, all sessions in one call, caches warm."""
+) -> tuple[list[float], list[float]]:
+    """Milliseconds of `verify_batch` per round, all sessions in one call, caches warm: plain
+    rounds, and the same rounds asking for features (each on caches of its own)."""
     from inference.target_build import load_target
     from verifier.core import VerifierCore
 
     runtime, _ = load_target(models_dir, threads=threads)
-    core = VerifierCore(runtime)
-    sessions = _Sessions([f"core-{i}" for i in range(len(prompts))], [list(p) for p in prompts])
-    times: list[float] = []
+    runs = {asked: (VerifierCore(runtime), _Sessions(
+        [f"core-{i}" for i in range(len(prompts))], [list(p) for p in prompts]
+    )) for asked in (False, True)}  # fmt: skip
+    times: dict[bool, list[float]] = {False: [], True: []}
     for index in tqdm(range(rounds + 1), desc=f"core x{len(prompts)}", leave=False):
-        requests = sessions.requests(k)
-        started = time.perf_counter()
-        results = core.verify_batch(requests)
-        if index > 0:  # round 0 prefills
-            times.append((time.perf_counter() - started) * 1e3)
-        sessions.advance(requests, [(r.n_accepted, r.next_token or 0) for r in results])
-    return times
+        # Alternate which goes first, so that neither always runs on a warmer machine.
+        for asked in (False, True) if index % 2 else (True, False):
+            core, sessions = runs[asked]
+            requests = sessions.requests(k, want_features=asked)
+            started = time.perf_counter()
+            results = core.verify_batch(requests)
+            if index > 0:  # round 0 prefills
+                times[asked].append((time.perf_counter() - started) * 1e3)
+            sessions.advance(requests, [(r.n_accepted, r.next_token or 0) for r in results])
+    return times[False], times[True]
 
 
 class _Results:
@@ -208,7 +219,23 @@ def run(args: argparse.Namespace) -> int:
     with PrivateMosquitto() as broker:
         for n in args.sessions:
             prompts = [tokenizer.apply_chat_template(p) for p in load_prompts(args.prompts, n)]
-            core_ms = measure_core(args.models_dir, args.threads, prompts, args.rounds, args.k)
+            core_ms, features_ms = measure_core(
+                args.models_dir, args.threads, prompts, args.rounds, args.k
+            )
+            core_row = {
+                "sessions": n,
+                "k": args.k,
+                "rounds": args.rounds,
+                "core_p50_ms": median(core_ms),
+                "core_features_p50_ms": median(features_ms),
+                # The fastest round of each: on a shared machine, the one least disturbed.
+                "core_min_ms": min(core_ms),
+                "core_features_min_ms": min(features_ms),
+                "features_cost_pct": 100.0 * (median(features_ms) / median(core_ms) - 1.0),
+            }
+            if args.core_only:
+                rows.append(core_row)
+                continue
             config = WorkerConfig(
                 f"bench-{uuid.uuid4().hex[:8]}",
                 child=ChildConfig(models_dir=args.models_dir, threads=args.threads),
@@ -220,12 +247,9 @@ def run(args: argparse.Namespace) -> int:
             bus = [e - r for e, r in zip(w.end_to_end_ms, w.roundtrip_ms, strict=True)]
             rows.append(
                 {
-                    "sessions": n,
-                    "k": args.k,
-                    "rounds": args.rounds,
+                    **core_row,
                     "window_ms": args.batch_window_ms,
                     "mean_batch": sum(b.size for b in w.batches) / len(w.batches),
-                    "core_p50_ms": median(core_ms),
                     "child_compute_p50_ms": median(w.compute_ms),
                     "pipe_hop_p50_ms": median(pipe),
                     "pipe_hop_p90_ms": percentile(pipe, 90),
@@ -235,11 +259,13 @@ def run(args: argparse.Namespace) -> int:
                     "per_session_p50_ms": median(w.end_to_end_ms) / n,
                 }
             )
-    idle = asyncio.run(measure_pipe(ChildConfig(args.models_dir, threads=args.threads), 200))
     headers = list(rows[0])
     print(format_table(headers, [[row[h] for h in headers] for row in rows]))
-    p50, p90 = median(idle), percentile(idle, 90)
-    print(f"empty batch through the pipe: p50 {p50:.3f} ms, p90 {p90:.3f} ms")
+    idle: list[float] = []
+    if not args.core_only:
+        idle = asyncio.run(measure_pipe(ChildConfig(args.models_dir, threads=args.threads), 200))
+        p50, p90 = median(idle), percentile(idle, 90)
+        print(f"empty batch through the pipe: p50 {p50:.3f} ms, p90 {p90:.3f} ms")
     if args.json is not None:
         document = {"benchmark": "verifier", "rows": rows, "empty_batch_pipe_ms": idle}
         write_json(args.json, document)

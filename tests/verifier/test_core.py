@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from verifier_helpers import (
     draft_from,
@@ -15,6 +17,9 @@ from verifier_helpers import (
 
 from broker.messages import SamplingSpec, VerifyRequest
 from inference.artifacts import default_models_dir
+from inference.features import features_from_wire
+from inference.gguf_source import GgufModel
+from inference.onnx_graph import DecoderSpec, build_decoder
 from inference.onnx_runtime import OnnxRuntime
 from inference.sampling import SamplingParams, SparseDraftProbs, rejection_sample, round_rng
 from inference.tokenizer import ChatTokenizer
@@ -331,3 +336,57 @@ def test_a_cloud_round_the_host_cannot_draft_fails_alone(
     failed, served = core.verify_batch([bad, good])
     assert not failed.ok and reason in failed.error
     assert served.ok and served.n_accepted == K
+
+
+def target_alone_hidden(runtime: OnnxRuntime, sequence: Sequence[int]) -> np.ndarray:
+    """The target's hidden state at the last position of `sequence`, in a pass of its own."""
+    ((_, hidden),) = runtime.forward_batch_hidden([(list(sequence), runtime.new_cache())])
+    last: np.ndarray = hidden[-1]
+    return last
+
+
+def test_features_are_the_targets_hidden_state_where_next_token_was_chosen(
+    target: Target,
+) -> None:
+    """Rows that ask get h_{n-1}: the hidden state at the last accepted position (or at the
+    context's last token when none was accepted), as a target-alone pass computes it; rows that
+    do not ask get none, and asking changes no verdict."""
+    runtime, _ = target
+    requests = [
+        greedy_case(f"f{i}", *case).model_copy(update={"want_features": i % 2 == 0 or None})
+        for i, case in enumerate(GREEDY_CASES)
+    ]
+    plain = VerifierCore(runtime).verify_batch(
+        [r.model_copy(update={"want_features": None}) for r in requests]
+    )
+    results = VerifierCore(runtime).verify_batch(requests)
+    assert [verdict(v) for v in results] == [verdict(v) for v in plain]
+    assert all(v.features is None for v in plain)
+    for request, result in zip(requests, results, strict=True):
+        if not request.want_features:
+            assert result.features is None
+            continue
+        assert result.features is not None
+        features = features_from_wire(result.features)
+        assert features.shape == (runtime.hidden_size,)
+        accepted = request.tokens[: result.n_accepted]
+        expected = target_alone_hidden(runtime, [*request.context_ids, *accepted])
+        # fp16 on the wire (|h| <= ~50: steps of 2^-5 at the top) and batched kernels' last bits.
+        np.testing.assert_allclose(features, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_a_target_without_the_hidden_output_verifies_without_features(tmp_path: Path) -> None:
+    """A target built before the output existed (here a 2-layer cut of it): a round that asks
+    is verified as usual and gets no features."""
+    source = GgufModel()
+    path = tmp_path / "no-hidden.onnx"
+    onnx.save(build_decoder(source.config, source.weights(2), DecoderSpec(n_layers=2)), str(path))
+    runtime = OnnxRuntime(path)
+    assert not runtime.has_hidden
+    request = greedy_case("no-hidden", 0, 0, None)
+    core = VerifierCore(runtime)
+    assert core.features is None
+    (asked,) = core.verify_batch([request.model_copy(update={"want_features": True})])
+    (plain,) = VerifierCore(runtime).verify_batch([request])
+    assert asked.ok and asked.features is None
+    assert verdict(asked) == verdict(plain)
