@@ -129,6 +129,11 @@ class Telemetry(_Message):
     battery_percent: float | None = Field(default=None, ge=0, le=100)
     thermal_c: float | None = Field(default=None, ge=-100, le=200)
     probe_nonce: str | None = Field(default=None, max_length=64)
+    # Power and the device's own limits: past one, the policy keeps drafting off the device.
+    charging: bool | None = None
+    power_saver: bool | None = None
+    thermal_limit_c: float | None = Field(default=None, ge=0, le=200)
+    battery_floor_percent: float | None = Field(default=None, ge=0, le=100)
 
 
 def check_sparse_q(

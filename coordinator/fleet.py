@@ -32,6 +32,7 @@ DROP_LOG_INTERVAL_S = 10.0
 Publish = Callable[[str, bytes], Awaitable[None]]
 RttObserver = Callable[[str, float], None]  # (device id, RTT in ms)
 DraftsObserver = Callable[[str, Sequence[str]], None]  # (device id, drafts installed)
+TelemetryObserver = Callable[[str, m.Telemetry], None]  # (device id, its latest telemetry)
 
 
 def utcnow() -> datetime:
@@ -130,6 +131,7 @@ class Fleet:
         # Who else learns from presence and telemetry (the adaptive policy).
         self.rtt_observers: list[RttObserver] = []
         self.drafts_observers: list[DraftsObserver] = []
+        self.telemetry_observers: list[TelemetryObserver] = []
         self.telemetry_limit = RateLimiter(quotas.telemetry_per_s, quotas.telemetry_burst)
         self._refusal_replies = RateLimiter(1.0 / REFUSAL_REPLY_INTERVAL_S, 1)
         self.telemetry_refused = 0
@@ -170,6 +172,8 @@ class Fleet:
         if not self.telemetry_limit.allow(device_id):
             await self._refuse_telemetry(device_id)
             return
+        for observe in self.telemetry_observers:  # in memory: heat and power, for the policy
+            observe(device_id, telemetry)
         if telemetry.probe_nonce is not None:
             # Echo first: the device measures the RTT to us, not to our database.
             echo = m.Command(

@@ -84,6 +84,18 @@ PRIOR_FILL_WEIGHT = 1.0  # in rounds: a drafter is taken to fill its window unti
 # Below this draft confidence (the draft's own top probability) the agent stops the window.
 MIN_CONFIDENCE = 0.3
 
+# A device past one of its limits stops drafting: its rounds move to the verifier host, or,
+# where no host mode is on offer, to its cheapest drafter. These hold where a device reports no
+# limits of its own; a limit is left only this far back on the safe side, so that a reading at
+# the edge does not flap the session between modes.
+THERMAL_LIMIT_C = 80.0
+BATTERY_FLOOR_PERCENT = 20.0
+THERMAL_HYSTERESIS_C = 5.0
+BATTERY_HYSTERESIS_PERCENT = 5.0
+# A drafter counts as cheap within this factor (plus a small absolute slack) of the cheapest.
+CHEAP_DRAFT_FACTOR = 1.5
+CHEAP_DRAFT_SLACK_MS = 0.1
+
 
 # --- task type ---------------------------------------------------------------------------------
 
@@ -338,6 +350,58 @@ class RoundObservation:
     overhead_ms: float | None = None
 
 
+@dataclass
+class DeviceCondition:
+    """A device's heat and power, from its telemetry, and the limit it is past, if any."""
+
+    thermal_limit_c: float = THERMAL_LIMIT_C
+    battery_floor_percent: float = BATTERY_FLOOR_PERCENT
+    hot: bool = False
+    low: bool = False
+    power_saver: bool = False
+    reading: str = ""
+
+    def update(self, telemetry: m.Telemetry) -> None:
+        if telemetry.thermal_limit_c is not None:
+            self.thermal_limit_c = telemetry.thermal_limit_c
+        if telemetry.battery_floor_percent is not None:
+            self.battery_floor_percent = telemetry.battery_floor_percent
+        thermal, battery = telemetry.thermal_c, telemetry.battery_percent
+        if thermal is not None:
+            edge = self.thermal_limit_c - (THERMAL_HYSTERESIS_C if self.hot else 0.0)
+            self.hot = thermal >= edge
+        if battery is not None:
+            edge = self.battery_floor_percent + (BATTERY_HYSTERESIS_PERCENT if self.low else 0.0)
+            self.low = battery <= edge and not telemetry.charging
+        elif telemetry.charging:
+            self.low = False
+        self.power_saver = bool(telemetry.power_saver)
+        self.reading = "; ".join(
+            part
+            for part in (
+                f"{thermal:.0f} °C (limit {self.thermal_limit_c:g})" if thermal is not None else "",
+                f"battery {battery:.0f}% (floor {self.battery_floor_percent:g}%"
+                f"{', charging' if telemetry.charging else ''})"
+                if battery is not None
+                else "",
+            )
+            if part
+        )
+
+    @property
+    def limit(self) -> str | None:
+        """Why the device should not draft now, or None."""
+        reasons = [
+            *(["too hot"] if self.hot else []),
+            *(["battery low and not charging"] if self.low else []),
+            *(["power saver on"] if self.power_saver else []),
+        ]
+        if not reasons:
+            return None
+        reading = f": {self.reading}" if self.reading else ""
+        return f"device {', '.join(reasons)}{reading}"
+
+
 @dataclass(frozen=True)
 class Candidate:
     draft_model: str
@@ -437,6 +501,8 @@ class Decision:
     verify_coefficients: tuple[float, ...]  # a, b, c, d, e of t_verify
     candidates: tuple[Candidate, ...]
     reason: str
+    # The device limit that kept drafting off it (too hot, battery low, power saver), if any.
+    device_limit: str | None = None
 
     @property
     def policy(self) -> m.Policy:
@@ -465,6 +531,16 @@ class Decision:
         return {**self.policy.model_dump(mode="json"), "decision": inputs}
 
 
+def spare_the_device(distributed: list[Candidate], host: Sequence[Candidate]) -> list[Candidate]:
+    """The distributed candidates left to a device past a limit: none where a host mode is on
+    offer (the host drafts, or nobody does), else its cheapest drafters."""
+    if host or not distributed:
+        return []
+    cheapest = min(c.draft_ms_per_token for c in distributed)
+    bound = cheapest * CHEAP_DRAFT_FACTOR + CHEAP_DRAFT_SLACK_MS
+    return [c for c in distributed if c.draft_ms_per_token <= bound]
+
+
 class AdaptivePolicy:
     """Learns from every round of every session, and decides the next round of one."""
 
@@ -487,6 +563,7 @@ class AdaptivePolicy:
         self._refused: dict[str, set[str]] = {}  # device -> drafts it did not switch to
         self._asked: dict[str, tuple[str, int]] = {}  # session -> (draft asked, rounds since)
         self._in_mode: dict[str, tuple[m.Mode, int]] = {}  # session -> (mode, decisions in it)
+        self._condition: dict[str, DeviceCondition] = {}  # device -> heat and power
 
     # --- what we learn --------------------------------------------------------------------
 
@@ -494,6 +571,24 @@ class AdaptivePolicy:
         """The drafts a device reports installed (its status message)."""
         self._device_drafts[device_id] = tuple(drafts)
         self._refused.pop(device_id, None)
+
+    def observe_telemetry(self, device_id: str, telemetry: m.Telemetry) -> None:
+        """Heat and power from the device's telemetry (its RTT comes through observe_rtt)."""
+        condition = self._condition.get(device_id)
+        if condition is None:
+            if (
+                telemetry.thermal_c is None
+                and telemetry.battery_percent is None
+                and not telemetry.power_saver
+            ):
+                return  # nothing to judge: keep no state for it
+            condition = self._condition[device_id] = DeviceCondition()
+        condition.update(telemetry)
+
+    def device_limit(self, device_id: str) -> str | None:
+        """Why the device should not draft now (too hot, battery low, power saver), or None."""
+        condition = self._condition.get(device_id)
+        return None if condition is None else condition.limit
 
     def observe_rtt(self, device_id: str, rtt_ms: float) -> None:
         """An RTT the device measured to the coordinator (telemetry)."""
@@ -699,6 +794,10 @@ class AdaptivePolicy:
             m.Mode.CLOUD: cloud,
             m.Mode.PLAIN: plain_candidates,
         }
+        limit = self.device_limit(device_id)
+        if limit is not None:
+            host = [*cloud, *plain_candidates]
+            by_mode[m.Mode.DISTRIBUTED] = spare_the_device(distributed, host)
         best = {
             mode: max(candidates, key=lambda c: c.tokens_per_s)
             for mode, candidates in by_mode.items()
@@ -730,6 +829,9 @@ class AdaptivePolicy:
             chosen = current
             reason = f"keep {current.draft_model}: {current.tokens_per_s:.1f} tok/s predicted"
         reason += f"; mode {mode_reason}"
+        if limit is not None:
+            spared = "off the device" if mode in m.HOST_MODES else f"to {chosen.draft_model}"
+            reason = f"{limit}: drafting moves {spared}; {reason}"
         return Decision(
             mode=mode,
             draft_model=chosen.draft_model,
@@ -744,6 +846,7 @@ class AdaptivePolicy:
             queue_ms=queue_ms,
             verifier_load=verifier_load,
             verify_coefficients=self.verify_cost.coefficients(),
-            candidates=(*distributed, *cloud, *plain_candidates),
+            candidates=(*by_mode[m.Mode.DISTRIBUTED], *cloud, *plain_candidates),
             reason=reason,
+            device_limit=limit,
         )

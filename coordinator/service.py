@@ -123,6 +123,7 @@ class Coordinator:
         )
         self.fleet.rtt_observers.append(self.book.policy.observe_rtt)
         self.fleet.drafts_observers.append(self.book.policy.set_device_drafts)
+        self.fleet.telemetry_observers.append(self.book.policy.observe_telemetry)
         self.device_handlers: dict[type[Any], DeviceHandler] = {
             m.Status: self.fleet.on_status,
             m.Telemetry: self.fleet.on_telemetry,

@@ -501,3 +501,65 @@ def test_a_round_whose_pass_prefilled_does_not_teach_the_verify_time() -> None:
     before = policy.verify_cost.predict(4, 0.0)
     policy.observe(_round(k=4, n_accepted=0, t_verify_ms=400.0, prefill=True))
     assert policy.verify_cost.predict(4, 0.0) == pytest.approx(before)
+
+
+# --- heat and power ------------------------------------------------------------------------
+
+
+def _telemetry(**fields: object) -> m.Telemetry:
+    return m.Telemetry(device_id=DEVICE, at=1.0, **fields)  # type: ignore[arg-type]
+
+
+def test_a_hot_device_drafts_no_more_while_a_host_mode_is_on_offer() -> None:
+    policy = _cloud_policy(0.5, 5.0)  # a LAN and a slow host: drafting on the device pays
+    assert policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, D, ("hybrid",)).mode is D
+    policy.observe_telemetry(DEVICE, _telemetry(thermal_c=84.0))
+    decision = policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, D, ("hybrid",))
+    assert decision.mode is C  # at once: no dwell, no margin
+    assert decision.device_limit == "device too hot: 84 °C (limit 80)"
+    assert decision.reason.startswith("device too hot: 84 °C (limit 80): drafting moves off")
+    record = json.loads(json.dumps(decision.to_json()))
+    assert record["decision"]["device_limit"] == decision.device_limit
+    # Just under the limit is not cool enough; 5 °C under it is.
+    policy.observe_telemetry(DEVICE, _telemetry(thermal_c=77.0))
+    assert policy.device_limit(DEVICE) is not None
+    policy.observe_telemetry(DEVICE, _telemetry(thermal_c=74.0))
+    assert policy.device_limit(DEVICE) is None
+    assert policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, C, ("hybrid",)).device_limit is None
+
+
+def test_a_device_low_on_battery_with_no_host_mode_gets_its_cheapest_drafter() -> None:
+    policy = AdaptivePolicy()
+    policy.set_device_drafts(DEVICE, ["draft-l1"])
+    for i in range(20):  # the neural draft accepts far more, and costs 8 ms a token
+        policy.observe(_round(draft="draft-l1", k=4, n_accepted=4, t_draft_ms=8.0, session=f"n{i}"))
+        policy.observe(_round(draft="lookup", k=4, n_accepted=0, session=f"l{i}"))
+    assert policy.decide("s1", DEVICE, "chat", "draft-l1", 0.0).draft_model == "draft-l1"
+
+    policy.observe_telemetry(
+        DEVICE, _telemetry(battery_percent=12.0, charging=False, battery_floor_percent=15.0)
+    )
+    decision = policy.decide("s1", DEVICE, "chat", "draft-l1", 0.0)
+    assert decision.mode is D and decision.draft_model != "draft-l1"
+    assert all(c.draft_model != "draft-l1" for c in decision.candidates)
+    assert decision.reason.startswith(
+        "device battery low and not charging: battery 12% (floor 15%): drafting moves to "
+        f"{decision.draft_model}"
+    )
+    # Plugged in, the limit is gone; the device's own floor (15%) replaced the default (20%).
+    policy.observe_telemetry(DEVICE, _telemetry(battery_percent=12.0, charging=True))
+    assert policy.device_limit(DEVICE) is None
+    policy.observe_telemetry(DEVICE, _telemetry(battery_percent=18.0, charging=False))
+    assert policy.device_limit(DEVICE) is None
+
+
+def test_power_saver_keeps_drafting_off_the_device_and_telemetry_without_readings_is_no_state() -> (
+    None
+):
+    policy = _cloud_policy(0.5, 5.0)
+    policy.observe_telemetry(DEVICE, _telemetry(cpu_percent=10.0))
+    assert policy._condition == {}
+    policy.observe_telemetry(DEVICE, _telemetry(power_saver=True))
+    decision = policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, D, (), plain=True)
+    assert decision.mode is m.Mode.PLAIN
+    assert decision.device_limit == "device power saver on"
