@@ -74,11 +74,19 @@ class BrokerAccount(Protocol):
     def rules(self) -> tuple[AclRule, ...]: ...
 
 
+def device_rule_channels() -> tuple[tuple[Access, DeviceChannel], ...]:
+    """A device's access to each of its own channels: the one source of every broker's rules."""
+    writes = [(Access.WRITE, channel) for channel in UPLINK_CHANNELS]
+    reads = [(Access.READ, channel) for channel in DOWNLINK_CHANNELS]
+    return (*writes, *reads)
+
+
 def device_rules(device_id: str) -> tuple[AclRule, ...]:
     """Write its own uplink channels, read its own verdicts and commands; nothing else."""
-    writes = [AclRule(Access.WRITE, device_topic(device_id, c)) for c in UPLINK_CHANNELS]
-    reads = [AclRule(Access.READ, device_topic(device_id, c)) for c in DOWNLINK_CHANNELS]
-    return (*writes, *reads)
+    return tuple(
+        AclRule(access, device_topic(device_id, channel))
+        for access, channel in device_rule_channels()
+    )
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,9 @@ class ServiceRole(str, Enum):
     # sessions it holds) and verdicts; devices still write only their own topics.
     VERIFIER = "verifier"
     OBSERVER = "observer"  # read-only view of the whole bus (dashboards, debugging)
+    # A site broker's bridge into the core broker (broker/bridge.py): every device's uplinks
+    # in, every device's downlinks out. The site's own ACL holds each device to its topics.
+    BRIDGE = "bridge"
 
 
 # The service accounts' names where none is given (`broker write-config`, the quickstart). A
@@ -122,6 +133,11 @@ def service_rules(role: ServiceRole) -> tuple[AclRule, ...]:
             AclRule(Access.READWRITE, f"{VERIFIER_ROOT}/#"),
             AclRule(Access.READ, device_subscription(DeviceChannel.DRAFT)),
             AclRule(Access.WRITE, device_subscription(DeviceChannel.VERDICT)),
+        )
+    if role is ServiceRole.BRIDGE:
+        return tuple(
+            AclRule(access, device_subscription(channel))
+            for access, channel in device_rule_channels()
         )
     return (AclRule(Access.READ, f"{ROOT}/#"),)
 

@@ -7,10 +7,14 @@ import binascii
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 
 # Mosquitto 2 writes `$7$<iterations>$<base64 salt>$<base64 sha512 pbkdf2>`, 12-byte salt.
 MOSQUITTO_PBKDF2_PREFIX = "$7$"
 SALT_BYTES = 12
+# Our salts are 12 URL-safe characters (72 random bits), not raw bytes: EMQX's built-in
+# database keeps a salt as text, so the same hash then serves Mosquitto and EMQX alike.
+SALT_ALPHABET_BYTES = 9  # token_urlsafe(9) is 12 characters
 # Credentials are 256-bit random tokens, so stretching adds little; the broker pays this cost on
 # every CONNECT, and a reconnect storm of a whole fleet must not stall it (about 10 ms each here).
 DEFAULT_ITERATIONS = 20_000
@@ -32,7 +36,7 @@ def hash_credential(
     """The Mosquitto `$7$` hash of `credential`, with a fresh salt unless one is given."""
     if iterations < 1:
         raise ValueError("iterations must be positive")
-    salt = secrets.token_bytes(SALT_BYTES) if salt is None else salt
+    salt = secrets.token_urlsafe(SALT_ALPHABET_BYTES).encode() if salt is None else salt
     digest = hashlib.pbkdf2_hmac("sha512", credential.encode(), salt, iterations)
     return (
         f"{MOSQUITTO_PBKDF2_PREFIX}{iterations}$"
@@ -54,6 +58,20 @@ def _parse(encoded: str) -> tuple[int, bytes, bytes]:
     if iterations < 1 or len(digest) != hashlib.sha512().digest_size:
         raise CredentialHashError("malformed Mosquitto hash: bad iterations or digest length")
     return iterations, salt, digest
+
+
+@dataclass(frozen=True)
+class Pbkdf2Parts:
+    """A `$7$` hash taken apart: what another broker's PBKDF2-SHA512 check needs."""
+
+    iterations: int
+    salt: bytes
+    digest: bytes  # 64 bytes
+
+
+def pbkdf2_parts(encoded: str) -> Pbkdf2Parts:
+    iterations, salt, digest = _parse(encoded)
+    return Pbkdf2Parts(iterations, salt, digest)
 
 
 def check_credential_hash(encoded: str) -> str:

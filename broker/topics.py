@@ -43,7 +43,13 @@ def validate_device_id(device_id: str) -> str:
 
 
 def device_topic(device_id: str, channel: DeviceChannel) -> str:
-    return f"{ROOT}/dev/{validate_device_id(device_id)}/{channel.value}"
+    return device_topic_pattern(validate_device_id(device_id), channel)
+
+
+def device_topic_pattern(device_level: str, channel: DeviceChannel) -> str:
+    """A device topic with any text as its device level: a broker's placeholder such as
+    EMQX's `${username}`. Use `device_topic` for a real device."""
+    return f"{ROOT}/dev/{device_level}/{channel.value}"
 
 
 def device_subscription(channel: DeviceChannel) -> str:

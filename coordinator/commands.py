@@ -573,14 +573,49 @@ def _register_broker(subparsers: Subparsers) -> None:
         "client ids not forced to the username, so replicas (verifiers in a Deployment) share "
         "one account; keep it off the devices' network",
     )
+    _add_service_credential(write)
     write.add_argument(
-        "--service-credential",
-        action="append",
-        metavar="NAME=FILE",
-        help="take service user NAME's credential from FILE (a mounted secret) instead of "
-        "minting one; its hash is written afresh (repeat for more)",
+        "--bridge-to",
+        metavar="URL",
+        help="make this a site broker bridged into the core broker at URL (mqtt:// or "
+        "mqtts://): device uplinks out, downlinks in (deploy/README.md)",
+    )
+    write.add_argument(
+        "--bridge-username",
+        metavar="NAME",
+        help="the core's bridge account (a --service-user NAME:bridge there)",
+    )
+    write.add_argument(
+        "--bridge-credential", type=Path, metavar="FILE", help="file holding its credential"
     )
     _add_database_url(write)
+    emqx = _command(
+        group,
+        "write-emqx",
+        "write an EMQX 5 cluster's emqx.conf, acl.conf and user bootstrap files from the "
+        "device registry",
+        _broker_write_emqx,
+    )
+    emqx.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    emqx.add_argument(
+        "--etc-dir",
+        metavar="PATH",
+        help="where the EMQX nodes will read these files (default: DIR as given)",
+    )
+    emqx.add_argument(
+        "--service-user",
+        action="append",
+        metavar="NAME:ROLE",
+        help=f"as for write-config (default: {', '.join(DEFAULT_SERVICE_USERS)}); without "
+        "--service-credential a new credential is printed once",
+    )
+    _add_service_credential(emqx)
+    found = emqx.add_mutually_exclusive_group()
+    found.add_argument(
+        "--seed", action="append", metavar="NAME@HOST", help="a static cluster seed (repeat)"
+    )
+    found.add_argument("--dns", metavar="NAME", help="discover the cluster's nodes by DNS")
+    _add_database_url(emqx)
     probe = _command(
         group,
         "probe-verifier",
@@ -650,6 +685,105 @@ def _parse_service_users(specs: list[str]) -> list[tuple[str, ServiceRole]]:
     return users
 
 
+def _add_service_credential(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--service-credential",
+        action="append",
+        metavar="NAME=FILE",
+        help="take service user NAME's credential from FILE (a mounted secret) instead of "
+        "minting one; its hash is written afresh (repeat for more)",
+    )
+
+
+def _service_users(
+    args: argparse.Namespace, existing: dict[str, str]
+) -> tuple[list[Any], list[tuple[str, ServiceRole, str]]]:
+    """The service users with hashes (given, kept from `existing`, or new), and the new ones'
+    plaintext credentials to print once."""
+    from broker import acl
+    from broker.passwords import hash_credential, new_credential
+
+    new_credentials: list[tuple[str, ServiceRole, str]] = []
+    service_users = []
+    users = _parse_service_users(args.service_user or list(DEFAULT_SERVICE_USERS))
+    given = _read_service_credentials(args.service_credential or [], {name for name, _ in users})
+    for name, role in users:
+        credential_hash = existing.get(name)
+        if name in given:
+            credential_hash = hash_credential(given[name])
+        elif credential_hash is None:
+            credential = new_credential()
+            credential_hash = hash_credential(credential)
+            new_credentials.append((name, role, credential))
+        try:
+            service_users.append(acl.ServiceUser(name, credential_hash, role))
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
+    return service_users, new_credentials
+
+
+def _bridge_link(args: argparse.Namespace) -> Any:
+    from broker.bridge import BridgeLink
+    from broker.client import BrokerAddress
+
+    if args.bridge_to is None:
+        if args.bridge_username or args.bridge_credential:
+            raise CommandError("--bridge-username and --bridge-credential go with --bridge-to")
+        return None
+    if not args.bridge_username or args.bridge_credential is None:
+        raise CommandError("--bridge-to needs --bridge-username and --bridge-credential")
+    try:
+        address = BrokerAddress.from_url(args.bridge_to)
+        credential = args.bridge_credential.read_text().strip()
+        return BridgeLink(
+            args.bridge_username,
+            address.host,
+            address.port,
+            args.bridge_username,
+            credential,
+            cafile=args.cafile if address.tls else None,
+        )
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"--bridge-to: {exc}") from exc
+
+
+def _broker_write_emqx(args: argparse.Namespace) -> int:
+    from broker import emqx
+
+    service_users, new_credentials = _service_users(args, {})
+    try:
+        cluster = emqx.EmqxCluster(static_seeds=tuple(args.seed or ()), dns_name=args.dns)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    with _engine(args) as engine:
+        devices = _registry(engine).broker_accounts()
+    try:
+        users = emqx.generate_emqx_users(devices, service_users)
+        acl_text = emqx.generate_emqx_acl(service_users)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
+    out_dir: Path = args.out
+    etc_dir = args.etc_dir or str(out_dir)
+    conf_text = emqx.render_emqx_conf(etc_dir, iterations=users.iterations, cluster=cluster)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, text, mode in (
+        (emqx.CONFIG_FILE, conf_text, 0o644),
+        (emqx.ACL_FILE, acl_text, 0o644),
+        (emqx.USERS_FILE, users.users_csv, 0o600),
+        (emqx.SERVICE_USERS_FILE, users.service_users_csv, 0o600),
+    ):
+        path = out_dir / name
+        path.write_text(text)
+        path.chmod(mode)
+    print(f"wrote {', '.join(str(out_dir / n) for n in (emqx.CONFIG_FILE, emqx.ACL_FILE))}")
+    print(f"wrote {out_dir / emqx.USERS_FILE}, {out_dir / emqx.SERVICE_USERS_FILE} (0600)")
+    print(f"{len(devices)} device(s), {len(service_users)} service user(s)")
+    for name, role, credential in new_credentials:
+        print(f"new {role.value} user {name}: credential {credential}  (shown only now)")
+    print("users load when the authenticator is created; later, POST users.csv to its import_users")
+    return 0
+
+
 def _read_service_credentials(specs: list[str], names: set[str]) -> dict[str, str]:
     """NAME=FILE pairs -> NAME: the credential in FILE (one line, surrounding space dropped)."""
     credentials = {}
@@ -671,7 +805,6 @@ def _read_service_credentials(specs: list[str], names: set[str]) -> dict[str, st
 
 def _broker_write_config(args: argparse.Namespace) -> int:
     from broker import acl
-    from broker.passwords import hash_credential, new_credential
 
     tls = None
     if args.tls:
@@ -690,22 +823,8 @@ def _broker_write_config(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise CommandError(f"{password_path}: {exc}") from exc
 
-    new_credentials: list[tuple[str, ServiceRole, str]] = []
-    service_users = []
-    users = _parse_service_users(args.service_user or list(DEFAULT_SERVICE_USERS))
-    given = _read_service_credentials(args.service_credential or [], {name for name, _ in users})
-    for name, role in users:
-        credential_hash = existing.get(name)
-        if name in given:
-            credential_hash = hash_credential(given[name])
-        elif credential_hash is None:
-            credential = new_credential()
-            credential_hash = hash_credential(credential)
-            new_credentials.append((name, role, credential))
-        try:
-            service_users.append(acl.ServiceUser(name, credential_hash, role))
-        except ValueError as exc:
-            raise CommandError(str(exc)) from exc
+    service_users, new_credentials = _service_users(args, existing)
+    link = _bridge_link(args)
 
     with _engine(args) as engine:
         devices = _registry(engine).broker_accounts()
@@ -724,6 +843,11 @@ def _broker_write_config(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CommandError(str(exc)) from exc
+    if link is not None:
+        from broker.bridge import with_bridge, write_bridge
+
+        config_text = with_bridge(config_text, out_dir)
+        print(f"wrote {write_bridge(out_dir, link)} (bridge to {args.bridge_to}; 0600)")
     files = acl.write_broker_files(
         out_dir,
         config_text=config_text,

@@ -23,7 +23,7 @@ from broker.compat import task_group
 from broker.topics import DeviceChannel, device_topic
 from device_agent import __version__
 from device_agent.catalog import DrafterCatalog
-from device_agent.health import read_health
+from device_agent.health import HealthReader
 from device_agent.journal import JournalError, SessionJournal
 from device_agent.local_api import LocalApi
 from device_agent.models_store import ModelStore
@@ -53,6 +53,7 @@ class Agent:
         self.announce = announce
         self.rtt_ms: float | None = None
         self._probes: dict[str, float] = {}  # nonce -> monotonic send time
+        self._health = HealthReader(settings.sys_root)
         self._client: BusClient | None = None
         self._stopping = asyncio.Event()
         self.connected = asyncio.Event()
@@ -246,7 +247,7 @@ class Agent:
         self._probes = {n: t for n, t in self._probes.items() if now - t < PROBE_TTL_S}
         nonce = secrets.token_hex(8)
         self._probes[nonce] = now
-        health = read_health()
+        health = self._health.read()
         return m.Telemetry(
             device_id=self.device_id,
             at=time.time(),
@@ -256,6 +257,10 @@ class Agent:
             battery_percent=health.battery_percent,
             thermal_c=health.thermal_c,
             probe_nonce=nonce,
+            charging=health.charging,
+            power_saver=self.settings.power_saver,
+            thermal_limit_c=self.settings.thermal_limit_c,
+            battery_floor_percent=self.settings.battery_floor_percent,
         )
 
     async def _receive(self, client: BusClient) -> None:

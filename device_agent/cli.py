@@ -37,6 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kind", choices=["pi", "jetson", "phone", "other"])
     run.add_argument("--keepalive", type=int, dest="keepalive_s", help="MQTT keepalive, seconds")
     run.add_argument("--telemetry-interval", type=float, dest="telemetry_interval_s")
+    run.add_argument(
+        "--thermal-limit",
+        type=float,
+        dest="thermal_limit_c",
+        help="degrees C past which the coordinator keeps drafting off this device (default 80)",
+    )
+    run.add_argument(
+        "--battery-floor",
+        type=float,
+        dest="battery_floor_percent",
+        help="battery percent under which, not charging, drafting leaves this device (default 20)",
+    )
+    run.add_argument(
+        "--power-saver",
+        action="store_true",
+        default=None,
+        help="draft nothing on this device: its sessions' drafting goes to the verifier host",
+    )
+    run.add_argument(
+        "--sys-root", type=Path, help="where to read /sys (battery, heat); default /sys"
+    )
     run.add_argument("--draft", dest="default_draft", help="drafter of sessions that name none")
     run.add_argument(
         "--connect-wait",
@@ -139,6 +160,10 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             "local_api": args.local_api,
             "fallback_after_s": args.fallback_after_s,
             "connect_wait_s": args.connect_wait_s,
+            "thermal_limit_c": args.thermal_limit_c,
+            "battery_floor_percent": args.battery_floor_percent,
+            "power_saver": args.power_saver,
+            "sys_root": args.sys_root,
         }
     return load_agent_settings(args.config, **overrides)
 

@@ -92,6 +92,13 @@ class AgentSettings(LocalSettings):
     release_key_file: Path | None = None
     # An HTTP proxy for artifact downloads (a site's caching proxy); the environment's is not used.
     http_proxy: str | None = None
+    # Heat and power, reported with the telemetry: past a limit the coordinator keeps drafting
+    # off this device (to the verifier host, or to its cheapest drafter). power_saver is the
+    # user's own switch. /sys is read under sys_root (a container may mount the host's elsewhere).
+    thermal_limit_c: float = Field(default=80.0, gt=0, le=200)
+    battery_floor_percent: float = Field(default=20.0, ge=0, le=100)
+    power_saver: bool = False
+    sys_root: Path = Path("/sys")
 
     @field_validator("device_id")
     @classmethod
