@@ -1,7 +1,9 @@
 """Drafters by name: the built-in lookup, n-gram and hybrid ones, and the neural drafts on disk.
 
-Names: `lookup`, `ngram`, `hybrid` (lookup, then the n-gram table), every draft model in the
-models directory by its manifest name, and `hybrid+NAME` (lookup, the table, then that draft).
+Names: `lookup`, `ngram`, `hybrid` (lookup, then the n-gram table), every draft model and every
+feature head in the models directory by its manifest name, and `hybrid+NAME` (lookup, the
+table, then that draft or head). A feature head drafts from the target's features, which come
+with verdicts; alone, it falls back to `hybrid` while it has none.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inference.proposers import (
+    FeatureHeadStep,
+    FeatureProposer,
     HybridProposer,
     NeuralProposer,
     NGramTable,
@@ -45,6 +49,10 @@ DEFAULT_NEURAL_K = 2
 HYBRID_NEURAL_MIN_CONFIDENCE = 0.3
 HYBRID_NEURAL_MAX_TOKENS = 2
 HYBRID_NEURAL_BEFORE = "lookup-1"  # the copying tier a hybrid's neural draft goes before
+# A feature head in a hybrid takes the draft's place, with the same confidence gate; it chains
+# from the target's own features, so it may go further than a small draft (to be tuned on
+# bench/prompts/tune.jsonl once a trained head ships).
+HYBRID_HEAD_MAX_TOKENS = 4
 LOOKUP_2_MAX_TOKENS = 5
 LOOKUP_1_MAX_TOKENS = 2
 # A 3-token table context chains on while its contexts are in the table; past 4 tokens only
@@ -69,10 +77,22 @@ def draft_model_names(models_dir: Path, vocab: str | None = None) -> list[str]:
     )
 
 
+def head_names(models_dir: Path, vocab: str | None = None) -> list[str]:
+    """The manifest name of every built feature head: `eagle-h1` (ONNX), `eagle-h1-tflite`;
+    with `vocab`, only the heads of that vocabulary."""
+    from inference.feature_head import list_heads
+
+    return sorted(
+        head.manifest.name
+        for head in list_heads(models_dir)
+        if vocab is None or head.manifest.vocab_sha256 == vocab
+    )
+
+
 def drafter_names(models_dir: Path, vocab: str | None = None) -> list[str]:
     """The names `make_proposer` accepts for this models directory (and vocabulary)."""
-    drafts = draft_model_names(models_dir, vocab)
-    return [*BUILTIN_DRAFTERS, *drafts, *(HYBRID_PREFIX + name for name in drafts)]
+    models = [*draft_model_names(models_dir, vocab), *head_names(models_dir, vocab)]
+    return [*BUILTIN_DRAFTERS, *models, *(HYBRID_PREFIX + name for name in models)]
 
 
 def default_k(name: str) -> int:
@@ -80,6 +100,25 @@ def default_k(name: str) -> int:
     if name.startswith(HYBRID_PREFIX):
         return DEFAULT_K[HYBRID]
     return DEFAULT_K.get(name, DEFAULT_NEURAL_K)
+
+
+def is_head(models_dir: Path, name: str) -> bool:
+    """Whether `name` (or the model behind `hybrid+name`) is a built feature head."""
+    return name.removeprefix(HYBRID_PREFIX) in head_names(models_dir)
+
+
+def load_head(models_dir: Path, name: str, threads: int | None = None) -> FeatureHeadStep:
+    """A built feature head by manifest name, in the runtime its format needs."""
+    from inference.feature_head import FeatureHead, FeatureHeadError, list_heads
+
+    for head in list_heads(models_dir):
+        if head.manifest.name == name:
+            try:
+                return FeatureHead.load(head.directory, threads=threads)
+            except FeatureHeadError as exc:
+                raise DrafterError(str(exc)) from exc
+    known = ", ".join(drafter_names(models_dir))
+    raise DrafterError(f"unknown drafter {name!r}; known: {known}")
 
 
 def load_draft_runtime(models_dir: Path, name: str, threads: int | None = None) -> Runtime:
@@ -120,10 +159,13 @@ def make_proposer(
     ngram_path: Path = DEFAULT_NGRAM_TABLE,
     threads: int | None = None,
     load_runtime: Callable[[str], Runtime] | None = None,
+    load_head_step: Callable[[str], FeatureHeadStep] | None = None,
 ) -> Proposer:
     """A fresh drafter of the given name; a neural one samples at `temperature` from top-K q'.
     `load_runtime` gives a draft's runtime by name (to share one loaded model between drafters
-    with caches of their own); by default each drafter loads its own."""
+    with caches of their own), `load_head_step` a feature head (stateless, so any number of
+    drafters share one); by default each drafter loads its own."""
+    heads = head_names(models_dir)
 
     def lookup() -> Proposer:
         return PromptLookupProposer(LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
@@ -138,6 +180,15 @@ def make_proposer(
             runtime = load_draft_runtime(models_dir, draft_name, threads)
         return NeuralProposer(runtime, temperature=temperature, top_k=NEURAL_TOP_K, **options)
 
+    def head(head_name: str, fallback: Proposer | None, **options: Any) -> FeatureProposer:
+        if load_head_step is not None:
+            step = load_head_step(head_name)
+        else:
+            step = load_head(models_dir, head_name, threads)
+        return FeatureProposer(
+            step, fallback, temperature=temperature, top_k=NEURAL_TOP_K, name=head_name, **options
+        )
+
     if name == LOOKUP:
         return lookup()
     if name == NGRAM:
@@ -149,14 +200,30 @@ def make_proposer(
         # the 3-token table contexts, before the 1-token match, for at most a few tokens, and
         # only when it is itself fairly sure of them.
         tiers = tiered_copying(load_ngram_table(ngram_path))
-        draft = neural(
-            name[len(HYBRID_PREFIX) :],
-            min_confidence=HYBRID_NEURAL_MIN_CONFIDENCE,
-            min_tokens=0,
-            max_tokens=HYBRID_NEURAL_MAX_TOKENS,
-        )
+        model = name[len(HYBRID_PREFIX) :]
+        draft: Proposer
+        if model in heads:
+            # Without a feature the head proposes nothing and the copying tiers go on alone.
+            draft = head(
+                model,
+                None,
+                min_confidence=HYBRID_NEURAL_MIN_CONFIDENCE,
+                min_tokens=0,
+                max_tokens=HYBRID_HEAD_MAX_TOKENS,
+            )
+        else:
+            draft = neural(
+                model,
+                min_confidence=HYBRID_NEURAL_MIN_CONFIDENCE,
+                min_tokens=0,
+                max_tokens=HYBRID_NEURAL_MAX_TOKENS,
+            )
         at = next(i for i, tier in enumerate(tiers) if tier.name == HYBRID_NEURAL_BEFORE)
         return HybridProposer([*tiers[:at], draft, *tiers[at:]], name=name)
+    if name in heads:
+        # No feature yet (a first round, cloud rounds, local mode): the hybrid drafts instead.
+        fallback = HybridProposer(tiered_copying(load_ngram_table(ngram_path)), name=HYBRID)
+        return head(name, fallback)
     return neural(name)
 
 

@@ -1,8 +1,9 @@
-"""Drafters: prompt lookup, an n-gram table, a neural draft model, and a hybrid of them.
+"""Drafters: prompt lookup, an n-gram table, a neural draft model, a feature head, and hybrids.
 
 Every drafter has the shape of transformers' candidate generator: `get_candidates` proposes up
 to k tokens after the committed context, and `update_candidate_strategy(n_accepted)` feeds the
-verdict back. Drafters that hold a KV cache also `rollback(committed_len)`.
+verdict back. Drafters that hold a KV cache also `rollback(committed_len)`. A feature drafter
+also hears the target's own features after each verdict (`give_features`).
 """
 
 from __future__ import annotations
@@ -379,10 +380,191 @@ class NeuralProposer:
         return last
 
 
+class FeatureHeadStep(Protocol):
+    """A feature head (`inference.feature_head.FeatureHead`): a stateless step over the target's
+    hidden states, with logits over a reduced vocabulary."""
+
+    name: str
+    hidden_size: int
+    vocab_ids: IntArray  # [V'] the target's token id of each logit column
+
+    def step(
+        self, features: npt.NDArray[np.float32], tokens: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """(next_features # [B, H], logits # [B, V']) from features # [B, H], tokens # [B]."""
+        ...
+
+
+@dataclass
+class _Chain:
+    """The head's steps from one real feature of the target: F(L) for a context of L tokens,
+    then the tokens it consumed (context[L-1], then the context or its own drafts) and what each
+    step gave."""
+
+    length: int  # L
+    feature: npt.NDArray[np.float32]  # [H]: the target's hidden state at context[L-2]
+    consumed: list[int] = field(default_factory=list)
+    features: list[npt.NDArray[np.float32]] = field(default_factory=list)  # [H] after each step
+    logits: list[npt.NDArray[np.float32]] = field(default_factory=list)  # [V'] after each step
+
+
+class FeatureProposer:
+    """Drafts with a feature head from the target's own features (EAGLE-style).
+
+    After a verdict that committed x_1..x_n the target's feature h_{n-1} (its hidden state at
+    x_{n-1}, whose logits chose x_n) is at hand (`give_features`). The head then chains:
+    step(h_{n-1}, x_n) gives the predicted feature at x_n and d_1, step(that, d_1) gives d_2, and
+    so on. A context longer than the one the feature belongs to (a pre-drafted window) is
+    caught up by stepping the head over the extra tokens on its own predicted features; steps
+    already taken for the same tokens are reused. Without a feature (a session's first round,
+    after a resync or a rewind, a verdict that carried none) it asks `fallback`, or proposes
+    nothing. Greedy drafting proposes the head's argmax (q' one-hot); sampling draws from q',
+    the head's softmax over its reduced vocabulary at `temperature` cut to the top `top_k`
+    (zero outside it), as NeuralProposer does. `min_confidence`, `min_tokens` and `max_tokens`
+    mean what they mean there.
+    """
+
+    wants_features = True
+
+    def __init__(
+        self,
+        head: FeatureHeadStep,
+        fallback: Proposer | None = None,
+        temperature: float = 0.0,
+        top_k: int = 8,
+        min_confidence: float = 0.0,
+        min_tokens: int = 1,
+        max_tokens: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        if temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.head = head
+        self.fallback = fallback
+        self.name = name or head.name
+        self.temperature = temperature
+        self.top_k = top_k
+        self.min_confidence = min_confidence
+        self.min_tokens = min_tokens
+        self.max_tokens = max_tokens
+        self._chain: _Chain | None = None
+        self._fell_back = False  # whether the last proposal was the fallback's
+        self.head_rounds = 0  # proposals drafted by the head (the rest fell back)
+        self.fallback_rounds = 0
+
+    @property
+    def has_features(self) -> bool:
+        return self._chain is not None
+
+    def give_features(self, features: npt.ArrayLike, committed_len: int) -> None:
+        """The target's feature for a committed context of `committed_len` tokens: its hidden
+        state at position committed_len - 2 # [H]. Raises ValueError for a wrong size."""
+        feature = np.asarray(features, dtype=np.float32).reshape(-1)
+        if feature.shape != (self.head.hidden_size,):
+            raise ValueError(
+                f"{self.name} drafts from {self.head.hidden_size} features, got {feature.shape[0]}"
+            )
+        if committed_len < 2:
+            raise ValueError(f"a feature needs a context of >= 2 tokens, got {committed_len}")
+        self._chain = _Chain(committed_len, feature)
+
+    def get_candidates(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Candidates:
+        if self.temperature > 0.0 and rng is None:
+            raise ValueError("a sampling draft needs the round's draft rng")
+        chain = self._chain
+        if chain is None or len(context_ids) < chain.length:
+            self._fell_back = self.fallback is not None
+            if self.fallback is None:
+                return no_candidates()
+            self.fallback_rounds += 1
+            return self.fallback.get_candidates(context_ids, k, rng)
+        self._fell_back = False
+        self.head_rounds += 1
+        if self.max_tokens is not None:
+            k = min(k, self.max_tokens)
+        path = [int(t) for t in context_ids[chain.length - 1 :]]
+        logits = self._advance(chain, path)
+        tokens: list[int] = []
+        rows: list[tuple[IntArray, npt.NDArray[np.float64]]] = []
+        while len(tokens) < k:
+            unsure = self.min_confidence > 0.0 and len(tokens) >= self.min_tokens
+            if unsure and float(softmax(logits).max()) < self.min_confidence:
+                break
+            if self.temperature == 0.0:
+                token = int(self.head.vocab_ids[int(logits.argmax())])
+            else:
+                assert rng is not None
+                ids, probs = draft_sparse_probs(logits, self.temperature, self.top_k)
+                ids = self.head.vocab_ids[ids]
+                token = sample_sparse(ids, probs, rng)
+                rows.append((ids, probs))
+            tokens.append(token)
+            if len(tokens) < k:
+                path.append(token)
+                logits = self._advance(chain, path)
+        token_array = np.asarray(tokens, dtype=np.int64)
+        if self.temperature == 0.0 or not rows:
+            return Candidates(tokens=token_array, q=None)
+        q = SparseDraftProbs(
+            ids=np.stack([ids for ids, _ in rows]), probs=np.stack([p for _, p in rows])
+        )
+        return Candidates(tokens=token_array, q=q)
+
+    def _advance(self, chain: _Chain, path: list[int]) -> npt.NDArray[np.float32]:
+        """Step the head along `path` (the tokens after the feature's own position), reusing the
+        steps already taken for a common prefix; the last step's logits # [V']."""
+        common = 0
+        limit = min(len(chain.consumed), len(path))
+        while common < limit and chain.consumed[common] == path[common]:
+            common += 1
+        del chain.consumed[common:], chain.features[common:], chain.logits[common:]
+        for token in path[common:]:
+            feature = chain.features[-1] if chain.features else chain.feature
+            next_features, logits = self.head.step(feature.reshape(1, -1), [token])
+            chain.consumed.append(token)
+            chain.features.append(next_features[0])
+            chain.logits.append(logits[0])
+        return chain.logits[-1]
+
+    def update_candidate_strategy(self, n_accepted: int) -> None:
+        if self._fell_back and self.fallback is not None:
+            self.fallback.update_candidate_strategy(n_accepted)
+
+    def rollback(self, committed_len: int) -> None:
+        """A feature belongs to its context: a rewind before it drops it (and its steps)."""
+        if self._chain is not None and committed_len < self._chain.length:
+            self._chain = None
+        if self.fallback is not None:
+            self.fallback.rollback(committed_len)
+
+
+def feature_drafters(proposer: Proposer) -> list[FeatureProposer]:
+    """The feature drafters in a drafter: itself, or the parts of a hybrid."""
+    if isinstance(proposer, FeatureProposer):
+        return [proposer]
+    if isinstance(proposer, HybridProposer):
+        return [found for part in proposer.proposers for found in feature_drafters(part)]
+    return []
+
+
+def wants_features(proposer: Proposer) -> bool:
+    """Whether the drafter has use for the target's features (its drafts ask for them)."""
+    return bool(feature_drafters(proposer))
+
+
+def give_features(proposer: Proposer, features: npt.ArrayLike, committed_len: int) -> None:
+    """Hand the target's feature for a committed context of `committed_len` tokens to every
+    feature drafter in `proposer`; ValueError when it does not fit one."""
+    for drafter in feature_drafters(proposer):
+        drafter.give_features(features, committed_len)
+
+
 def set_min_confidence(proposer: Proposer, min_confidence: float) -> None:
     """Stop drafting once the draft's top probability falls below `min_confidence`: in a neural
     drafter, and in the neural parts of a hybrid; copying drafters have no confidence to cut."""
-    if isinstance(proposer, NeuralProposer):
+    if isinstance(proposer, (NeuralProposer, FeatureProposer)):
         proposer.min_confidence = min_confidence
     elif isinstance(proposer, HybridProposer):
         for part in proposer.proposers:

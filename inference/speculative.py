@@ -15,8 +15,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from inference.proposers import Proposer, no_candidates
-from inference.runtime import Runtime
+from inference.proposers import Proposer, give_features, no_candidates, wants_features
+from inference.runtime import FeatureRuntime, Features, KVCache, Logits, Runtime
 from inference.sampling import RngStream, SamplingParams, rejection_sample, round_rng
 
 StopReason = Literal["eos", "max_tokens"]
@@ -121,12 +121,17 @@ def decode_speculative(
     Greedy output is token-identical to `decode_target`; sampled output follows the same
     distribution. A round never drafts more than fits in `max_new_tokens`, and nothing after an
     eos token is kept, exactly as the target alone would stop. `on_tokens` hears each round's
-    committed tokens as soon as they are final.
+    committed tokens as soon as they are final. A feature drafter gets the target's feature
+    after each round, as a verdict brings it over the bus (none before the first round).
     """
     _check(prompt_ids, max_new_tokens)
     if k < 0 or (proposer is not None and k < 1):
         raise ValueError(f"k must be >= 1 with a drafter, got {k}")
     eos_ids = _eos_set(eos)
+    features_from: FeatureRuntime | None = None
+    feature_drafting = proposer is not None and wants_features(proposer)
+    if feature_drafting and isinstance(target, FeatureRuntime) and target.has_hidden:
+        features_from = target
     committed = [int(t) for t in prompt_ids]
     generated: list[int] = []
     rounds: list[RoundStats] = []
@@ -152,7 +157,8 @@ def decode_speculative(
             candidates = no_candidates()
         t1 = time.perf_counter()
         base_len = len(committed)
-        logits = target.forward([committed[-1], *candidates.tokens.tolist()], cache)
+        window = [committed[-1], *candidates.tokens.tolist()]
+        logits, hidden = _score(target, features_from, window, cache)
         verdict = rejection_sample(
             candidates.tokens,
             candidates.q,
@@ -186,6 +192,9 @@ def decode_speculative(
                 break
         generated += new_tokens
         committed += new_tokens
+        if proposer is not None and hidden is not None and stopped_by != "eos":
+            # Row n_accepted scored the position that chose next_token: h_{n-1}.
+            give_features(proposer, hidden[verdict.n_accepted], len(committed))
         if on_tokens is not None:
             on_tokens(new_tokens)
         if stopped_by == "eos":
@@ -201,6 +210,17 @@ def decode_speculative(
         stopped_by=stopped_by,
         eos_ids=eos_ids,
     )
+
+
+def _score(
+    target: Runtime, features_from: FeatureRuntime | None, window: list[int], cache: KVCache
+) -> tuple[Logits, Features | None]:
+    """One target pass over a round's window: its logits, and its hidden states when a feature
+    drafter wants them # [len(window), V], [len(window), H]."""
+    if features_from is None:
+        return target.forward(window, cache), None
+    ((logits, hidden),) = features_from.forward_batch_hidden([(window, cache)])
+    return logits, hidden
 
 
 def greedy_acceptance(

@@ -89,6 +89,23 @@ class SyntheticLM:
     ) -> list[Logits]:
         return [self.forward(ids, cache) for ids, cache in requests]
 
+    # Its states h_t are its features, as a FeatureRuntime hands them to a feature drafter.
+    has_hidden = True
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed.shape[1])
+
+    def forward_batch_hidden(
+        self, requests: Sequence[tuple[Sequence[int], SyntheticCache]]
+    ) -> list[tuple[Logits, npt.NDArray[np.float32]]]:
+        scored = []
+        for ids, cache in requests:
+            logits = self.forward(ids, cache)
+            hidden = np.asarray(cache.states[len(cache.states) - len(ids) :], dtype=np.float32)
+            scored.append((logits, hidden))
+        return scored
+
 
 @dataclass
 class TrimmedHeadLM:
