@@ -159,6 +159,12 @@ def current_version(home: Path, name: str) -> int | None:
     return int(current) if current is not None else None
 
 
+def release_versions(home: Path, name: str) -> dict[str, int]:
+    """Each stored artifact of `name` (by sha256) with its release version."""
+    versions: dict[str, dict[str, Any]] = _read_index(home, name)["versions"]
+    return {entry["sha256"]: int(version) for version, entry in versions.items()}
+
+
 def store_release(home: Path, model_dir: Path) -> StoredRelease:
     """Pack `model_dir` into the store (once per content), number it and sign what devices check.
 

@@ -5,6 +5,10 @@ device's acknowledgement. After every wave it compares the share of failed devic
 tried so far with the abort threshold: at or above it, the rollout stops and the devices of later
 waves are never asked. A device that refused a release or rolled back still serves its previous
 model; its state says `rolled_back`. One that did not answer in time is `failed`.
+
+An operator aborts a rollout by marking its row `cancelled` (the API's abort, the dashboard's
+button): whoever runs the rollout reads the state before each wave and stops there. The wave in
+flight finishes, since its commands are already out; the devices of later waves stay `pending`.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class RolloutEvent(str, Enum):
     DEVICE_INSTALLED = "deployment.device_installed"
     DEVICE_ROLLED_BACK = "deployment.device_rolled_back"
     DEVICE_FAILED = "deployment.device_failed"
+    ABORT_REQUESTED = "deployment.abort_requested"
     ABORTED = "deployment.aborted"
     DONE = "deployment.done"
 
@@ -65,8 +70,16 @@ DEVICE_EVENTS = {
 }
 
 
+# A rollout in one of these states may still be aborted.
+ABORTABLE = frozenset({DeploymentState.PENDING, DeploymentState.ROLLING, DeploymentState.PAUSED})
+
+
 class RolloutError(Exception):
     """No devices to roll out to, or arguments that make no rollout."""
+
+
+class AbortRefused(RolloutError):
+    """The rollout has already ended (done, failed or cancelled)."""
 
 
 def plan_waves(device_ids: Sequence[str], wave_percent: float) -> list[list[str]]:
@@ -255,13 +268,52 @@ class Deployments:
                 detail={"deployment_id": deployment_id, "detail": detail, **(result or {})},
             )
 
-    def finish(self, deployment_id: int, state: DeploymentState, detail: dict[str, Any]) -> None:
+    def finish(
+        self, deployment_id: int, state: DeploymentState, detail: dict[str, Any]
+    ) -> DeploymentState:
+        """The rollout's end, returned as recorded: an abort that came in meanwhile wins."""
         with self._sessions.begin() as session:
             deployment = session.get(Deployment, deployment_id, with_for_update=True)
             assert deployment is not None
-            deployment.state = state
-            kind = RolloutEvent.DONE if state is DeploymentState.DONE else RolloutEvent.ABORTED
-            append_event(session, kind, detail={"deployment_id": deployment_id, **detail})
+            if deployment.state is not DeploymentState.CANCELLED:
+                deployment.state = state
+            kind = (
+                RolloutEvent.DONE
+                if deployment.state is DeploymentState.DONE
+                else RolloutEvent.ABORTED
+            )
+            append_event(
+                session,
+                kind,
+                detail={"deployment_id": deployment_id, "state": deployment.state.value, **detail},
+            )
+            return deployment.state
+
+    def request_abort(self, deployment_id: int, *, actor: str, reason: str) -> Deployment:
+        """Mark a running rollout cancelled; its runner stops before the next wave."""
+        with self._sessions.begin() as session:
+            deployment = session.get(Deployment, deployment_id, with_for_update=True)
+            if deployment is None:
+                raise LookupError(f"no deployment {deployment_id}")
+            if deployment.state not in ABORTABLE:
+                raise AbortRefused(
+                    f"deployment {deployment_id} is {deployment.state.value}: nothing to abort"
+                )
+            deployment.state = DeploymentState.CANCELLED
+            append_event(
+                session,
+                RolloutEvent.ABORT_REQUESTED,
+                actor=actor,
+                detail={"deployment_id": deployment_id, "wave": deployment.wave, "reason": reason},
+            )
+            return deployment
+
+    def abort_requested(self, deployment_id: int) -> bool:
+        with self._sessions() as session:
+            state = session.scalar(
+                sa.select(Deployment.state).where(Deployment.id == deployment_id)
+            )
+            return state is DeploymentState.CANCELLED
 
     def get(self, deployment_id: int) -> tuple[Deployment, builtins.list[DeploymentDevice]]:
         with self._sessions() as session:
@@ -363,6 +415,10 @@ async def run_rollout(
 
     state = DeploymentState.DONE
     for wave, device_ids in enumerate(waves):
+        if await asyncio.to_thread(deployments.abort_requested, deployment_id):
+            state = DeploymentState.CANCELLED
+            log.warning("deployment %d: aborted by an operator before wave %d", deployment_id, wave)
+            break
         await asyncio.to_thread(deployments.start_wave, deployment_id, wave, device_ids)
         waves_run += 1
         outcomes += await asyncio.gather(*(one(device_id, wave) for device_id in device_ids))
@@ -378,7 +434,7 @@ async def run_rollout(
             )
             break
     failed = sum(1 for o in outcomes if o.state is not DeviceDeploymentState.INSTALLED)
-    await asyncio.to_thread(
+    state = await asyncio.to_thread(
         deployments.finish,
         deployment_id,
         state,

@@ -24,6 +24,7 @@ from inference.tokenizer import CHAT_FORMAT_FILE, TOKENIZER_FILE, ChatTokenizer
 
 if TYPE_CHECKING:
     from inference.drafts import DraftInfo, DraftRuntimeKind
+    from inference.feature_head import HeadInfo
     from inference.proposers import Proposer
 
 
@@ -68,6 +69,7 @@ class DrafterCatalog:
         self._idle: dict[tuple[str, float], list[Proposer]] = {}
         self._tokenizer: ChatTokenizer | None = None
         self._drafts: list[DraftInfo] | None = None
+        self._heads: list[HeadInfo] | None = None
 
     def _list_drafts(self) -> list[DraftInfo]:
         with self._lock:
@@ -77,11 +79,23 @@ class DrafterCatalog:
                 self._drafts = list_drafts(self.models_dir)
             return self._drafts
 
+    def _list_heads(self) -> list[HeadInfo]:
+        with self._lock:
+            if self._heads is None:
+                from inference.feature_head import list_heads
+
+                self._heads = list_heads(self.models_dir)
+            return self._heads
+
+    def _built(self) -> list[DraftInfo | HeadInfo]:
+        """The drafts and feature heads on this device."""
+        return [*self._list_drafts(), *self._list_heads()]
+
     def names(self) -> list[str]:
         """Every drafter name `acquire` accepts here (neural ones only when their files exist)."""
         table = self.ngram_path.is_file()
         builtins = [name for name in BUILTIN_DRAFTERS if name == LOOKUP or table]
-        models = sorted({d.manifest.name for d in self._list_drafts()})
+        models = sorted({d.manifest.name for d in self._built()})
         return [*builtins, *models, *(HYBRID_PREFIX + name for name in models)]
 
     def has(self, name: str) -> bool:
@@ -98,7 +112,7 @@ class DrafterCatalog:
         """The manifest name behind a drafter name: a family name picks the preferred runtime."""
         if name.startswith(HYBRID_PREFIX):
             return HYBRID_PREFIX + self.resolve(name[len(HYBRID_PREFIX) :])
-        family = [d for d in self._list_drafts() if d.name == name]
+        family = [d for d in self._built() if d.name == name]
         preferred = [d for d in family if d.format == self.runtime]
         chosen = preferred or family
         return chosen[0].manifest.name if chosen else name
@@ -145,6 +159,7 @@ class DrafterCatalog:
         """
         with self._lock:
             self._drafts = None
+            self._heads = None
             for key in [k for k in self._idle if k[0] in (name, HYBRID_PREFIX + name)]:
                 del self._idle[key]
 

@@ -27,7 +27,15 @@ from typing import Literal
 import numpy as np
 
 from broker import messages as m
-from inference.proposers import Candidates, Proposer, no_candidates, set_min_confidence
+from inference.features import features_from_wire
+from inference.proposers import (
+    Candidates,
+    Proposer,
+    give_features,
+    no_candidates,
+    set_min_confidence,
+    wants_features,
+)
 from inference.sampling import RngStream, SparseDraftProbs, one_hot_draft, round_rng
 
 log = logging.getLogger(__name__)
@@ -102,6 +110,8 @@ class DraftWindow:
     provisional: bool = False  # the tail generated offline, already shown to the user
     # A cloud round: no tokens; the verifier host drafts up to cloud_k with `draft_model`.
     cloud_k: int | None = None
+    # Drafted by a feature drafter: the verdict should bring the target's features.
+    want_features: bool = False
 
     def message(self, session_id: str, sent_at: float, downlink_ms: float | None = None) -> m.Draft:
         q_ids = q_probs = None
@@ -121,6 +131,7 @@ class DraftWindow:
                 draft_ms=self.draft_ms, sent_at=sent_at, downlink_ms=downlink_ms
             ),
             cloud_k=self.cloud_k,
+            want_features=True if self.want_features else None,
         )
 
 
@@ -441,6 +452,7 @@ class SessionDrafter:
             draft_model=self.draft_model,
             draft_ms=draft_ms,
             proactive=proactive,
+            want_features=wants_features(self.proposer),
         )
         self.in_flight = window
         return window
@@ -556,6 +568,8 @@ class SessionDrafter:
         if outcome != "hit":
             # Only the accepted prefix of the window is still valid in the draft's own state.
             self.proposer.rollback(window.base_len + n)
+        if verdict.features is not None and not verdict.finished:
+            self._take_features(verdict.features)
 
         stopped = self.eos_id in new_tokens or len(self.generated) >= self.spec.max_tokens
         if stopped != verdict.finished:
@@ -589,6 +603,16 @@ class SessionDrafter:
         if verdict.continues and not self.finished:
             self._cloud_window()  # the coordinator runs the next round itself: it is in flight
         return new_tokens
+
+    def _take_features(self, text: str) -> None:
+        """The target's feature for the committed sequence, to the feature drafter; one that does
+        not fit it (another target's size) is logged and the drafter falls back."""
+        if not wants_features(self.proposer):
+            return
+        try:
+            give_features(self.proposer, features_from_wire(text), len(self.committed))
+        except ValueError as exc:
+            log.warning("session %s: features of a verdict refused: %s", self.spec.session_id, exc)
 
     def resync(self, state: m.SessionState) -> Resync:
         """Take the coordinator's truth: committed = prompt + generated_ids, round = next_round."""
@@ -709,6 +733,7 @@ class SessionDrafter:
             draft_ms=0.0,
             proactive=False,
             provisional=True,
+            want_features=wants_features(self.proposer),
         )
         self.in_flight = window
         return window

@@ -19,6 +19,7 @@ from coordinator.api.limits import BodyLimits, Refusal, RequestBodyGuard
 from coordinator.api.routes import (
     artifacts,
     auth,
+    deployments,
     devices,
     events,
     health,
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # Every resource needs credentials; `/me` checks them itself.
 api_router = APIRouter(dependencies=[Depends(get_current_user)])
-for module in (devices, sessions, models, verifiers, events, stats):
+for module in (devices, sessions, models, deployments, verifiers, events, stats):
     api_router.include_router(module.router)
 api_router.include_router(auth.router)
 

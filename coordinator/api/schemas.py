@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.db.models import (
     AdminRole,
+    DeploymentState,
+    DeviceDeploymentState,
     DeviceKind,
     DeviceStatus,
     ModelRole,
@@ -67,6 +69,42 @@ class DeviceRetire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: str = Field(default="", max_length=255)
+
+
+class InstalledDraftPublic(BaseModel):
+    """A draft the device reports installed, with the release that put it there if one did."""
+
+    name: str
+    # "rollout": the artifact a rollout installed (sha256 of the release tar, its version);
+    # "registry": not rolled out, the models table's entry (sha256 of the model file);
+    # "device": only the device's word (built-in drafters such as lookup, or unregistered ones).
+    source: Literal["rollout", "registry", "device"]
+    sha256: str | None
+    version: int | None
+    format: str | None
+    deployment_id: int | None
+    installed_at: datetime | None
+
+
+class DeviceDeploymentPublic(BaseModel):
+    """One device's part in one rollout."""
+
+    deployment_id: int
+    model: str
+    version: int | None
+    wave: int
+    state: DeviceDeploymentState
+    detail: str | None
+    updated_at: datetime
+
+
+class DeviceDetailPublic(BaseModel):
+    device: DevicePublic
+    agent_version: str | None  # from the agent's last status that brought it online
+    runtimes: list[str]
+    agent_reported_at: datetime | None
+    drafts: list[InstalledDraftPublic]
+    deployments: list[DeviceDeploymentPublic]  # newest first
 
 
 # --- sessions and rounds -------------------------------------------------------------------------
@@ -197,6 +235,53 @@ class ModelPublic(BaseModel):
 class ModelsPublic(BaseModel):
     data: list[ModelPublic]
     count: int
+
+
+# --- deployments ---------------------------------------------------------------------------------
+
+
+class DeploymentPublic(BaseModel):
+    id: int
+    model: str
+    artifact_sha256: str | None
+    version: int | None  # the release store's number for that artifact, when it is known
+    state: DeploymentState
+    wave: int  # the wave rolled out now, or last
+    waves: int
+    targets: list[str]  # the device ids and tags asked for
+    wave_percent: float | None
+    abort_at_percent: float | None
+    actor: str
+    devices: int
+    counts: dict[DeviceDeploymentState, int]  # devices per state, every state present
+    created_at: datetime
+    updated_at: datetime
+
+
+class DeploymentsPublic(BaseModel):
+    data: list[DeploymentPublic]
+    count: int
+
+
+class DeploymentDevicePublic(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    device_id: str
+    wave: int
+    state: DeviceDeploymentState
+    detail: str | None
+    updated_at: datetime
+
+
+class DeploymentDetailPublic(BaseModel):
+    deployment: DeploymentPublic
+    devices: list[DeploymentDevicePublic]  # by wave, then device id
+
+
+class DeploymentAbort(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(default="", max_length=255)
 
 
 # --- verifiers -----------------------------------------------------------------------------------

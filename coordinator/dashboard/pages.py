@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import math
 import uuid
-from pathlib import Path
+from pathlib import Path as FsPath
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, FastAPI, Form, Request
+from fastapi import APIRouter, FastAPI, Form, Path, Request
 from fastapi import status as http
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from broker.topics import DEVICE_ID_PATTERN
 from coordinator.api.deps import get_admins, get_signer, principal_from_cookie
+from coordinator.api.paging import MAX_ROW_ID
 from coordinator.auth import (
     SESSION_COOKIE,
     SESSION_MAX_AGE_S,
@@ -25,7 +27,7 @@ from coordinator.auth import (
 from coordinator.events import EventLog
 from coordinator.settings import Settings
 
-HERE = Path(__file__).resolve().parent
+HERE = FsPath(__file__).resolve().parent
 templates = Jinja2Templates(directory=HERE / "templates")
 
 router = APIRouter(include_in_schema=False)
@@ -36,6 +38,7 @@ NAV = (
     ("/sessions", "Sessions"),
     ("/charts", "Charts"),
     ("/models", "Models"),
+    ("/deployments", "Deployments"),
     ("/events", "Events"),
 )
 
@@ -192,6 +195,25 @@ def charts_page(request: Request) -> Response:
 @router.get("/models")
 def models_page(request: Request) -> Response:
     return _render(request, "models.html", "Models")
+
+
+@router.get("/deployments")
+def deployments_page(request: Request) -> Response:
+    return _render(request, "deployments.html", "Deployments")
+
+
+@router.get("/deployments/{deployment_id}")
+def deployment_page(
+    request: Request, deployment_id: Annotated[int, Path(ge=1, le=MAX_ROW_ID)]
+) -> Response:
+    return _render(request, "deployment.html", "Deployment", deployment_id=deployment_id)
+
+
+@router.get("/devices/{device_id}")
+def device_page(
+    request: Request, device_id: Annotated[str, Path(pattern=DEVICE_ID_PATTERN.pattern)]
+) -> Response:
+    return _render(request, "device.html", "Device", device_id=device_id)
 
 
 @router.get("/events")

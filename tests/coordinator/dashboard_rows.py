@@ -8,11 +8,21 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
+from coordinator.db.models import (
+    DecodingSession,
+    DeploymentState,
+    DeviceDeploymentState,
+    Round,
+    SessionMode,
+    SessionStatus,
+)
 from coordinator.registry import DeviceRegistry
+from coordinator.releases import store_release
+from coordinator.rollout import Deployments
 from inference.artifacts import default_models_dir
 from inference.target_build import ensure_target
 from inference.tokenizer import ChatTokenizer
@@ -173,3 +183,50 @@ def add_session(
 
 def recent(seconds: float = 60.0) -> datetime:
     return datetime.now(timezone.utc) - timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True)
+class StoredRollouts:
+    """Two rollouts of one draft release: `done` reached every lab device, `rolling` is mid-way."""
+
+    done: int
+    rolling: int
+    model: str
+    sha256: str
+    version: int
+
+
+def add_rollouts(sessions: sessionmaker[Session], home: Path, draft: str) -> StoredRollouts:
+    """The release of `draft` stored under `home`, then rolled out through coordinator.rollout
+    as `specfleet models deploy` does, each device's outcome recorded as its ack would be."""
+    stored = store_release(home, default_models_dir() / draft)
+    deployments = Deployments(sessions)
+    model_id = deployments.register_model(stored, str(stored.path))
+    sha = stored.release.sha256
+
+    def rollout(targets: list[str], waves: list[list[str]], wave_percent: float) -> int:
+        return deployments.create(
+            model_id=model_id,
+            artifact_sha256=sha,
+            targets=targets,
+            waves=waves,
+            wave_percent=wave_percent,
+            abort_at_percent=60.0,
+            actor="cli",
+        )
+
+    installed, rolled_back = DeviceDeploymentState.INSTALLED, DeviceDeploymentState.ROLLED_BACK
+    done = rollout(["lab"], [["jet-1"], ["pi-1"]], 50.0)
+    for wave, device_id in enumerate(("jet-1", "pi-1")):
+        deployments.start_wave(done, wave, [device_id])
+        deployments.record_device(done, device_id, installed, "installed", model_name=draft)
+    deployments.finish(done, DeploymentState.DONE, {"waves_run": 2})
+
+    rolling = rollout(["phone-1", "pi-2", "lab"], [["jet-1"], ["phone-1"], ["pi-1", "pi-2"]], 34.0)
+    deployments.start_wave(rolling, 0, ["jet-1"])
+    deployments.record_device(rolling, "jet-1", installed, "already_installed", model_name=draft)
+    deployments.start_wave(rolling, 1, ["phone-1"])
+    deployments.record_device(
+        rolling, "phone-1", rolled_back, "smoke: RuntimeError: no memory", model_name=draft
+    )
+    return StoredRollouts(done, rolling, draft, sha, stored.release.version)

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from dashboard_rows import StoredSession, add_fleet, add_session, recent
+from dashboard_rows import (
+    StoredRollouts,
+    StoredSession,
+    add_fleet,
+    add_rollouts,
+    add_session,
+    recent,
+)
 from fastapi import FastAPI
 from playwright.sync_api import Browser, Page, Playwright, Route, expect, sync_playwright
 from sqlalchemy.engine import Engine
@@ -31,6 +38,7 @@ from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import AdminRole, SessionMode, SessionStatus
 from coordinator.settings import Settings
+from device_agent import __version__ as AGENT_VERSION
 from inference.artifacts import default_models_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -326,6 +334,175 @@ def test_a_write_from_the_page_is_audited(page: Page, dashboard: Dashboard) -> N
     tagged = page.locator('#events tr[data-kind="device.tagged"]')
     expect(tagged).to_contain_text("user:alice")
     expect(tagged).to_contain_text('"after":["lab","rack-3"]')
+
+
+# --- rollouts and devices -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RolloutDashboard:
+    url: str
+    token: str
+    viewer_token: str
+    finished: StoredSession
+    rollouts: StoredRollouts
+
+
+@pytest.fixture
+def rollout_dashboard(pg_clean_engine: Engine, tmp_path: Path) -> Iterator[RolloutDashboard]:
+    """The fleet with two rollouts of draft-l1 (one done, one mid-way) whose releases live in the
+    app's home, and pi-1's agent back online reporting its version and runtimes."""
+    sessions = make_sessionmaker(pg_clean_engine)
+    registry = add_fleet(sessions, recent(5))
+    registry.mark_offline("pi-1", recent(4), "keepalive expired")
+    registry.mark_online(
+        "pi-1", recent(3), detail={"agent_version": AGENT_VERSION, "runtimes": ["onnx", "tflite"]}
+    )
+    finished = add_session(sessions, created_at=recent(300))
+    add_session(sessions, device_id="jet-1", created_at=recent(240), task_type="code")
+    rollouts = add_rollouts(sessions, tmp_path, "draft-l1")
+    store = AdminStore(sessions)
+    _, token = store.create("alice", AdminRole.ADMIN)
+    _, viewer_token = store.create("victor", AdminRole.VIEWER)
+    settings = Settings(
+        database_url=pg_clean_engine.url.render_as_string(hide_password=False),
+        models_dir=default_models_dir(),
+        secret_key=SECRET,
+        home=tmp_path,
+    )
+    with serve(create_app(settings, pg_clean_engine)) as url:
+        yield RolloutDashboard(url, token, viewer_token, finished, rollouts)
+
+
+def _segments(page: Page, selector: str) -> dict[str, int]:
+    pairs: list[list[str]] = page.eval_on_selector_all(
+        f"{selector} .seg", "nodes => nodes.map(n => [n.dataset.state, n.dataset.count])"
+    )
+    return {state: int(count) for state, count in pairs}
+
+
+def test_deployments_page_shows_waves_device_states_and_aborts(
+    page: Page, rollout_dashboard: RolloutDashboard
+) -> None:
+    board, rollouts = rollout_dashboard, rollout_dashboard.rollouts
+    log_in(page, board.url, board.token, "/deployments")
+    rows = page.locator("#deployments tbody tr[data-deployment]")
+    expect(rows).to_have_count(2)
+    rolling = page.locator(f'tr[data-deployment="{rollouts.rolling}"]')
+    done = page.locator(f'tr[data-deployment="{rollouts.done}"]')
+    expect(rows.first).to_have_attribute("data-deployment", str(rollouts.rolling))  # newest first
+    expect(rolling).to_have_attribute("data-state", "rolling")
+    expect(rolling).to_contain_text(f"v{rollouts.version} {rollouts.sha256[:12]}")
+    expect(rolling).to_contain_text("2 / 4 answered")
+    expect(rolling).to_contain_text("2 / 3")  # the second of three waves
+    row_bar = f'tr[data-deployment="{rollouts.rolling}"]'
+    assert _segments(page, row_bar) == {"installed": 1, "pending": 2, "rolled_back": 1}
+    expect(done).to_contain_text("2 / 2 answered")
+    assert _segments(page, f'tr[data-deployment="{rollouts.done}"]') == {"installed": 2}
+    screenshot(page, "deployments")
+
+    page.select_option("#filter-state", "done")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-deployment", str(rollouts.done))
+    page.select_option("#filter-state", "")
+    expect(rows).to_have_count(2)
+
+    rolling.get_by_role("link").first.click()
+    expect(page).to_have_url(f"{board.url}/deployments/{rollouts.rolling}")
+    expect(page.locator("#waves")).to_have_attribute("data-loaded", "true")
+    expect(page.locator("#deployment-state")).to_have_text("rolling")
+    waves = page.locator("#waves section.wave")
+    expect(waves).to_have_count(3)
+    expect(waves.nth(0)).to_have_attribute("data-state", "finished")
+    expect(waves.nth(1)).to_have_attribute("data-state", "finished")
+    expect(waves.nth(2)).to_have_attribute("data-state", "waiting")
+    phone = waves.nth(1).locator('tr[data-device="phone-1"]')
+    expect(phone).to_have_attribute("data-state", "rolled_back")
+    expect(phone).to_contain_text("smoke: RuntimeError: no memory")
+    expect(waves.nth(2).locator("tr[data-device]")).to_have_count(2)
+    expect(waves.nth(2)).to_contain_text("not sent yet")
+    expect(page.locator("#facts")).to_contain_text("phone-1, pi-2, lab")
+    expect(page.locator("#facts")).to_contain_text("60% failed")
+    expect(page.locator("#state-legend")).to_contain_text("1 rolled back")
+    screenshot(page, "deployment")
+
+    page.once("dialog", lambda dialog: dialog.accept("smoke failures on phones"))
+    page.get_by_role("button", name="Abort rollout").click()
+    expect(page.locator("#deployment-state")).to_have_text("cancelled")
+    expect(page.get_by_role("button", name="Abort rollout")).to_be_hidden()
+    expect(waves.nth(2)).to_have_attribute("data-state", "never started")
+    screenshot(page, "deployment-aborted")
+
+    page.goto(board.url + "/events")
+    aborted = page.locator('#events tr[data-kind="deployment.abort_requested"]')
+    expect(aborted).to_contain_text("user:alice")
+    expect(aborted).to_contain_text("smoke failures on phones")
+
+
+def test_a_viewer_cannot_abort_a_rollout(page: Page, rollout_dashboard: RolloutDashboard) -> None:
+    board, rolling = rollout_dashboard, rollout_dashboard.rollouts.rolling
+    log_in(page, board.url, board.viewer_token, f"/deployments/{rolling}")
+    expect(page.locator("#waves")).to_have_attribute("data-loaded", "true")
+    expect(page.get_by_role("button", name="Abort rollout")).to_have_count(0)
+    answer = page.request.post(
+        f"{board.url}/api/v1/deployments/{rolling}/abort",
+        headers={"Authorization": f"Bearer {board.viewer_token}"},
+        data={"reason": "no"},
+    )
+    assert answer.status == 403, answer.text()
+    # An admin's abort of a finished rollout is refused with the reason.
+    done = page.request.post(
+        f"{board.url}/api/v1/deployments/{board.rollouts.done}/abort",
+        headers={"Authorization": f"Bearer {board.token}"},
+        data={},
+    )
+    assert done.status == 409
+    assert "is done: nothing to abort" in done.json()["detail"]
+
+
+def test_device_page_from_the_fleet(page: Page, rollout_dashboard: RolloutDashboard) -> None:
+    board, rollouts = rollout_dashboard, rollout_dashboard.rollouts
+    log_in(page, board.url, board.token)
+    page.locator('tr[data-device="pi-1"]').get_by_role("link", name="pi-1").click()
+    expect(page).to_have_url(f"{board.url}/devices/pi-1")
+    expect(page.locator("#facts")).to_have_attribute("data-loaded", "true")
+    expect(page.locator("#device-status")).to_have_text("online")
+    facts = page.locator("#facts")
+    expect(facts).to_contain_text(f"Agent version{AGENT_VERSION}")
+    expect(facts).to_contain_text("onnx, tflite")
+    expect(facts.locator(".chip")).to_have_text(["field", "lab"])
+    expect(page.locator("#telemetry")).to_contain_text("14 ms")
+    expect(page.locator("#telemetry")).to_contain_text("35%")
+
+    draft = page.locator('#drafts tr[data-draft="draft-l1"]')
+    expect(draft).to_have_attribute("data-source", "rollout")
+    expect(draft).to_contain_text(f"v{rollouts.version}")
+    expect(draft.locator("code")).to_have_text(rollouts.sha256[:12])
+    expect(draft.locator("code")).to_have_attribute("title", rollouts.sha256)
+    expect(draft).to_contain_text(f"deployment #{rollouts.done}")
+    lookup = page.locator('#drafts tr[data-draft="lookup"]')
+    expect(lookup).to_have_attribute("data-source", "device")
+
+    part = page.locator("#device-deployments tbody tr[data-deployment]")
+    expect(part).to_have_count(2)
+    expect(part.first).to_have_attribute("data-deployment", str(rollouts.rolling))
+    expect(part.first).to_have_attribute("data-state", "pending")
+    expect(part.last).to_have_attribute("data-state", "installed")
+
+    sessions = page.locator("#device-sessions tbody tr[data-session]")
+    expect(sessions).to_have_count(1)
+    expect(sessions.first).to_have_attribute("data-session", str(board.finished.id))
+    expect(sessions.first).to_contain_text(str(len(board.finished.generated)))
+    expect(page.locator('nav a[aria-current="page"]')).to_have_text("Fleet")
+    screenshot(page, "device")
+
+    sessions.first.get_by_role("link").click()
+    expect(page).to_have_url(f"{board.url}/sessions/{board.finished.id}")
+    page.get_by_role("link", name="pi-1").click()
+    expect(page).to_have_url(f"{board.url}/devices/pi-1")
+
+    page.goto(board.url + "/devices/no-such-device")
+    expect(page.locator("#facts .error")).to_have_text("no device 'no-such-device'")
 
 
 # --- live: `specfleet up` on the real Mosquitto and PostgreSQL, a real device agent ------------

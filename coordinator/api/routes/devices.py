@@ -11,10 +11,29 @@ from fastapi import status as http
 from fastapi.concurrency import run_in_threadpool
 
 from broker.topics import DEVICE_ID_PATTERN
-from coordinator.api.deps import CurrentAdmin, OptionalControlDep, SessionDep
+from coordinator.api.deps import CurrentAdmin, OptionalControlDep, SessionDep, SettingsDep
 from coordinator.api.paging import Skip
-from coordinator.api.schemas import DevicePublic, DeviceRetire, DevicesPublic, DeviceTagsUpdate
-from coordinator.db.models import Device, DeviceKind, DeviceStatus, utcnow
+from coordinator.api.routes.deployments import ReleaseVersions
+from coordinator.api.schemas import (
+    DeviceDeploymentPublic,
+    DeviceDetailPublic,
+    DevicePublic,
+    DeviceRetire,
+    DevicesPublic,
+    DeviceTagsUpdate,
+    InstalledDraftPublic,
+)
+from coordinator.db.models import (
+    Deployment,
+    DeploymentDevice,
+    Device,
+    DeviceDeploymentState,
+    DeviceKind,
+    DeviceStatus,
+    Event,
+    Model,
+    utcnow,
+)
 from coordinator.events import EventKind, append_event
 from coordinator.live import ControlError
 from coordinator.registry import device_filters, validate_tags
@@ -22,6 +41,8 @@ from coordinator.registry import device_filters, validate_tags
 log = logging.getLogger(__name__)
 
 MAX_PAGE = 1000
+# A device page lists this many of the device's rollouts, newest first.
+DEVICE_DEPLOYMENTS = 50
 DEVICE_TAGGED = "device.tagged"
 
 router = APIRouter(prefix="/devices", tags=["devices"])
@@ -57,6 +78,93 @@ def _load(session: SessionDep, device_id: str, *, for_update: bool = False) -> D
 @router.get("/{device_id}", response_model=DevicePublic)
 def read_device(session: SessionDep, device_id: DeviceId) -> DevicePublic:
     return DevicePublic.model_validate(_load(session, device_id))
+
+
+@router.get("/{device_id}/detail", response_model=DeviceDetailPublic)
+def read_device_detail(
+    session: SessionDep, settings: SettingsDep, device_id: DeviceId
+) -> DeviceDetailPublic:
+    """The device with its agent's version, its installed drafts (with the release each came
+    in, where a rollout installed it) and its part in recent rollouts."""
+    device = _load(session, device_id)
+    online = session.scalar(
+        sa.select(Event)
+        .where(Event.device_id == device_id, Event.kind == EventKind.DEVICE_ONLINE.value)
+        .order_by(Event.id.desc())
+        .limit(1)
+    )
+    agent = online.detail if online is not None else {}
+    versions = ReleaseVersions(settings.home)
+    rows = session.execute(
+        sa.select(DeploymentDevice, Deployment.artifact_sha256, Model.name, Model.format)
+        .join(Deployment, Deployment.id == DeploymentDevice.deployment_id)
+        .join(Model, Model.id == Deployment.model_id)
+        .where(DeploymentDevice.device_id == device_id)
+        .order_by(DeploymentDevice.deployment_id.desc())
+        .limit(DEVICE_DEPLOYMENTS)
+    ).all()
+    deployments = [
+        DeviceDeploymentPublic(
+            deployment_id=row.deployment_id,
+            model=name,
+            version=versions.version(name, sha),
+            wave=row.wave,
+            state=row.state,
+            detail=row.detail,
+            updated_at=row.updated_at,
+        )
+        for row, sha, name, _ in rows
+    ]
+    # The newest installed rollout of each model is what serves (a rollback is a rollout too).
+    rolled_out: dict[str, tuple[DeploymentDevice, str | None, str]] = {}
+    for row, sha, name, model_format in rows:
+        if row.state is DeviceDeploymentState.INSTALLED:
+            rolled_out.setdefault(name, (row, sha, model_format))
+    registered = {
+        m.name: m
+        for m in session.scalars(sa.select(Model).where(Model.name.in_(device.installed_models)))
+    }
+    drafts = [
+        _installed_draft(n, rolled_out, registered, versions) for n in device.installed_models
+    ]
+    runtimes = agent.get("runtimes", [])
+    return DeviceDetailPublic(
+        device=DevicePublic.model_validate(device),
+        agent_version=str(agent.get("agent_version") or "") or None,
+        runtimes=[str(r) for r in runtimes] if isinstance(runtimes, list) else [],
+        agent_reported_at=online.at if online is not None else None,
+        drafts=drafts,
+        deployments=deployments,
+    )
+
+
+def _installed_draft(
+    name: str,
+    rolled_out: dict[str, tuple[DeploymentDevice, str | None, str]],
+    registered: dict[str, Model],
+    versions: ReleaseVersions,
+) -> InstalledDraftPublic:
+    if name in rolled_out:
+        row, sha, model_format = rolled_out[name]
+        return InstalledDraftPublic(
+            name=name,
+            source="rollout",
+            sha256=sha,
+            version=versions.version(name, sha),
+            format=model_format,
+            deployment_id=row.deployment_id,
+            installed_at=row.updated_at,
+        )
+    model = registered.get(name)
+    return InstalledDraftPublic(
+        name=name,
+        source="registry" if model is not None else "device",
+        sha256=model.sha256 if model is not None else None,
+        version=None,
+        format=model.format if model is not None else None,
+        deployment_id=None,
+        installed_at=None,
+    )
 
 
 @router.put("/{device_id}/tags", response_model=DevicePublic)

@@ -129,6 +129,32 @@ const SF = (() => {
     );
   }
 
+  // A rollout's devices by state, in the order a rollout moves them, worst outcomes last.
+  const ROLLOUT_STATES = ["installed", "installing", "sent", "pending", "rolled_back", "failed"];
+  const ROLLOUT_LABELS = {
+    installed: "installed", installing: "installing", sent: "sent", pending: "not sent yet",
+    rolled_back: "rolled back", failed: "failed",
+  };
+
+  // A stacked bar with one segment per non-empty state; each segment names its count.
+  function rolloutBar(counts, total) {
+    const bar = el("div", { class: "progress", role: "img" });
+    const parts = [];
+    for (const state of ROLLOUT_STATES) {
+      const n = counts[state] || 0;
+      if (!n) continue;
+      parts.push(`${n} ${ROLLOUT_LABELS[state]}`);
+      bar.append(el("span", {
+        class: `seg seg-${state}`,
+        style: `width:${(100 * n) / Math.max(1, total)}%`,
+        title: `${n} ${ROLLOUT_LABELS[state]}`,
+        dataset: { state, count: n },
+      }));
+    }
+    bar.setAttribute("aria-label", parts.join(", ") || "no devices");
+    return bar;
+  }
+
   function debounce(fn, ms = 250) {
     let timer;
     return (...args) => { clearTimeout(timer); timer = setTimeout(() => fn(...args), ms); };
@@ -152,5 +178,8 @@ const SF = (() => {
     return source;
   }
 
-  return { api, el, toast, fmt, badge, fillTable, pager, debounce, tail, isAdmin, ApiError };
+  return {
+    api, el, toast, fmt, badge, fillTable, pager, debounce, tail, isAdmin, ApiError,
+    rolloutBar, ROLLOUT_STATES, ROLLOUT_LABELS,
+  };
 })();

@@ -48,7 +48,8 @@
           el("button", { class: "button small danger", type: "button", onclick: () => retire(device) }, "Retire"))
       : "";
     return el("tr", { class: changed ? "flash" : "", dataset: { device: device.id, status: device.status } },
-      el("td", {}, el("span", { class: `status-dot ${device.status}` }), el("strong", {}, device.id)),
+      el("td", {}, el("span", { class: `status-dot ${device.status}` }),
+        el("a", { href: `/devices/${encodeURIComponent(device.id)}` }, el("strong", {}, device.id))),
       el("td", {}, device.kind),
       el("td", {}, badge(device.status)),
       el("td", {}, drafts),

@@ -58,7 +58,7 @@
     status.textContent = s.status;
     status.className = `badge badge-${s.status}`;
     document.getElementById("facts").replaceChildren(
-      fact("Device", el("a", { href: "/fleet" }, s.device_id)),
+      fact("Device", el("a", { href: `/devices/${encodeURIComponent(s.device_id)}` }, s.device_id)),
       fact("Task", s.task_type),
       fact("Mode", s.mode),
       fact("Draft / k", `${s.draft_model || "–"} / ${s.k}`),
