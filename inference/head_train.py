@@ -427,6 +427,7 @@ def train_head(
         "train_answers": len(train),
         "train_positions": train.positions(),
         "valid_answers": len(valid),
+        "valid_indices": sorted(valid.indices),
         "valid": final.to_json(),
         "curve": curve,
     }
@@ -456,6 +457,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights-dir", type=Path, default=SHIPPED_HEADS,
         help=f"where trained weights are written and read (default: {SHIPPED_HEADS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--evaluate", action="store_true",
+        help="afterwards, time a step against a target decode step and score the built ONNX and "
+        "TFLite heads on the held-out answers (table, and JSON in <models>/distill)",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (default: 2)")
 
@@ -494,7 +500,73 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(exc)) from exc
     for directory in built:
         print(f"built {directory.name} in {directory}")
+    if args.evaluate:
+        report = evaluate_head(models_dir, target_dir, weights)
+        path = models_dir / "distill" / f"{recipe.name}-evaluation.json"
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"written to {path}")
     return 0
+
+
+def step_ms(head: Any, feature: F32, token: int, steps: int = 300) -> float:
+    """Median milliseconds of one head step for one sequence (a drafted token)."""
+    features = feature.reshape(1, -1)
+    for _ in range(20):
+        head.step(features, [token])
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        head.step(features, [token])
+        times.append(time.perf_counter() - started)
+    return round(float(np.median(times)) * 1000, 3)
+
+
+def evaluate_head(models_dir: Path, target_dir: Path, weights: HeadWeights) -> dict[str, Any]:
+    """The built heads' cost per drafted token against the target's one-token decode step (one
+    thread each), and their chained greedy acceptance on the held-out answers."""
+    from bench.report import format_table
+    from inference.artifacts import load_manifest
+    from inference.distill import decode_ms
+    from inference.feature_head import FeatureHead, find_head
+    from inference.target_build import load_target
+
+    name = weights.config.name
+    target_sha = load_manifest(target_dir).sha256
+    held_out = set(weights.record["valid_indices"])
+    cache = read_features(models_dir / "distill" / FEATURES_DIR)
+    valid = cache.subset([i for i, index in enumerate(cache.indices) if index in held_out])
+    starts, windows = chain_starts(valid, None)
+    target, tokenizer = load_target(models_dir, threads=1)
+    report: dict[str, Any] = {
+        "head": name,
+        "target": target.name,
+        "target_decode_ms": decode_ms(target, tokenizer.apply_chat_template("Describe a river.")),
+    }
+    del target
+    rows = []
+    for head_format in ("onnx", "tflite"):
+        directory = find_head(models_dir, name, head_format).directory
+        head = FeatureHead.load(directory, threads=1, target_sha256=target_sha)
+        cost = step_ms(head, starts[0], int(windows[0, 0]))
+        scored = acceptance(head.step, head.vocab_ids, starts, windows)
+        report[head_format] = {
+            "step_ms": cost,
+            "step_share_of_target_decode": round(cost / report["target_decode_ms"], 4),
+            "size_mb": round(head.manifest.size_bytes / 1e6, 1),
+            "valid": scored.to_json(),
+        }
+        rows.append(
+            (f"{name} ({head_format})", cost, f"{cost / report['target_decode_ms']:.1%}",
+             f"{scored.per_position[0]:.3f}", f"{scored.tokens_per_pass[3]:.3f}",
+             f"{scored.tokens_per_pass[-1]:.3f}")
+        )  # fmt: skip
+    print(f"target one-token decode: {report['target_decode_ms']} ms (1 thread)")
+    print(
+        format_table(
+            ("head", "step ms", "of target step", "alpha_1", "tok/pass k=4", "tok/pass k=8"), rows
+        )
+    )
+    return report
 
 
 def _features_and_training(
