@@ -380,6 +380,12 @@ class NeuralProposer:
         return last
 
 
+# The most tokens a feature drafter steps over on its own predicted features to catch a context
+# up with its last real feature (a pre-drafted window is k + 1 ahead); further behind (tokens
+# that came from a cloud stretch, a resync, local mode), it falls back as if it had none.
+FEATURE_CATCH_UP_MAX = 16
+
+
 class FeatureHeadStep(Protocol):
     """A feature head (`inference.feature_head.FeatureHead`): a stateless step over the target's
     hidden states, with logits over a reduced vocabulary."""
@@ -415,13 +421,13 @@ class FeatureProposer:
     x_{n-1}, whose logits chose x_n) is at hand (`give_features`). The head then chains:
     step(h_{n-1}, x_n) gives the predicted feature at x_n and d_1, step(that, d_1) gives d_2, and
     so on. A context longer than the one the feature belongs to (a pre-drafted window) is
-    caught up by stepping the head over the extra tokens on its own predicted features; steps
-    already taken for the same tokens are reused. Without a feature (a session's first round,
-    after a resync or a rewind, a verdict that carried none) it asks `fallback`, or proposes
-    nothing. Greedy drafting proposes the head's argmax (q' one-hot); sampling draws from q',
-    the head's softmax over its reduced vocabulary at `temperature` cut to the top `top_k`
-    (zero outside it), as NeuralProposer does. `min_confidence`, `min_tokens` and `max_tokens`
-    mean what they mean there.
+    caught up by stepping the head over the extra tokens on its own predicted features (up to
+    FEATURE_CATCH_UP_MAX of them); steps already taken for the same tokens are reused. Without
+    a feature (a session's first round, after a rewind, a verdict that carried none, a context
+    too far ahead of it) it asks `fallback`, or proposes nothing. Greedy drafting proposes the
+    head's argmax (q' one-hot); sampling draws from q', the head's softmax over its reduced
+    vocabulary at `temperature` cut to the top `top_k` (zero outside it), as NeuralProposer
+    does. `min_confidence`, `min_tokens` and `max_tokens` mean what they mean there.
     """
 
     wants_features = True
@@ -474,7 +480,8 @@ class FeatureProposer:
         if self.temperature > 0.0 and rng is None:
             raise ValueError("a sampling draft needs the round's draft rng")
         chain = self._chain
-        if chain is None or len(context_ids) < chain.length:
+        behind = -1 if chain is None else len(context_ids) - chain.length
+        if chain is None or not 0 <= behind <= FEATURE_CATCH_UP_MAX:
             self._fell_back = self.fallback is not None
             if self.fallback is None:
                 return no_candidates()

@@ -14,6 +14,7 @@ from synthetic_lm import SyntheticLM
 
 from inference.feature_head import HeadWeights, random_head_weights, step_reference
 from inference.proposers import (
+    FEATURE_CATCH_UP_MAX,
     FeatureProposer,
     HybridProposer,
     PromptLookupProposer,
@@ -263,3 +264,15 @@ def test_real_target_greedy_with_a_random_head_is_token_identical() -> None:
         result = decode_speculative(target, drafter, ids, 3, 24, GREEDY, tokenizer.eos_id)
         assert result.tokens == expected
     assert drafter.head_rounds > 0 and head.steps > 0
+
+
+def test_a_context_too_far_past_its_feature_falls_back() -> None:
+    """Tokens committed without features (a cloud stretch, a resync) leave the feature behind:
+    past FEATURE_CATCH_UP_MAX of them the fallback drafts, as with no feature at all."""
+    head = small_head()
+    drafter = FeatureProposer(head, fallback=PromptLookupProposer())
+    drafter.give_features(np.ones(6, dtype=np.float32), 3)
+    near = [1, 3, 5, *([7] * FEATURE_CATCH_UP_MAX)]
+    assert drafter.get_candidates(near, 2).n == 2 and drafter.head_rounds == 1
+    drafter.get_candidates([*near, 9], 2)
+    assert (drafter.head_rounds, drafter.fallback_rounds) == (1, 1)
