@@ -486,6 +486,12 @@ class SessionDrafter:
             return False
         if window.cloud_k is not None:
             return False
+        if self.sampling and wants_features(self.proposer):
+            # Ahead of the verdict a feature drafter has only its own predicted features, and
+            # its window would differ from the one the verdict's features give: whether the
+            # pre-drafted one is used would then depend on timing, and sampled output must be
+            # reproducible from (seed, round).
+            return False
         start = time.perf_counter()
         n_after = len(self.generated) + len(window.tokens) + 1
         k_next = self._window_size(n_after)
