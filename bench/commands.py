@@ -30,6 +30,12 @@ BENCHMARKS = (
         "bench.soak",
         "many short sessions for minutes: coordinator RSS growth after warm-up, and errors",
     ),
+    (
+        "fleet",
+        "bench.fleet",
+        "thousands of MQTT agents and a replay verifier against the control plane (a load "
+        "tool: no model, recorded answers)",
+    ),
 )
 
 

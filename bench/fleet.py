@@ -1,0 +1,470 @@
+"""`specfleet bench fleet`: thousands of lightweight agents against the control plane.
+
+A LOAD TEST OF THE CONTROL PLANE: a private Mosquitto, the coordinator (`specfleet up`, its own
+process, so its RSS is its own), replay verifiers (`bench.replay_verifier`: answers from recorded
+target answers, no model) and agent swarms (`bench.fleet_agents`: real MQTT clients, one
+connection per device, the real protocol, drafting from the same recordings). Every round goes
+agent -> broker -> coordinator -> verifier -> coordinator (persisted) -> broker -> agent. It
+measures what the coordinator, the broker and the database add; it says nothing of output
+quality, which the recordings fix in advance.
+
+Reported: agents connected, sessions, rounds/s, per-round overhead p50/p99 (a draft's publish to
+its verdict at the agent; the replay verifier's own time is included and is microseconds), every
+error, rounds lost or duplicated (the agents' verdicts against the database's rows, which must be
+contiguous from round 0), and the coordinator's RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.report import add_json_argument, format_table, percentile, write_json
+
+DEFAULT_JSON = Path("bench-results/fleet.json")
+START_TIMEOUT_S = 120.0
+# Connecting a swarm: the handshakes, its subscriptions and its retained presence.
+CONNECT_S_PER_AGENT = 0.1
+RSS_SAMPLE_S = 1.0
+# One coordinator owns every session today; N would each answer every draft.
+PART_ONE_MISSING = (
+    "--coordinators {n}: coordinators cannot share a fleet yet (sessions have no single owner "
+    "until leases or device hashing land, issue 16 part 1); two would both answer every draft"
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--agents", type=int, default=1000, help="connected agents (default 1000)")
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=200,
+        help="sessions, all started at once, one per agent (default 200)",
+    )
+    parser.add_argument(
+        "--coordinators", type=int, default=1, help="coordinators sharing the fleet (only 1 today)"
+    )
+    parser.add_argument("--verifiers", type=int, default=1, help="replay verifiers (default 1)")
+    parser.add_argument(
+        "--processes", type=int, default=2, help="agent swarm processes (default 2)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens per session at most (default 64)"
+    )
+    parser.add_argument("--k", type=int, default=4, help="draft window (default 4)")
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=0.8,
+        help="chance each drafted token is the recorded one (default 0.8)",
+    )
+    parser.add_argument(
+        "--answers", type=Path, default=None, help="recorded answers (default: the shipped 64)"
+    )
+    parser.add_argument("--database-url", metavar="URL", default=None, help="instead of SQLite")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the drafts (default 0)")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the logs, plans and results here (default: a temporary directory)",
+    )
+    add_json_argument(parser, DEFAULT_JSON)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad input with a one-line reason (CommandError: exit status 2)."""
+    from specfleet.cli import CommandError
+
+    if args.coordinators != 1:
+        if args.coordinators < 1:
+            raise CommandError("--coordinators must be at least 1")
+        raise CommandError(PART_ONE_MISSING.format(n=args.coordinators))
+    if not 1 <= args.agents <= 20_000:
+        raise CommandError("--agents must be in 1..20000")
+    if not 1 <= args.sessions <= args.agents:
+        raise CommandError("--sessions must be in 1..--agents (one session per agent)")
+    if not 1 <= args.verifiers <= 16:
+        raise CommandError("--verifiers must be in 1..16")
+    if not 1 <= args.processes <= min(32, args.agents):
+        raise CommandError("--processes must be in 1..32 and at most --agents")
+    if not 2 <= args.max_tokens <= 8192:
+        raise CommandError("--max-tokens must be in 2..8192")
+    if not 1 <= args.k <= 64:
+        raise CommandError("--k must be in 1..64")
+    if not 0.0 <= args.alpha <= 1.0:
+        raise CommandError("--alpha must be in [0, 1]")
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+
+def make_plans(args: argparse.Namespace, answers_path: Path, n_answers: int) -> list[Any]:
+    """Agents dealt round-robin to swarms; the first `sessions` agents each run one session."""
+    from bench.fleet_agents import SessionPlan, SwarmPlan
+
+    run = secrets.token_hex(3)
+    device_ids = [f"fleet-{run}-{i:05d}" for i in range(args.agents)]
+    rng = random.Random(args.seed)
+    sessions = {
+        device_ids[i]: SessionPlan(device_ids[i], rng.randrange(n_answers), rng.getrandbits(63))
+        for i in range(args.sessions)
+    }
+    plans = []
+    for p in range(args.processes):
+        mine = device_ids[p :: args.processes]
+        plans.append(
+            SwarmPlan(
+                swarm=f"swarm-{p}",
+                device_ids=mine,
+                sessions=[sessions[d] for d in mine if d in sessions],
+                answers=str(answers_path),
+                k=args.k,
+                alpha=args.alpha,
+                max_tokens=args.max_tokens,
+            )
+        )
+    return plans
+
+
+# --- what is measured ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredRounds:
+    """The database's rounds of this run's sessions: session id -> round indices, as stored."""
+
+    by_session: dict[str, list[int]]
+    rows: int
+
+
+def stored_rounds(database_url: str, session_ids: list[str]) -> StoredRounds:
+    import sqlalchemy as sa
+
+    from coordinator.db.engine import make_engine
+    from coordinator.db.models import Round
+
+    engine = make_engine(database_url)
+    by_session: dict[str, list[int]] = defaultdict(list)
+    rows = 0
+    try:
+        with engine.connect() as conn:
+            for start in range(0, len(session_ids), 500):
+                chunk = [uuid.UUID(s) for s in session_ids[start : start + 500]]
+                query = sa.select(Round.session_id, Round.round_index).where(
+                    Round.session_id.in_(chunk)
+                )
+                for session_id, round_index in conn.execute(query):
+                    by_session[str(session_id)].append(round_index)
+                    rows += 1
+    finally:
+        engine.dispose()
+    return StoredRounds({k: sorted(v) for k, v in by_session.items()}, rows)
+
+
+def check_rounds(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[str, int]:
+    """Lost: a verdict an agent holds whose round the database lacks. Duplicated: a round stored
+    twice. Gaps: a session whose stored rounds are not 0..n-1. Unconfirmed: stored rounds whose
+    verdict no agent received (a timeout, counted as an error already)."""
+    lost = duplicated = gaps = unconfirmed = 0
+    for session in sessions:
+        seen = set(session["rounds"])
+        rows = stored.by_session.get(session["session_id"], [])
+        duplicated += len(rows) - len(set(rows))
+        lost += len(seen - set(rows))
+        unconfirmed += len(set(rows) - seen)
+        if sorted(set(rows)) != list(range(len(set(rows)))):
+            gaps += 1
+    return {"lost": lost, "duplicated": duplicated, "gaps": gaps, "unconfirmed": unconfirmed}
+
+
+def report(
+    results: list[dict[str, Any]],
+    stored: StoredRounds,
+    rss: list[tuple[float, int]],
+    tracebacks: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    sessions = [s for r in results for s in r["sessions"]]
+    latencies = [ms for s in sessions for ms in s["latencies_ms"]]
+    rounds = len(latencies)
+    started = min((r["first_sent"] for r in results if r["first_sent"]), default=0.0)
+    ended = max((r["last_answer"] for r in results), default=0.0)
+    duration = max(ended - started, 1e-9) if rounds else 0.0
+    checks = check_rounds(sessions, stored)
+    refusals = [reason for r in results for reason in r["refusals"]]
+    connect_failures = [f for r in results for f in r["connect_failures"]]
+    timeouts = sum(r["timeouts"] for r in results)
+    duplicate_verdicts = sum(r["duplicate_verdicts"] for r in results)
+    errors = len(refusals) + len(connect_failures) + timeouts + tracebacks
+    return {
+        "benchmark": "fleet",
+        "load_tool": "replay verifier and recorded-answer agents: control plane only",
+        "agents": args.agents,
+        "agents_connected": sum(r["connected"] for r in results),
+        "coordinators": args.coordinators,
+        "verifiers": args.verifiers,
+        "processes": args.processes,
+        "k": args.k,
+        "alpha": args.alpha,
+        "max_tokens": args.max_tokens,
+        "sessions": args.sessions,
+        "sessions_opened": sum(1 for s in sessions if s["opened"]),
+        "sessions_finished": sum(1 for s in sessions if s["finished"]),
+        "tokens_committed": sum(s["committed"] for s in sessions),
+        "rounds": rounds,
+        "seconds": duration,
+        "rounds_per_s": rounds / duration if rounds else 0.0,
+        "overhead_ms_p50": percentile(latencies, 50),
+        "overhead_ms_p99": percentile(latencies, 99),
+        "overhead_ms_max": max(latencies, default=float("nan")),
+        "refusals": len(refusals),
+        "refusal_reasons": sorted(set(refusals))[:20],
+        "connect_failures": len(connect_failures),
+        "connect_failure_reasons": connect_failures[:20],
+        "timeouts": timeouts,
+        "coordinator_tracebacks": tracebacks,
+        "errors": errors,
+        "rounds_stored": stored.rows,
+        "rounds_lost": checks["lost"],
+        "rounds_duplicated": checks["duplicated"] + duplicate_verdicts,
+        "sessions_with_gaps": checks["gaps"],
+        "rounds_unconfirmed": checks["unconfirmed"],
+        "coordinator_rss_mb_start": rss[0][1] / 2**20 if rss else None,
+        "coordinator_rss_mb_max": max(b for _, b in rss) / 2**20 if rss else None,
+        "coordinator_rss_mb_end": rss[-1][1] / 2**20 if rss else None,
+        "rss_samples": [{"t_s": round(t, 1), "rss_mb": b / 2**20} for t, b in rss],
+    }
+
+
+def table(document: dict[str, Any]) -> str:
+    def mb(key: str) -> str:
+        value = document[key]
+        return "n/a" if value is None else f"{value:.1f}"
+
+    rows = [
+        ["agents connected", f"{document['agents_connected']} / {document['agents']}"],
+        ["coordinators / verifiers", f"{document['coordinators']} / {document['verifiers']}"],
+        [
+            "sessions opened / finished",
+            f"{document['sessions_opened']} / {document['sessions_finished']} "
+            f"of {document['sessions']}",
+        ],
+        ["rounds", document["rounds"]],
+        ["rounds/s", f"{document['rounds_per_s']:.1f}"],
+        ["overhead p50 ms", f"{document['overhead_ms_p50']:.2f}"],
+        ["overhead p99 ms", f"{document['overhead_ms_p99']:.2f}"],
+        ["errors", document["errors"]],
+        ["  refusals / timeouts", f"{document['refusals']} / {document['timeouts']}"],
+        ["  connect failures", document["connect_failures"]],
+        ["  coordinator tracebacks", document["coordinator_tracebacks"]],
+        ["rounds lost / duplicated",
+         f"{document['rounds_lost']} / {document['rounds_duplicated']}"],
+        ["sessions with gaps", document["sessions_with_gaps"]],
+        ["coordinator RSS MB start / max / end",
+         f"{mb('coordinator_rss_mb_start')} / {mb('coordinator_rss_mb_max')} / "
+         f"{mb('coordinator_rss_mb_end')}"],
+    ]  # fmt: skip
+    return format_table(["fleet load (replay verifier: control plane only)", "value"], rows)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from bench.recorded import DEFAULT_ANSWERS, load_answers
+    from bench.soak import count_tracebacks
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.localfleet import FleetProcesses
+    from coordinator.settings import Settings
+    from coordinator.stack import VERIFIER_USER, prepare_database
+
+    answers_path = (args.answers or DEFAULT_ANSWERS).resolve()
+    answers = load_answers(answers_path)
+    plans = make_plans(args, answers_path, len(answers))
+    (workdir / "mosquitto").mkdir()
+    with PrivateMosquitto(workdir=workdir / "mosquitto") as mosquitto:
+        settings = Settings(
+            home=workdir / "home",
+            database_url=args.database_url or f"sqlite:///{workdir / 'fleet.db'}",
+            broker_url=mosquitto.url,
+            models_dir=workdir / "no-models",  # nothing loads a model here
+            coordinator_id=f"coordinator-fleet-{secrets.token_hex(3)}",
+        )
+        engine = await asyncio.to_thread(prepare_database, settings)
+        engine.dispose()
+        fleet = FleetProcesses(
+            settings=settings,
+            broker_url=mosquitto.url,
+            credentials={VERIFIER_USER: ""},
+            workdir=workdir,
+        )
+        try:
+            coordinator = fleet.start_coordinator()
+            for i in range(args.verifiers):
+                _start_child(fleet, f"replay-{i}", ["-m", "bench.replay_verifier",
+                             "--broker-url", mosquitto.url, "--id", f"replay-{i}",
+                             "--answers", str(answers_path)], fleet.verifiers)  # fmt: skip
+            from bench.soak import wait_for_verifier
+
+            await wait_for_verifier(mosquitto.url, fleet)
+            await wait_until_ready(fleet.coordinator_http_port, coordinator)
+            results, rss = await _drive(args, fleet, coordinator, mosquitto.url, plans, workdir)
+            # Counted before the coordinator is stopped: what it logs while stopping is not load.
+            tracebacks = count_tracebacks(workdir / "coordinator.log")
+        finally:
+            await fleet.stop_children()
+        session_ids = [s["session_id"] for r in results for s in r["sessions"]]
+        stored = await asyncio.to_thread(stored_rounds, settings.database_url, session_ids)
+    return report(results, stored, rss, tracebacks, args)
+
+
+async def wait_until_ready(http_port: int, coordinator: Any) -> None:
+    """Until the coordinator's /readyz answers 200: its database answers and it holds its bus
+    connection. Drafts sent before it subscribed would be lost with no session to queue them."""
+    import urllib.error
+    import urllib.request
+
+    def ready() -> bool:
+        url = f"http://127.0.0.1:{http_port}/readyz"
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False  # not listening yet, or 503 until it is ready
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not await asyncio.to_thread(ready):
+        if not coordinator.alive():
+            raise RuntimeError(f"the coordinator exited: see {coordinator.log_path}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("the coordinator did not become ready")
+        await asyncio.sleep(0.2)
+
+
+def _start_child(fleet: Any, name: str, argv: list[str], registry: dict[str, Any]) -> Any:
+    from coordinator.localfleet import ChildProcess
+
+    child = ChildProcess(name, [sys.executable, *argv], fleet._child_env(),
+                         fleet.workdir / f"{name}.log")  # fmt: skip
+    child.start()
+    registry[name] = child
+    return child
+
+
+async def _drive(
+    args: argparse.Namespace, fleet: Any, coordinator: Any, broker_url: str, plans: list[Any],
+    workdir: Path,
+) -> tuple[list[dict[str, Any]], list[tuple[float, int]]]:  # fmt: skip
+    """Start the swarms, wait until every agent is connected, say go, sample the coordinator's
+    RSS until every swarm is done, say stop; the swarms' results."""
+    from tqdm import tqdm
+
+    from bench.fleet_agents import GO_TOPIC, STOP_TOPIC, done_topic, ready_topic
+    from bench.soak import _inbox, rss_bytes
+    from broker.client import BrokerAddress, ConnectOptions, connect
+
+    options = ConnectOptions(client_id=f"bench-fleet-parent-{secrets.token_hex(3)}")
+    async with connect(BrokerAddress.from_url(broker_url), options) as control:
+        for plan in plans:
+            await control.subscribe(ready_topic(plan.swarm))
+            await control.subscribe(done_topic(plan.swarm))
+        async with _inbox(control) as inbox:
+            for plan in plans:
+                plan_path = workdir / f"{plan.swarm}.plan.json"
+                plan.write(plan_path)
+                _start_child(fleet, plan.swarm, ["-m", "bench.fleet_agents", "--broker-url",
+                             broker_url, "--plan", str(plan_path), "--out",
+                             str(workdir / f"{plan.swarm}.result.json")], fleet.agents)  # fmt: skip
+            budget = START_TIMEOUT_S + CONNECT_S_PER_AGENT * args.agents
+            with tqdm(total=args.agents, desc="connecting", unit="agent", file=sys.stderr) as bar:
+                await _collect(inbox, "ready", plans, fleet, coordinator, budget, bar)
+            rss: list[tuple[float, int]] = []
+            started = time.monotonic()
+            await control.publish(GO_TOPIC, b"{}")
+            with tqdm(total=len(plans), desc="sessions", unit="swarm", file=sys.stderr) as bar:
+                sampler = asyncio.create_task(_sample_rss(coordinator, started, rss, bar))
+                try:
+                    await _collect(inbox, "done", plans, fleet, coordinator, None, bar)
+                finally:
+                    sampler.cancel()
+            rss.append((time.monotonic() - started, rss_bytes(coordinator.pid)))
+            await control.publish(STOP_TOPIC, b"{}")
+    results = [json.loads((workdir / f"{plan.swarm}.result.json").read_text()) for plan in plans]
+    return results, rss
+
+
+async def _collect(
+    inbox: asyncio.Queue[Any], kind: str, plans: list[Any], fleet: Any, coordinator: Any,
+    budget_s: float | None, bar: Any,
+) -> None:  # fmt: skip
+    """Until every swarm has said `kind`; a child that dies ends the run with its log."""
+    waiting = {plan.swarm for plan in plans}
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    while waiting:
+        for child in [coordinator, *fleet.verifiers.values(), *fleet.agents.values()]:
+            if not child.alive() and (child is coordinator or child.name in waiting
+                                      or child.name.startswith("replay")):  # fmt: skip
+                raise RuntimeError(f"{child.name} exited: see {child.log_path}")
+        try:
+            incoming = await asyncio.wait_for(inbox.get(), 1.0)
+        except (asyncio.TimeoutError, TimeoutError):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"swarms {sorted(waiting)} not {kind} in time") from None
+            continue
+        swarm = incoming.topic.rsplit("/", 1)[-1]
+        if f"/{kind}/" in incoming.topic and swarm in waiting:
+            waiting.discard(swarm)
+            if kind == "ready":
+                bar.update(json.loads(incoming.payload)["connected"])
+            else:
+                bar.update(1)
+
+
+async def _sample_rss(
+    coordinator: Any, started: float, rss: list[tuple[float, int]], bar: Any
+) -> None:
+    from bench.soak import rss_bytes
+
+    while True:
+        sample = rss_bytes(coordinator.pid)
+        rss.append((time.monotonic() - started, sample))
+        bar.set_postfix(rss_mb=f"{sample / 2**20:.0f}")
+        await asyncio.sleep(RSS_SAMPLE_S)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    from bench.recorded import RecordingError, load_answers
+    from specfleet.cli import CommandError
+
+    if args.answers is not None:
+        try:
+            load_answers(args.answers)
+        except RecordingError as exc:
+            raise CommandError(str(exc)) from exc
+    if args.workdir is not None:
+        if args.workdir.exists() and any(args.workdir.iterdir()):
+            raise CommandError(f"--workdir {args.workdir} is not empty")
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        document = asyncio.run(run_fleet(args, args.workdir.resolve()))
+    else:
+        with tempfile.TemporaryDirectory(prefix="specfleet-fleet-") as tmp:
+            document = asyncio.run(run_fleet(args, Path(tmp)))
+    print(table(document))
+    if args.json is not None:
+        write_json(args.json, document)
+        print(f"wrote {args.json}")
+    clean = document["errors"] == 0 and document["rounds_lost"] == 0
+    return 0 if clean and document["rounds_duplicated"] == 0 else 1

@@ -1,0 +1,306 @@
+"""Lightweight agents for `specfleet bench fleet`: real MQTT clients, one connection per device,
+many per asyncio loop, speaking the device protocol of `broker.messages`, and drafting from
+recorded target answers (`bench.recorded`) instead of a model. A load tool.
+
+One process runs a swarm; the parent (`bench.fleet`) starts several and steers them on
+`bench/fleet/...` topics, outside the fleet's own tree:
+
+    python -m bench.fleet_agents --broker-url URL --plan PLAN.json --out RESULT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.recorded import RecordedAnswer, draft_along, load_answers
+from broker import messages as m
+from broker.client import (
+    BrokerAddress,
+    BusClient,
+    BusConnectionError,
+    ConnectOptions,
+    Incoming,
+    Will,
+    connect,
+)
+from broker.topics import DeviceChannel, device_topic
+
+log = logging.getLogger(__name__)
+
+CONTROL_ROOT = "bench/fleet"
+GO_TOPIC = f"{CONTROL_ROOT}/go"
+STOP_TOPIC = f"{CONTROL_ROOT}/stop"
+REPLY_TIMEOUT_S = 60.0
+# Connecting is the broker's and our CPU's busiest moment: this many handshakes at once.
+CONNECT_CONCURRENCY = 32
+DRAFT_MODEL = "recorded"
+
+
+def ready_topic(swarm: str) -> str:
+    return f"{CONTROL_ROOT}/ready/{swarm}"
+
+
+def done_topic(swarm: str) -> str:
+    return f"{CONTROL_ROOT}/done/{swarm}"
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    device_id: str
+    answer_index: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class SwarmPlan:
+    swarm: str
+    device_ids: list[str]
+    sessions: list[SessionPlan]
+    answers: str
+    k: int
+    alpha: float
+    max_tokens: int
+
+    @classmethod
+    def read(cls, path: Path) -> SwarmPlan:
+        raw = json.loads(path.read_text())
+        raw["sessions"] = [SessionPlan(**s) for s in raw["sessions"]]
+        return cls(**raw)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+
+@dataclass
+class SessionRecord:
+    """What one session saw, for the report and the database check."""
+
+    session_id: str
+    device_id: str
+    opened: bool = False
+    finished: bool = False
+    rounds: list[int] = field(default_factory=list)  # round indices answered, in order
+    latencies_ms: list[float] = field(default_factory=list)  # draft sent -> its verdict
+    committed: int = 0  # answer tokens committed
+
+
+@dataclass
+class SwarmResult:
+    swarm: str
+    connected: int = 0
+    connect_failures: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    timeouts: int = 0
+    duplicate_verdicts: int = 0
+    first_sent: float = 0.0
+    last_answer: float = 0.0
+    sessions: list[SessionRecord] = field(default_factory=list)
+
+
+class Agent:
+    """One device: its connection, its verdict topic's messages in a queue."""
+
+    def __init__(self, device_id: str, client: BusClient) -> None:
+        self.device_id = device_id
+        self.client = client
+        self.inbox: asyncio.Queue[Incoming] = asyncio.Queue()
+
+    async def pump(self) -> None:
+        with contextlib.suppress(BusConnectionError):
+            async for incoming in self.client.messages():
+                self.inbox.put_nowait(incoming)
+
+    async def send(self, channel: DeviceChannel, message: m.Message) -> None:
+        await self.client.publish(device_topic(self.device_id, channel), m.encode(message))
+
+
+@contextlib.asynccontextmanager
+async def connected_agent(address: BrokerAddress, device_id: str) -> AsyncIterator[Agent]:
+    status = device_topic(device_id, DeviceChannel.STATUS)
+    offline = m.Status(device_id=device_id, state=m.DeviceState.OFFLINE, at=time.time())
+    options = ConnectOptions(
+        client_id=device_id,
+        will=Will(status, m.encode(offline), retain=True),
+        keepalive_s=30,
+        protocol="3.1.1",
+    )
+    async with connect(address, options) as client:
+        await client.subscribe(device_topic(device_id, DeviceChannel.VERDICT))
+        online = m.Status(
+            device_id=device_id, state=m.DeviceState.ONLINE, at=time.time(), drafts=(DRAFT_MODEL,)
+        )
+        await client.publish(status, m.encode(online), retain=True)
+        yield Agent(device_id, client)
+
+
+class SessionRun:
+    """One greedy session spoken by hand: open, draft every round from the recording, close."""
+
+    def __init__(
+        self, agent: Agent, plan: SessionPlan, answer: RecordedAnswer, swarm: SwarmPlan,
+        result: SwarmResult,
+    ) -> None:  # fmt: skip
+        self.agent = agent
+        self.answer = answer
+        self.swarm = swarm
+        self.result = result
+        self.rng = random.Random(plan.seed)
+        session_id = uuid.UUID(int=self.rng.getrandbits(128), version=4)
+        self.record = SessionRecord(session_id=str(session_id), device_id=agent.device_id)
+        result.sessions.append(self.record)
+
+    async def run(self) -> None:
+        max_tokens = min(self.swarm.max_tokens, len(self.answer.answer_ids))
+        opening = m.SessionOpen(
+            session_id=self.record.session_id,
+            prompt="recorded",
+            prompt_ids=self.answer.prompt_ids,
+            max_tokens=max_tokens,
+            draft_model=DRAFT_MODEL,
+            k=self.swarm.k,
+        )
+        self.result.first_sent = self.result.first_sent or time.time()
+        await self.agent.send(DeviceChannel.SESSION, opening)
+        state = await self._reply(m.SessionState)
+        if not isinstance(state, m.SessionState):
+            return
+        self.record.opened = True
+        committed, round_index, k = state.committed_len, state.next_round, self.swarm.k
+        prompt_len = len(self.answer.prompt_ids)
+        while True:
+            generated = committed - prompt_len
+            tokens = draft_along(self.answer, generated, k, self.swarm.alpha, self.rng)
+            draft = m.Draft(
+                session_id=self.record.session_id,
+                round=round_index,
+                base_len=committed,
+                tokens=tokens,
+                draft_model=DRAFT_MODEL,
+                timings=m.DraftTimings(sent_at=time.time()),
+            )
+            sent = time.perf_counter()
+            await self.agent.send(DeviceChannel.DRAFT, draft)
+            verdict = await self._reply(m.Verdict, round_index)
+            if not isinstance(verdict, m.Verdict):
+                return
+            self.record.latencies_ms.append((time.perf_counter() - sent) * 1000.0)
+            self.record.rounds.append(verdict.round)
+            self.result.last_answer = time.time()
+            committed, round_index = verdict.committed_len, verdict.round + 1
+            self.record.committed = committed - prompt_len
+            if verdict.policy is not None and verdict.policy.k > 0:
+                k = verdict.policy.k
+            if verdict.finished:
+                self.record.finished = True
+                break
+        close = m.SessionClose(session_id=self.record.session_id, reason="bench fleet")
+        await self.agent.send(DeviceChannel.SESSION, close)
+        await self._reply(m.SessionState)
+
+    async def _reply(
+        self, kind: type[m.Message], round_index: int | None = None
+    ) -> m.Message | None:
+        """The next `kind` about this session (for a round: its verdict); refusals and silence
+        are counted and end the session."""
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                incoming = await asyncio.wait_for(self.agent.inbox.get(), left)
+            except (asyncio.TimeoutError, TimeoutError):
+                break
+            reply = m.decode(incoming.payload)
+            if getattr(reply, "session_id", None) != self.record.session_id:
+                continue
+            if isinstance(reply, m.ErrorReply):
+                self.result.refusals.append(f"{reply.refused_type}: {reply.reason}")
+                return None
+            if isinstance(reply, m.Verdict) and reply.round in self.record.rounds:
+                self.result.duplicate_verdicts += 1
+                continue
+            if isinstance(reply, kind) and getattr(reply, "round", round_index) == round_index:
+                return reply
+        self.result.timeouts += 1
+        return None
+
+
+async def _connect_all(
+    address: BrokerAddress, device_ids: list[str], stack: contextlib.AsyncExitStack,
+    result: SwarmResult,
+) -> dict[str, Agent]:  # fmt: skip
+    agents: dict[str, Agent] = {}
+    gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
+    lock = asyncio.Lock()
+
+    async def one(device_id: str) -> None:
+        async with gate:
+            try:
+                agent = await stack.enter_async_context(connected_agent(address, device_id))
+            except BusConnectionError as exc:
+                result.connect_failures.append(f"{device_id}: {exc}")
+                return
+        async with lock:
+            agents[device_id] = agent
+
+    await asyncio.gather(*(one(d) for d in device_ids))
+    return agents
+
+
+async def run_swarm(broker_url: str, plan: SwarmPlan, out: Path) -> None:
+    address = BrokerAddress.from_url(broker_url)
+    answers = load_answers(Path(plan.answers))
+    result = SwarmResult(plan.swarm)
+    control_options = ConnectOptions(client_id=f"bench-fleet-{plan.swarm}", protocol="3.1.1")
+    async with contextlib.AsyncExitStack() as stack:
+        control = await stack.enter_async_context(connect(address, control_options))
+        await control.subscribe(GO_TOPIC)
+        await control.subscribe(STOP_TOPIC)
+        control_messages = control.messages()
+        agents = await _connect_all(address, plan.device_ids, stack, result)
+        result.connected = len(agents)
+        pumps = [
+            asyncio.create_task(a.pump(), name=f"pump-{d}") for d in agents for a in [agents[d]]
+        ]
+        await control.publish(
+            ready_topic(plan.swarm), json.dumps({"connected": len(agents)}).encode()
+        )
+        async for incoming in control_messages:
+            if incoming.topic == GO_TOPIC:
+                break
+        runs = [
+            SessionRun(agents[s.device_id], s, answers[s.answer_index % len(answers)], plan, result)
+            for s in plan.sessions
+            if s.device_id in agents
+        ]
+        await asyncio.gather(*(r.run() for r in runs))
+        out.write_text(json.dumps(asdict(result)))
+        await control.publish(done_topic(plan.swarm), b"{}")
+        async for incoming in control_messages:
+            if incoming.topic == STOP_TOPIC:
+                break
+        for pump in pumps:
+            pump.cancel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--broker-url", required=True)
+    parser.add_argument("--plan", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run_swarm(args.broker_url, SwarmPlan.read(args.plan), args.out))
+
+
+if __name__ == "__main__":
+    main()
