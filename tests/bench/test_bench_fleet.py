@@ -1,0 +1,135 @@
+"""`specfleet bench fleet`: the replay verifier's table, the agents' drafts, the round checks,
+the refusals, and a small real run (a private Mosquitto, the coordinator in its own process,
+agent swarms and a replay verifier) that must lose and duplicate nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import fleet
+from bench.recorded import (
+    DEFAULT_ANSWERS,
+    RecordedAnswer,
+    RecordingError,
+    ReplayTarget,
+    draft_along,
+    load_answers,
+)
+from specfleet import cli
+from specfleet.cli import CommandError
+
+ANSWER = RecordedAnswer(prompt_ids=(1, 5, 9), answer_ids=(11, 12, 13, 14, 2))
+
+
+@pytest.mark.parametrize(
+    ("context", "draft", "n_accepted", "next_token"),
+    [
+        ((1, 5, 9), (11, 12, 13), 3, 14),  # the whole draft matches
+        ((1, 5, 9), (11, 99, 13), 1, 12),  # an early mismatch
+        ((1, 5, 9, 11), (), 0, 12),  # an empty draft: the next token alone
+        ((1, 5, 9, 11, 12), (13, 14, 2, 7), 2, 2),  # never past the recording: EOS stays next
+        ((1, 5, 9, 11, 12, 13, 14), (2,), 0, 2),
+    ],
+)
+def test_the_replay_target_answers_like_greedy_verification(
+    context: tuple[int, ...], draft: tuple[int, ...], n_accepted: int, next_token: int
+) -> None:
+    replayed = ReplayTarget([ANSWER]).verify(context, draft)
+    assert (replayed.n_accepted, replayed.next_token) == (n_accepted, next_token)
+
+
+@pytest.mark.parametrize("context", [(1, 5), (1, 5, 9, 12), (1, 5, 9, 11, 12, 13, 14, 2)])
+def test_contexts_the_recording_does_not_continue_are_refused(context: tuple[int, ...]) -> None:
+    with pytest.raises(RecordingError):
+        ReplayTarget([ANSWER]).verify(context, (11,))
+
+
+@pytest.mark.parametrize(("alpha", "expected"), [(1.0, (12, 13, 14)), (0.0, (13,))])
+def test_drafts_follow_the_recording_with_probability_alpha(
+    alpha: float, expected: tuple[int, ...]
+) -> None:
+    # After one answer token: at most 3 more may be drafted (one must stay for next_token).
+    assert draft_along(ANSWER, 1, 8, alpha, random.Random(0)) == expected
+
+
+def test_the_shipped_recording_loads_and_replays_itself() -> None:
+    answers = load_answers(DEFAULT_ANSWERS)
+    assert len(answers) == 64
+    target = ReplayTarget(answers)
+    for answer in answers[:8]:
+        replayed = target.verify(answer.prompt_ids, answer.answer_ids[:4])
+        assert (replayed.n_accepted, replayed.next_token) == (4, answer.answer_ids[4])
+
+
+def test_rounds_are_checked_against_the_database() -> None:
+    sessions = [
+        {"session_id": "a", "rounds": [0, 1, 2]},  # all stored
+        {"session_id": "b", "rounds": [0, 1]},  # round 1 lost; round 2 stored, never seen
+        {"session_id": "c", "rounds": [0]},  # round 1 stored twice, its verdict never seen
+    ]
+    stored = fleet.StoredRounds({"a": [0, 1, 2], "b": [0, 2], "c": [0, 1, 1]}, 8)
+    assert fleet.check_rounds(sessions, stored) == {
+        "lost": 1, "duplicated": 1, "gaps": 1, "unconfirmed": 2,
+    }  # fmt: skip
+
+
+def _args(**overrides: Any) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    fleet.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"coordinators": 2}, "coordinators cannot share a fleet yet"),
+        ({"coordinators": 0}, "--coordinators must be at least 1"),
+        ({"agents": 10, "sessions": 11}, "--sessions must be in 1..--agents"),
+        ({"agents": 0}, "--agents must be in 1..20000"),
+        ({"alpha": 1.5}, "--alpha must be in [0, 1]"),
+        ({"processes": 0}, "--processes must be in 1..32"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_reason(overrides: dict[str, Any], reason: str) -> None:
+    with pytest.raises(CommandError, match=reason.replace("[", r"\[").replace(".", r"\.")):
+        fleet.check_arguments(_args(**overrides))
+
+
+def test_sessions_are_dealt_to_swarms_one_per_agent() -> None:
+    plans = fleet.make_plans(_args(agents=10, sessions=4, processes=3), DEFAULT_ANSWERS, 64)
+    devices = [d for plan in plans for d in plan.device_ids]
+    assert len(devices) == len(set(devices)) == 10
+    sessions = [s for plan in plans for s in plan.sessions]
+    assert len({s.device_id for s in sessions}) == 4
+    for plan in plans:
+        assert {s.device_id for s in plan.sessions} <= set(plan.device_ids)
+
+
+def test_a_small_fleet_runs_with_nothing_lost_or_duplicated(
+    tmp_path: Path, create_pg_database: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("bench.commands",))
+    out = tmp_path / "fleet.json"
+    status = cli.main([
+        "bench", "fleet", "--agents", "24", "--sessions", "8", "--processes", "2",
+        "--max-tokens", "24", "--database-url", create_pg_database(), "--json", str(out),
+    ])  # fmt: skip
+    document = json.loads(out.read_text())
+    assert status == 0, document
+    assert document["agents_connected"] == 24
+    assert document["sessions_finished"] == 8
+    assert document["errors"] == 0
+    assert document["rounds"] == document["rounds_stored"] > 8
+    assert (document["rounds_lost"], document["rounds_duplicated"]) == (0, 0)
+    assert document["sessions_with_gaps"] == 0
+    assert document["coordinator_rss_mb_max"] > 0
