@@ -12,6 +12,10 @@ functions of the context alone. A drafter with a neural draft keeps a KV cache i
 context, so each session gets its own proposer (the loaded model is shared): one proposer for
 all would re-prefill the draft on every session's whole context each time sessions take turns,
 which made a pass of 4 host-drafted sessions take ~800 ms instead of ~90.
+
+A feature head drafts here without features (cloud rounds carry none): alone it falls back to
+the hybrid, behind the copying tiers it proposes nothing. Its step is stateless, so one loaded
+head serves every session.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from inference.drafters import (
     DrafterError,
     drafter_names,
     load_draft_runtime,
+    load_head,
     make_proposer,
 )
-from inference.proposers import Proposer
+from inference.proposers import FeatureHeadStep, Proposer
 from inference.runtime import Runtime
 from inference.sampling import RngStream, SparseDraftProbs, one_hot_draft, round_rng
 
@@ -77,6 +82,7 @@ class HostDrafters:
         self._factory = factory or self._make
         self._proposers: OrderedDict[tuple[str, float, str], Proposer] = OrderedDict()
         self._runtimes: dict[str, Runtime] = {}
+        self._heads: dict[str, FeatureHeadStep] = {}  # stateless: one per name serves all
         # With the target's vocabulary given, drafts built for another target are left out.
         self.names: tuple[str, ...] = tuple(drafter_names(models_dir, vocab))
 
@@ -87,6 +93,7 @@ class HostDrafters:
             temperature=temperature,
             threads=self.threads,
             load_runtime=self._runtime,
+            load_head_step=self._head,
         )
 
     def _runtime(self, draft_name: str) -> Runtime:
@@ -95,6 +102,12 @@ class HostDrafters:
             runtime = load_draft_runtime(self.models_dir, draft_name, self.threads)
             self._runtimes[draft_name] = runtime
         return runtime
+
+    def _head(self, head_name: str) -> FeatureHeadStep:
+        head = self._heads.get(head_name)
+        if head is None:
+            head = self._heads[head_name] = load_head(self.models_dir, head_name, self.threads)
+        return head
 
     def proposer(self, name: str, temperature: float, session_id: str = "") -> Proposer:
         """The drafter `name` at `temperature` (a session's own, for one with a neural draft);

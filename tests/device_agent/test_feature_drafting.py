@@ -4,6 +4,7 @@ from them; rounds verified by the real target's VerifierCore."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +24,7 @@ from verifier.core import VerifierCore
 
 F32 = npt.NDArray[np.float32]
 MAX_TOKENS = 24
+SAMPLED = m.SamplingSpec(temperature=0.8, top_p=0.95, seed=3)
 
 
 class RandomHead:
@@ -152,3 +154,27 @@ def test_drafters_that_do_not_ask_send_no_feature_bytes_and_cloud_rounds_ask_non
     drafter.mode = m.Mode.CLOUD
     cloud = drafter.draft().message("s", 0.0)
     assert cloud.cloud and cloud.want_features is None
+
+
+@pytest.mark.parametrize(("sampling", "ahead"), [(m.SamplingSpec(), True), (SAMPLED, False)])
+def test_a_feature_drafter_drafts_ahead_only_when_greedy(
+    target: tuple[OnnxRuntime, ChatTokenizer],
+    head: RandomHead,
+    sampling: m.SamplingSpec,
+    ahead: bool,
+) -> None:
+    """A window drafted ahead comes from the head's own predicted features; for a sampled session
+    its use would depend on timing, so the session waits for the verdict's features."""
+    _, tokenizer = target
+    temperature = sampling.temperature
+    proposer = FeatureProposer(head, PromptLookupProposer(), temperature=temperature)
+    drafter = session(tokenizer, proposer, "eagle-random")
+    drafter = SessionDrafter(
+        spec=replace(drafter.spec, sampling=sampling),
+        proposer=proposer,
+        eos_id=tokenizer.eos_id,
+        proactive=True,
+    )
+    proposer.give_features(np.ones(head.hidden_size, dtype=np.float32), len(drafter.committed))
+    drafter.draft()
+    assert drafter.speculate() is ahead
