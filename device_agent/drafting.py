@@ -31,6 +31,7 @@ from inference.features import features_from_wire
 from inference.proposers import (
     Candidates,
     Proposer,
+    forget_features,
     give_features,
     no_candidates,
     set_min_confidence,
@@ -664,6 +665,8 @@ class SessionDrafter:
         be up and the coordinator slow), and a verdict of that round then fits the tail too.
         """
         self._discard_speculation()
+        # Offline there are no verdicts: a feature drafter drafts as its fallback (the hybrid).
+        forget_features(self.proposer)
         if self.spell is not None:
             self.spell.stalled = False
             return []

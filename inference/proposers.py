@@ -474,6 +474,9 @@ class FeatureProposer:
             raise ValueError(f"a feature needs a context of >= 2 tokens, got {committed_len}")
         self._chain = _Chain(committed_len, feature)
 
+    def forget_features(self) -> None:
+        self._chain = None
+
     def get_candidates(
         self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
     ) -> Candidates:
@@ -566,6 +569,13 @@ def give_features(proposer: Proposer, features: npt.ArrayLike, committed_len: in
     feature drafter in `proposer`; ValueError when it does not fit one."""
     for drafter in feature_drafters(proposer):
         drafter.give_features(features, committed_len)
+
+
+def forget_features(proposer: Proposer) -> None:
+    """Drop the feature every feature drafter in `proposer` holds: they fall back until the next
+    verdict brings one (local mode drafts without the target)."""
+    for drafter in feature_drafters(proposer):
+        drafter.forget_features()
 
 
 def set_min_confidence(proposer: Proposer, min_confidence: float) -> None:
