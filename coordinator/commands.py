@@ -220,7 +220,7 @@ def _register_devices(subparsers: Subparsers) -> None:
         "sessions closed by the running coordinator",
         _devices_retire,
     )
-    retire.add_argument("device_id", metavar="NAME")
+    retire.add_argument("device_id", metavar="NAME", help="the device's id")
     retire.add_argument("--reason", default="", help="recorded in the event log")
     _add_broker_files(retire)
     _add_database_url(retire)
@@ -228,7 +228,7 @@ def _register_devices(subparsers: Subparsers) -> None:
     rotate = _command(
         group, "rotate-credential", "issue a new credential; prints it once", _devices_rotate
     )
-    rotate.add_argument("device_id", metavar="NAME")
+    rotate.add_argument("device_id", metavar="NAME", help="the device's id")
     _add_broker_files(rotate)
     _add_database_url(rotate)
 
@@ -643,12 +643,18 @@ def _register_broker(subparsers: Subparsers) -> None:
 def _broker_probe_verifier(args: argparse.Namespace) -> int:
     import asyncio
 
+    from pydantic import ValidationError
+
     from broker.client import BrokerAddress
     from broker.probe import DEFAULT_MAX_AGE_S, BrokerUnreachable, judge_heartbeat, read_heartbeat
     from broker.topics import validate_device_id
     from coordinator.settings import Settings
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"] if exc.errors() else str(exc)
+        raise CommandError(f"settings: {reason}") from exc
     max_age = DEFAULT_MAX_AGE_S if args.max_age is None else args.max_age
     if max_age <= 0:
         raise CommandError("--max-age must be positive")
@@ -966,14 +972,14 @@ def _register_admin(subparsers: Subparsers) -> None:
     _add_database_url(listing)
 
     token = _command(group, "token", "issue another token; prints it once", _admin_token)
-    token.add_argument("name", metavar="NAME")
+    token.add_argument("name", metavar="NAME", help="the admin's name")
     token.add_argument("--label", default="", help="what the token is for (e.g. prometheus)")
     _add_database_url(token)
 
     revoke = _command(
         group, "revoke", "revoke every token of an admin (and its logins)", _admin_revoke
     )
-    revoke.add_argument("name", metavar="NAME")
+    revoke.add_argument("name", metavar="NAME", help="the admin's name")
     _add_database_url(revoke)
 
 

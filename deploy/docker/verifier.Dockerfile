@@ -22,8 +22,9 @@ COPY --from=wheel /wheels /wheels
 RUN pip install --no-cache-dir "$(ls /wheels/specfleet-*.whl)[cloud]" && rm -rf /wheels
 COPY --from=target /models /opt/specfleet/models
 COPY deploy/docker/entrypoint.sh /usr/local/bin/specfleet-entrypoint
-ENV SPECFLEET_ENVIRONMENT=production \
-    SPECFLEET_HOME=/var/lib/specfleet \
+# No SPECFLEET_ENVIRONMENT=production here: it asks for the coordinator's cookie-signing
+# SECRET_KEY, which a verifier has no use for and should not hold.
+ENV SPECFLEET_HOME=/var/lib/specfleet \
     SPECFLEET_MODELS_DIR=/opt/specfleet/models \
     PYTHONUNBUFFERED=1
 USER specfleet

@@ -4,6 +4,7 @@ against this repository, and the commands they run against the real CLI."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -17,6 +18,7 @@ import pytest
 import tomllib
 import yaml
 
+from broker.mosquitto import free_port
 from specfleet import cli
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -156,6 +158,33 @@ def _service_command(command: str, broker_dir: Path, secret_files: dict[str, Pat
     return argv[1:]
 
 
+def _image_env(dockerfile: str) -> dict[str, str]:
+    """The ENV a Dockerfile's final stage sets (`ENV A=1 \\` continued lines)."""
+    text = (DEPLOY / "docker" / dockerfile).read_text().replace("\\\n", " ")
+    final = text.rsplit("\nFROM ", 1)[-1]
+    return dict(re.findall(r"(SPECFLEET_[A-Z_]+)=(\S+)", " ".join(
+        line for line in final.splitlines() if line.startswith("ENV ")
+    )))  # fmt: skip
+
+
+def _container_env(
+    monkeypatch: pytest.MonkeyPatch, dockerfile: str, declared: dict[str, Any], tmp_path: Path
+) -> None:
+    """The process environment a container would get: the image's ENV, then the declared
+    variables; secrets (NAME_FILE, secretKeyRef) stand in as a placeholder value."""
+    for name in [n for n in os.environ if n.startswith("SPECFLEET_")]:
+        monkeypatch.delenv(name)
+    env = {**_image_env(dockerfile), **declared}
+    for name, value in env.items():
+        if name.endswith("_FILE"):
+            name, value = name.removesuffix("_FILE"), "a-secret-value-of-32-characters!"
+        elif isinstance(value, dict):  # valueFrom
+            value = "a-secret-value-of-32-characters!"
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setenv("SPECFLEET_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPECFLEET_DATABASE_URL", raising=False)
+
+
 @pytest.mark.parametrize("where", ["compose", "kubernetes"])
 def test_the_broker_config_command_they_run_is_accepted_by_the_cli(
     where: str,
@@ -164,10 +193,14 @@ def test_the_broker_config_command_they_run_is_accepted_by_the_cli(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     if where == "compose":
-        command = _compose()["services"]["broker-config"]["command"][2]
+        service = _compose()["services"]["broker-config"]
+        command = service["command"][2]
+        declared = dict(service["environment"])
     else:
-        broker = _workloads()["broker"]
-        command = broker["spec"]["template"]["spec"]["initContainers"][0]["command"][2]
+        init = _workloads()["broker"]["spec"]["template"]["spec"]["initContainers"][0]
+        command = init["command"][2]
+        declared = {e["name"]: e.get("value", e.get("valueFrom")) for e in init["env"]}
+    _container_env(monkeypatch, "coordinator.Dockerfile", declared, tmp_path)
     secret_files = {}
     for name in ("coordinator_broker_password", "verifier_broker_password"):
         secret_files[name] = tmp_path / name
@@ -180,6 +213,30 @@ def test_the_broker_config_command_they_run_is_accepted_by_the_cli(
     assert cli.main([*argv, "--database-url", database]) == 0, capsys.readouterr().err
     assert "new " not in capsys.readouterr().out  # both credentials came from the secrets
     assert (tmp_path / "broker" / "service-passwords").is_file()
+
+
+@pytest.mark.parametrize("where", ["compose", "kubernetes"])
+def test_the_verifier_probe_runs_in_the_verifier_container_environment(
+    where: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The liveness probe's own command, in the container's environment, against a broker that
+    is not there: it must build its settings and say so, not fail on them."""
+    if where == "compose":
+        declared = dict(_compose()["services"]["verifier"]["environment"])
+    else:
+        container = _workloads()["verifier"]["spec"]["template"]["spec"]["containers"][0]
+        declared = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+        liveness = container["livenessProbe"]["exec"]["command"][2]
+        assert "--unreachable-ok" in liveness
+    declared["SPECFLEET_BROKER_URL"] = f"mqtt://127.0.0.1:{free_port()}"
+    _container_env(monkeypatch, "verifier.Dockerfile", declared, tmp_path)
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    status = cli.main(["broker", "probe-verifier", "verifier-0", "--unreachable-ok"])
+    assert status == 0, capsys.readouterr().err
+    assert "broker unreachable, not judged" in capsys.readouterr().out
 
 
 def _pyproject_extras() -> set[str]:
