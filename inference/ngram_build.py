@@ -344,7 +344,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also count the target's answers in this teacher file (`specfleet models distill "
         "--teacher-only` writes one: models dir/distill/teacher.jsonl)",
     )  # fmt: skip
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"tokens the target answers each prompt with (default {DEFAULT_MAX_NEW_TOKENS})",
+    )
     parser.add_argument("--order", type=int, default=DEFAULT_ORDER, help="n of the n-grams")
     parser.add_argument("--seed", type=int, default=BUILD_SEED, help="prompt generator seed")
     parser.add_argument("--threads", type=int, default=None, help="ONNX Runtime threads")
