@@ -34,7 +34,7 @@ DEVICE_ID = "bench-dev"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=2000, help="round trips per configuration")
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=100, help="round trips not counted")
     parser.add_argument(
         "--broker",
         action="append",

@@ -170,14 +170,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSONL prompts (id, task, prompt); default ../shared/bench/prompts.jsonl",
     )
     parser.add_argument("--limit", type=int, default=None, help="answer the first N prompts only")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=96, help="per answer (default 96)")
     parser.add_argument(
         "--k", type=int, default=None, help="speculation window (default: each drafter's own)"
     )
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--agents", type=int, default=3, choices=[1, 2, 3])
-    parser.add_argument("--verifiers", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the sessions")
+    parser.add_argument(
+        "--agents", type=int, default=3, choices=[1, 2, 3], help="device agents (default 3)"
+    )
+    parser.add_argument(
+        "--verifiers", type=int, default=2, choices=[1, 2], help="verifier workers (default 2)"
+    )
     parser.add_argument(
         "--broker", metavar="URL", help="an external broker instead of the embedded"
     )

@@ -652,7 +652,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --target-dir: start the agent and wait for it (default: install only)",
     )
     parser.add_argument("--no-wait", action="store_true", help="do not wait for 'online'")
-    parser.add_argument("--online-timeout", type=float, default=DEFAULT_ONLINE_TIMEOUT_S)
+    parser.add_argument(
+        "--online-timeout",
+        type=float,
+        default=DEFAULT_ONLINE_TIMEOUT_S,
+        metavar="S",
+        help="with --start, how long to wait for the device to come online "
+        f"(default {DEFAULT_ONLINE_TIMEOUT_S:g}s)",
+    )
     parser.add_argument("--bundle", type=Path, help="default: <home>/bundles/NAME")
     parser.add_argument(
         "--device-broker-url", metavar="URL", help="override the bundle's broker URL"

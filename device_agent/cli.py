@@ -21,8 +21,25 @@ from device_agent.settings import (
     load_agent_settings,
     load_local_settings,
 )
+from specfleet.cli_help import finish_parsers
 
 log = logging.getLogger("device_agent")
+
+EXAMPLES = {
+    "specfleet-agent": """
+        specfleet-agent run --config ~/specfleet-agent/current/agent.toml
+        specfleet-agent ask "Why is the sky blue?"
+    """,
+    "specfleet-agent run": """
+        specfleet-agent run --config ~/specfleet-agent/current/agent.toml   # as flashed
+        specfleet-agent run --device-id pi-kitchen --credential-file credential \\
+            --broker-url mqtt://broker.lan:1883 --kind pi -v
+    """,
+    "specfleet-agent ask": """
+        specfleet-agent ask "Why is the sky blue?"                  # through the running agent
+        specfleet-agent ask "Write a haiku" --draft lookup --k 4 --json
+    """,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,11 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--version", action="version", version=f"specfleet-agent {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    run = sub.add_parser("run", help="connect to the bus and serve until stopped")
+    run = sub.add_parser(
+        "run",
+        help="connect to the bus and serve until stopped",
+        description="Connect to the bus with this device's credential, report presence and "
+        "telemetry, draft for the sessions the coordinator starts here and serve the local API; "
+        "until SIGTERM or Ctrl-C, reconnecting with backoff.",
+    )
     _add_device_arguments(run)
-    run.add_argument("--kind", choices=["pi", "jetson", "phone", "other"])
+    run.add_argument(
+        "--kind", choices=["pi", "jetson", "phone", "other"], help="this device's class"
+    )
     run.add_argument("--keepalive", type=int, dest="keepalive_s", help="MQTT keepalive, seconds")
-    run.add_argument("--telemetry-interval", type=float, dest="telemetry_interval_s")
+    run.add_argument(
+        "--telemetry-interval",
+        type=float,
+        dest="telemetry_interval_s",
+        help="seconds between telemetry reports (RTT probe, CPU, memory, battery, heat)",
+    )
     run.add_argument(
         "--thermal-limit",
         type=float,
@@ -99,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("prompt", help="the user's message")
     ask.add_argument("--max-tokens", type=int, help="tokens to generate at most")
     ask.add_argument("--temperature", type=float, help="0 (default) for greedy")
-    ask.add_argument("--top-p", type=float)
+    ask.add_argument("--top-p", type=float, help="nucleus sampling: keep this probability mass")
     ask.add_argument("--seed", type=int, help="sampling is reproducible from it")
     ask.add_argument("--draft", help="drafter: lookup, ngram, hybrid, a draft's name, hybrid+NAME")
     ask.add_argument("--k", type=int, help="tokens drafted per round")
@@ -113,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument("--json", action="store_true", help="print the session summary as JSON")
     _add_device_arguments(ask)
+    finish_parsers(parser, EXAMPLES)
     return parser
 
 

@@ -28,10 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_DRAFT})",
     )
     parser.add_argument("--k", type=int, default=None, help="tokens drafted per round")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the K likeliest")
     parser.add_argument("--seed", type=int, default=0, help="sampling is reproducible from it")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(

@@ -25,11 +25,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "control port takes `profile NAME`, `cut SECONDS`, `stall SECONDS`, `restore`, `status`.",
     )
     run_parser.add_argument("--listen", type=int, required=True, help="port clients connect to")
-    run_parser.add_argument("--listen-host", default="127.0.0.1")
+    run_parser.add_argument("--listen-host", default="127.0.0.1", help="default 127.0.0.1")
     run_parser.add_argument(
         "--upstream", type=_host_port, required=True, help="the broker, HOST:PORT"
     )
-    run_parser.add_argument("--profile", choices=sorted(PROFILES), default="lan")
+    run_parser.add_argument(
+        "--profile", choices=sorted(PROFILES), default="lan", help="the link (default lan)"
+    )
     run_parser.add_argument(
         "--control", type=int, default=0, help="loopback control port (default: a free one)"
     )

@@ -24,10 +24,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     sub = sim.add_subparsers(dest="sim_command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("profile", help="time the target's passes on this host (a verifier kind)")
-    p.add_argument("--out", type=Path, required=True, metavar="FILE")
+    p.add_argument("--out", type=Path, required=True, metavar="FILE", help="profile JSON")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default: 1)")
     p.add_argument("--context", type=int, default=64, help="cached positions per row (default 64)")
-    p.add_argument("--models-dir", type=Path, default=None)
+    p.add_argument("--models-dir", type=Path, default=None, help="default: settings")
     p.set_defaults(func=_profile)
 
     c = sub.add_parser("calibrate", help="fit the simulator's parameters from measured runs")
@@ -37,14 +37,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     c.add_argument("--gpu-profile", type=Path, action="append", default=[], metavar="KIND=FILE",
                    help="another verifier kind's profile, as data (repeatable)")  # fmt: skip
     c.add_argument("--broker-hop-ms", type=float, default=None, help="e.g. bench bus p50 / 2")
-    c.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE")
+    c.add_argument("--out", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE",
+                   help=f"default {DEFAULT_CALIBRATION}")  # fmt: skip
     c.set_defaults(func=_calibrate)
 
     v = sub.add_parser("validate", help="replay a measured bench e2e run; predicted vs measured")
-    v.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE")
+    v.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE",
+                   help=f"from sim calibrate (default {DEFAULT_CALIBRATION})")  # fmt: skip
     v.add_argument("--e2e", type=Path, required=True, metavar="FILE", help="bench e2e JSON")
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--json", type=Path, default=None, metavar="PATH")
+    v.add_argument("--seed", type=int, default=0, help="the simulation's seed")
+    v.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the report")
     v.set_defaults(func=_validate)
 
     r = sub.add_parser("run", help="simulate a fleet and workload with a given verifier count")
@@ -61,11 +63,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _plan_inputs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE")
+    parser.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE",
+                        help=f"from sim calibrate (default {DEFAULT_CALIBRATION})")  # fmt: skip
     parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="TOML or JSON")
-    parser.add_argument("--workload", type=Path, required=True, metavar="FILE")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    parser.add_argument("--workload", type=Path, required=True, metavar="FILE",
+                        help="TOML or JSON")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the simulation's seed")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the report")
 
 
 def _load(path: Path, model: Any) -> Any:

@@ -12,6 +12,9 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
+from specfleet.cli_help import finish_parsers
+from specfleet.examples import EXAMPLES
+
 # Modules that expose `register(subparsers)`; each adds its subcommands with a `func` default.
 COMMAND_MODULES = (
     "coordinator.commands",
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    finish_parsers(parser, EXAMPLES)
     return parser
 
 
