@@ -178,3 +178,20 @@ def test_a_feature_drafter_drafts_ahead_only_when_greedy(
     proposer.give_features(np.ones(head.hidden_size, dtype=np.float32), len(drafter.committed))
     drafter.draft()
     assert drafter.speculate() is ahead
+
+
+def test_local_mode_drafts_with_the_fallback(
+    target: tuple[OnnxRuntime, ChatTokenizer], head: RandomHead
+) -> None:
+    """Offline there are no verdicts: the head's last feature is dropped and the fallback
+    generates the provisional tail."""
+    _, tokenizer = target
+    proposer = FeatureProposer(head, fallback=PromptLookupProposer())
+    drafter = session(tokenizer, proposer, "eagle-random")
+    drafter.draft()
+    proposer.give_features(np.ones(head.hidden_size, dtype=np.float32), len(drafter.committed))
+    drafter.start_local()
+    assert not proposer.has_features
+    heads_before = proposer.head_rounds
+    drafter.generate_locally(4)
+    assert proposer.head_rounds == heads_before and proposer.fallback_rounds >= 2
