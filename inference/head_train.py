@@ -4,6 +4,10 @@
    output, cached on disk in fp16 shards, resumable.
 2. Training (torch, under a time budget, checkpointed): EAGLE's recipe with EAGLE-3's
    training-time test, on all but a held-out slice of the teacher answers.
+   Beside the teacher text (the target's own greedy answers), the head may also read answers
+   written by a small draft, with the target's features and greedy choices over them (EAGLE
+   trains on text the target did not write; the labels are the target's all the same): four
+   times the positions per CPU second, as a prefill costs a sixth of a batched decode step here.
 3. Validation: per-position greedy acceptance of chained drafts (the head fed its own features)
    and the tokens per target pass they would make at windows k = 1..8, plus the training curve;
    all written into the weights' record.
@@ -28,7 +32,7 @@ from inference.feature_head import F32, SHIPPED_HEADS, HeadConfig, HeadWeights
 
 if TYPE_CHECKING:
     from inference.distill import TeacherRecord
-    from inference.runtime import FeatureRuntime
+    from inference.runtime import FeatureRuntime, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,11 @@ RECIPES: dict[str, HeadRecipe] = {
     "tiny": HeadRecipe("eagle-t1", intermediate_size=768, n_vocab=4096, unroll=3, peak_lr=1e-3),
 }
 FEATURES_DIR = "head-features"  # under <models>/distill: fp16 shards of target features
+EXTRA_FILE = "head-extra.jsonl"  # under <models>/distill: answers written by a draft
+EXTRA_DRAFT = "draft-l2"
+# Prompt indices of the draft-written answers: apart from the teacher's (from 0) and from the
+# held-out evaluation prompts of `specfleet models distill --evaluate` (from 1,000,000).
+EXTRA_PROMPT_START = 500_000
 SHARD_RECORDS = 64
 MAX_SEQUENCE = 1024  # prompt + answer positions read per prefill
 VALID_SHARE = 0.03  # the last answers by prompt index: held out for validation
@@ -68,12 +77,14 @@ class FeatureSet:
     """Per answer: the target's features h_{P-2} .. h_{L-2} and the tokens x_{P-1} .. x_{L-1}.
 
     Row r pairs (features[r], tokens[r]) as a verdict would (h_{n-1}, x_n); the head's step on
-    it should give features[r + 1] and the token tokens[r + 1].
+    it should give features[r + 1] and the target's greedy token there, labels[r]. In the
+    target's own answers labels[r] is tokens[r + 1]; in a draft's, the target's own choice.
     """
 
-    indices: list[int]  # teacher record index of each answer
+    indices: list[int]  # record index of each answer
     features: list[npt.NDArray[np.float16]]  # each [n + 1, H]
     tokens: list[npt.NDArray[np.int64]]  # each [n + 1]
+    labels: list[npt.NDArray[np.int64]]  # each [n]
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -86,21 +97,29 @@ class FeatureSet:
             [self.indices[i] for i in keep],
             [self.features[i] for i in keep],
             [self.tokens[i] for i in keep],
+            [self.labels[i] for i in keep],
         )
+
+    def extend(self, other: FeatureSet) -> None:
+        self.indices += other.indices
+        self.features += other.features
+        self.tokens += other.tokens
+        self.labels += other.labels
 
 
 def answer_features(
     target: FeatureRuntime, record: TeacherRecord
-) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.int64]]:
-    """One prefill of prompt + answer: the features and tokens of `FeatureSet` for one answer."""
+) -> tuple[npt.NDArray[np.float16], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """One prefill of prompt + answer: the features, tokens and labels of `FeatureSet`."""
     sequence = (record.prompt_ids + record.answer_ids)[:MAX_SEQUENCE]
     start = len(record.prompt_ids) - 2  # h_{P-2}, beside x_{P-1}
     if start < 0 or len(sequence) < len(record.prompt_ids) + 1:
         raise ValueError(f"teacher answer {record.index} is too short for features")
-    (_, hidden), *_ = target.forward_batch_hidden([(sequence, target.new_cache())])
+    (logits, hidden), *_ = target.forward_batch_hidden([(sequence, target.new_cache())])
     features = hidden[start : len(sequence) - 1].astype(np.float16)
     tokens = np.asarray(sequence[start + 1 :], dtype=np.int64)
-    return features, tokens
+    labels = logits[start + 1 : len(sequence) - 1].argmax(-1).astype(np.int64)
+    return features, tokens, labels
 
 
 def collect_features(
@@ -114,20 +133,16 @@ def collect_features(
     have = set(done.indices)
     todo = [r for r in records if r.index not in have]
     shard = len(list(directory.glob("shard-*.npz")))
-    pending = FeatureSet([], [], [])
+    pending = FeatureSet([], [], [], [])
     bar = tqdm(total=len(todo), unit="answer", desc="features", mininterval=10)
     for record in todo:
-        features, tokens = answer_features(target, record)
-        pending.indices.append(record.index)
-        pending.features.append(features)
-        pending.tokens.append(tokens)
+        features, tokens, labels = answer_features(target, record)
+        pending.extend(FeatureSet([record.index], [features], [tokens], [labels]))
         bar.update()
         if len(pending) == SHARD_RECORDS or record is todo[-1]:
             _write_shard(directory / f"shard-{shard:05d}.npz", pending)
-            done.indices += pending.indices
-            done.features += pending.features
-            done.tokens += pending.tokens
-            pending, shard = FeatureSet([], [], []), shard + 1
+            done.extend(pending)
+            pending, shard = FeatureSet([], [], [], []), shard + 1
     bar.close()
     wanted = {r.index for r in records}
     return done.subset([i for i, index in enumerate(done.indices) if index in wanted])
@@ -142,22 +157,30 @@ def _write_shard(path: Path, shard: FeatureSet) -> None:
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         features=np.concatenate(shard.features),
         tokens=np.concatenate(shard.tokens).astype(np.int32),
+        labels=np.concatenate([np.append(labels, -1) for labels in shard.labels]).astype(np.int32),
     )
     partial.replace(path)
 
 
 def read_features(directory: Path) -> FeatureSet:
-    found = FeatureSet([], [], [])
+    found = FeatureSet([], [], [], [])
     for path in sorted(directory.glob("shard-*.npz")):
         if path.name.endswith(".partial.npz"):
             continue
         with np.load(path) as shard:
             offsets = shard["offsets"]
             features, tokens = shard["features"], shard["tokens"].astype(np.int64)
+            # Shards written before labels were kept hold the target's own answers only.
+            labels = shard["labels"].astype(np.int64) if "labels" in shard else None
             for i, index in enumerate(shard["indices"]):
                 found.indices.append(int(index))
                 found.features.append(features[offsets[i] : offsets[i + 1]])
                 found.tokens.append(tokens[offsets[i] : offsets[i + 1]])
+                found.labels.append(
+                    found.tokens[-1][1:]
+                    if labels is None
+                    else labels[offsets[i] : offsets[i + 1] - 1]
+                )
     return found
 
 
@@ -270,7 +293,9 @@ def _collate(data: FeatureSet, indices: Sequence[int], to_column: np.ndarray) ->
         features[row, :n] = data.features[i]
         tokens[row, :n] = data.tokens[i]
         mask[row, : n - 1] = True
-    labels = to_column[tokens[:, 1:]]
+    labels = np.full((len(indices), longest - 1), -1, dtype=np.int64)
+    for row, i in enumerate(indices):
+        labels[row, : len(data.labels[i])] = to_column[data.labels[i]]
     return (
         torch.from_numpy(features.astype(np.float32)),
         torch.from_numpy(tokens),
@@ -447,6 +472,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue training from the last checkpoint"
     )
     parser.add_argument(
+        "--extra-minutes", type=float, default=0.0,
+        help=f"first write more answers with {EXTRA_DRAFT} for this many minutes (resumes; the "
+        "target's features and greedy choices over them are trained on beside the teacher text)",
+    )  # fmt: skip
+    parser.add_argument(
         "--features-only", action="store_true",
         help="compute (or complete) the cached target features, then stop",
     )  # fmt: skip
@@ -469,8 +499,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from specfleet.cli import CommandError
 
-    if args.minutes <= 0 or args.threads < 1:
-        raise CommandError("--minutes must be > 0 and --threads >= 1")
+    if args.minutes <= 0 or args.threads < 1 or args.extra_minutes < 0:
+        raise CommandError("--minutes must be > 0, --extra-minutes >= 0 and --threads >= 1")
     if args.features_only and args.export_only:
         raise CommandError("--features-only and --export-only exclude each other")
     from inference.artifacts import default_models_dir, sha256_file
@@ -586,17 +616,24 @@ def _features_and_training(
             "--teacher-only` first"
         )
     records = sorted(records, key=lambda r: r.index)
+    extra = extra_answers(models_dir, tokenizer, args.extra_minutes, args.threads, records)
     target, _ = load_target(models_dir, threads=args.threads)
     if not target.has_hidden:
         raise CommandError(f"{target.name} was built without its hidden output; rebuild it")
     features = collect_features(target, records, work / FEATURES_DIR)
+    extra_features = collect_features(target, extra, work / FEATURES_DIR)
     del target
     if args.features_only:
-        print(f"features of {len(features)} answers ({features.positions()} positions)")
+        print(
+            f"features of {len(features)} teacher answers ({features.positions()} positions) "
+            f"and {len(extra_features)} draft answers ({extra_features.positions()} positions)"
+        )
         return None
     n_valid = max(8, int(len(features) * VALID_SHARE))
     order = sorted(range(len(features)), key=lambda i: features.indices[i])
     train, valid = features.subset(order[:-n_valid]), features.subset(order[-n_valid:])
+    teacher_train_positions = train.positions()
+    train.extend(extra_features)
     train_indices = set(train.indices)
     ranked = rank_vocabulary(
         [r for r in records if r.index in train_indices],
@@ -608,6 +645,10 @@ def _features_and_training(
     facts = {
         "teacher_answers": len(records),
         "teacher_tokens": teacher_tokens(records),
+        "teacher_train_positions": teacher_train_positions,
+        "extra_draft": EXTRA_DRAFT,
+        "extra_answers": len(extra),
+        "extra_positions": extra_features.positions(),
         "vocab_coverage_valid": {
             str(n): round(coverage(valid_records, ranked[:n]), 4)
             for n in (1024, 2048, 4096, 8192, 16384)
@@ -618,6 +659,75 @@ def _features_and_training(
         recipe, train, valid, vocab_ids, work, minutes=args.minutes, resume=args.resume,
         threads=args.threads, facts=facts,
     )  # fmt: skip
+
+
+def extra_answers(
+    models_dir: Path,
+    tokenizer: Any,
+    minutes: float,
+    threads: int,
+    teacher: Sequence[TeacherRecord],
+) -> list[TeacherRecord]:
+    """Answers written greedily by a small draft, after `minutes` more of writing them, to
+    prompts that are none of the teacher's (so none of the held-out ones either)."""
+    from inference.distill import (
+        HELD_OUT_START,
+        PROMPT_SEED,
+        generate_teacher,
+        read_teacher,
+        unseen_prompts,
+        without_benchmark,
+    )
+    from inference.teacher_prompts import teacher_prompt
+
+    path = models_dir / "distill" / EXTRA_FILE
+    records = read_teacher(path)
+    if minutes > 0:
+        from inference.distill import ensure_drafts
+        from inference.drafts import load_draft
+        from inference.target_build import ensure_target
+
+        ensure_drafts(models_dir, ensure_target(models_dir))
+        draft = _FullVocabulary(load_draft(models_dir, EXTRA_DRAFT, threads=threads))
+        start = max((r.index + 1 for r in records), default=EXTRA_PROMPT_START)
+        seen = {teacher_prompt(i, PROMPT_SEED).prompt for i in range(EXTRA_PROMPT_START, start)}
+        seen |= {teacher_prompt(r.index, PROMPT_SEED).prompt for r in teacher}
+        generate_teacher(
+            draft, tokenizer.eos_id, unseen_prompts(tokenizer, start, seen, HELD_OUT_START),
+            path, token_budget=10**9, deadline=time.monotonic() + minutes * 60,
+        )  # fmt: skip
+        records = read_teacher(path)
+    return sorted(without_benchmark(records, tokenizer), key=lambda r: r.index)
+
+
+class _FullVocabulary:
+    """A trimmed-head draft whose logits are spread back over the whole vocabulary (-inf
+    outside its head), so that text generation reads token ids from argmax columns."""
+
+    def __init__(self, draft: Runtime) -> None:
+        from inference.proposers import head_token_ids
+
+        self.draft = draft
+        self.name = draft.name
+        self.ids = head_token_ids(draft)
+        self.vocab_size = 1 + int(self.ids.max()) if self.ids is not None else draft.vocab_size
+
+    def new_cache(self) -> Any:
+        return self.draft.new_cache()
+
+    def forward(self, token_ids: Sequence[int], cache: Any) -> F32:
+        return self.forward_batch([(token_ids, cache)])[0]
+
+    def forward_batch(self, requests: Sequence[tuple[Sequence[int], Any]]) -> list[F32]:
+        results = self.draft.forward_batch(requests)
+        if self.ids is None:
+            return results
+        spread = []
+        for logits in results:
+            full = np.full((logits.shape[0], self.vocab_size), -np.inf, dtype=np.float32)
+            full[:, self.ids] = logits
+            spread.append(full)
+        return spread
 
 
 def print_record(record: dict[str, Any]) -> None:
@@ -646,3 +756,7 @@ def print_record(record: dict[str, Any]) -> None:
         )
     )
     print("reduced vocabulary coverage (held out):", json.dumps(record["vocab_coverage_valid"]))
+    print(
+        f"trained on {record['teacher_train_positions']} positions of the target's answers and "
+        f"{record['extra_positions']} of {record['extra_draft']}'s"
+    )

@@ -68,7 +68,8 @@ def test_acceptance_counts_chained_drafts(
 def test_chain_starts_need_a_whole_window() -> None:
     features = [np.full((n + 1, 4), n, np.float16) for n in (MAX_K - 1, MAX_K, MAX_K + 3)]
     tokens = [np.arange(n + 1) for n in (MAX_K - 1, MAX_K, MAX_K + 3)]
-    starts_f, windows = chain_starts(FeatureSet([0, 1, 2], features, tokens), None)
+    labels = [t[1:] for t in tokens]
+    starts_f, windows = chain_starts(FeatureSet([0, 1, 2], features, tokens, labels), None)
     assert len(windows) == 0 + 1 + 4
     assert windows.shape == (5, MAX_K + 1)
     assert np.array_equal(windows[0], np.arange(MAX_K + 1))
@@ -112,7 +113,7 @@ def test_features_predict_the_targets_own_tokens(
     runtime, _ = target
     embed = GgufModel().weights(0)[EMBED]
     for teacher in greedy_records:
-        features, tokens = answer_features(runtime, teacher)
+        features, tokens, labels = answer_features(runtime, teacher)
         n = len(teacher.answer_ids)
         assert features.shape == (n + 1, runtime.config.d_model) and features.dtype == np.float16
         assert tokens.tolist() == [teacher.prompt_ids[-1], *teacher.answer_ids]
@@ -123,6 +124,9 @@ def test_features_predict_the_targets_own_tokens(
         best_two = np.sort(logits[missed], axis=-1)[:, -2:]
         assert missed.mean() <= 0.25
         assert np.all(best_two[:, 1] - best_two[:, 0] < NEAR_TIE)
+        # The labels are the target's choices in the same pass, here its own answer.
+        assert labels.shape == (n,)
+        assert (labels != np.asarray(teacher.answer_ids)).sum() <= missed.sum()
 
 
 def test_features_are_cached_and_resumed(
