@@ -2,9 +2,11 @@
 
 In one run, on the same prompts and the same process:
 - per-token costs: the target at decode, at verification of k = 1..8 drafted tokens (one pass
-  over k+1 positions) and at batches of 1/4/16 sequences, and each neural draft per runtime;
+  over k+1 positions) and at batches of 1/4/16 sequences, each neural draft per runtime, and
+  one step of each feature head per runtime;
 - greedy acceptance alpha of each drafter per task type, along the target's own greedy path
-  (at each position: does the drafter's first proposed token equal the target's?);
+  (at each position: does the drafter's first proposed token equal the target's?); a feature
+  head is handed the target's features of the path, as verdicts hand them over the bus;
 - speculative decoding with each drafter: committed tokens per target pass, the prediction
   E = (1 - alpha^(k+1)) / (1 - alpha) of Leviathan et al. from the measured alpha, alpha_eff
   solved from the measured tokens per pass, the drafter's cost per drafted token as a fraction
@@ -23,10 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
+
 from bench.report import add_json_argument, format_table, median, write_json
-from inference.runtime import KVCache, Runtime
+from inference.runtime import KVCache, Logits, Runtime
 
 if TYPE_CHECKING:
+    from inference.proposers import FeatureHeadStep
     from inference.speculative import DecodeResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -125,6 +130,36 @@ def measure_pass_costs(
             for cache in caches[shape.label]:
                 cache.trim(COST_CONTEXT)
     return {label: median(values) for label, values in samples.items()}
+
+
+class _NoCache:
+    """A head is stateless: its 'cache' holds nothing."""
+
+    length = 0
+
+    def trim(self, length: int) -> None:
+        """Nothing to drop."""
+
+
+class HeadStepPass:
+    """One step of a feature head dressed as a one-position pass, so that its cost takes turns
+    with the target's and the drafts' in `measure_pass_costs`."""
+
+    def __init__(self, head: FeatureHeadStep) -> None:
+        self.head = head
+        self.name = head.name
+        self.vocab_size = int(head.vocab_ids.shape[0])
+        self._feature = np.ones((1, head.hidden_size), dtype=np.float32)
+
+    def new_cache(self) -> _NoCache:
+        return _NoCache()
+
+    def forward(self, token_ids: Sequence[int], cache: KVCache) -> Logits:
+        _, logits = self.head.step(self._feature, [int(token_ids[-1])])
+        return logits
+
+    def forward_batch(self, requests: Sequence[tuple[Sequence[int], KVCache]]) -> list[Logits]:
+        return [self.forward(ids, cache) for ids, cache in requests]
 
 
 @dataclass
@@ -234,9 +269,12 @@ def run(args: argparse.Namespace) -> int:
         DrafterError,
         default_k,
         load_draft_runtime,
+        load_head,
         make_proposer,
     )
     from inference.drafts import list_drafts
+    from inference.feature_head import list_heads
+    from inference.proposers import wants_features
     from inference.sampling import SamplingParams
     from inference.speculative import decode_speculative, decode_target, greedy_acceptance
     from inference.target_build import load_target
@@ -264,6 +302,16 @@ def run(args: argparse.Namespace) -> int:
     shapes += [PassShape(f"verify-{k}", target, k + 1) for k in VERIFY_KS]
     shapes += [PassShape(f"batch-{b}", target, 1, b) for b in BATCHES]
     shapes += [PassShape(f"draft-{name}", rt, 1) for name, rt in draft_runtimes.items()]
+    heads = list_heads(models_dir)
+    head_steps: dict[str, Runtime] = {}
+    for head in heads:
+        try:
+            head_steps[head.manifest.name] = HeadStepPass(
+                load_head(models_dir, head.manifest.name, args.threads)
+            )
+        except (DrafterError, ImportError) as exc:
+            draft_errors[head.manifest.name] = str(exc)
+    shapes += [PassShape(f"head-{name}", step, 1) for name, step in head_steps.items()]
     print(f"timing {len(shapes)} pass shapes, {COST_REPEATS} turns each ...")
     cost_ms = measure_pass_costs(shapes)
     decode_ms = cost_ms["decode"]
@@ -284,6 +332,20 @@ def run(args: argparse.Namespace) -> int:
             costs["drafts"][name] = {
                 "format": draft.format,
                 "head_size": draft_runtimes[name].vocab_size,
+                "ms_per_token": ms,
+                "fraction_of_target_decode": ms / decode_ms,
+            }
+
+    costs["heads"] = {}
+    for head in heads:
+        name = head.manifest.name
+        if name in draft_errors:
+            costs["heads"][name] = {"format": head.format, "error": draft_errors[name]}
+        else:
+            ms = cost_ms[f"head-{name}"]
+            costs["heads"][name] = {
+                "format": head.format,
+                "head_size": head_steps[name].vocab_size,
                 "ms_per_token": ms,
                 "fraction_of_target_decode": ms / decode_ms,
             }
@@ -326,17 +388,23 @@ def run(args: argparse.Namespace) -> int:
         "decode_ms_per_token": base.decode_ms / base.tokens,
     }
 
-    # Acceptance along the target's greedy path (no timing, so it needs no interleaving).
+    # Acceptance along the target's greedy path (no timing, so it needs no interleaving); a
+    # feature drafter gets the target's features of the path at each position.
     acceptance: dict[str, dict[str, float]] = {}
     for name in names:
         drafter = proposer(name)
+        feature_drafting = wants_features(drafter)
         per_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for prompt, ids, tokens in tqdm(
             list(zip(prompts, prompt_ids, baseline_tokens, strict=True)),
             desc=f"alpha {name}",
             unit="prompt",
         ):
-            matches, positions = greedy_acceptance(drafter, ids, tokens)
+            hidden = None
+            if feature_drafting:
+                path = [*ids, *tokens]
+                ((_, hidden),) = target.forward_batch_hidden([(path, target.new_cache())])
+            matches, positions = greedy_acceptance(drafter, ids, tokens, hidden=hidden)
             per_task[prompt.task][0] += matches
             per_task[prompt.task][1] += positions
         acceptance[name] = {task: m / n for task, (m, n) in sorted(per_task.items()) if n}
@@ -406,17 +474,14 @@ def report(document: dict[str, Any]) -> str:
     cost_rows += [
         (f"target batch {b} x 1 position", ms, ms / decode) for b, ms in target["batch_ms"].items()
     ]
-    for name, draft in document["costs"]["drafts"].items():
-        if "error" in draft:
-            cost_rows.append((f"draft {name} ({draft['format']})", "n/a", draft["error"]))
-        else:
-            cost_rows.append(
-                (
-                    f"draft {name} ({draft['format']})",
-                    draft["ms_per_token"],
-                    draft["fraction_of_target_decode"],
-                )
-            )
+    models = [("draft", document["costs"]["drafts"]), ("head", document["costs"].get("heads", {}))]
+    for kind, built in models:
+        for name, draft in built.items():
+            label = f"{kind} {name} ({draft['format']})"
+            if "error" in draft:
+                cost_rows.append((label, "n/a", draft["error"]))
+            else:
+                cost_rows.append((label, draft["ms_per_token"], draft["fraction_of_target_decode"]))
     tasks = sorted({t for row in document["acceptance"].values() for t in row if t != "all"})
     acceptance_rows = [
         (name, *(row.get(t, float("nan")) for t in tasks), row["all"])

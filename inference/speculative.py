@@ -224,19 +224,27 @@ def _score(
 
 
 def greedy_acceptance(
-    proposer: Proposer, context_ids: Sequence[int], target_tokens: Sequence[int], k: int = 1
+    proposer: Proposer,
+    context_ids: Sequence[int],
+    target_tokens: Sequence[int],
+    k: int = 1,
+    hidden: Features | None = None,
 ) -> tuple[int, int]:
     """Along the target's greedy continuation, how often the drafter's first token matches.
 
     Returns (matches, positions): at every position of `target_tokens` the drafter proposes
     from the true prefix, and its first proposed token is compared with the target's; the
     drafter must be greedy (it gets no rng). A drafter
-    that proposes nothing at a position counts as a miss, as it saves nothing there.
+    that proposes nothing at a position counts as a miss, as it saves nothing there. A feature
+    drafter gets, at each position, the target's feature for the prefix from `hidden`, the
+    target's hidden states over context_ids + target_tokens # [len, H].
     """
     context = [int(t) for t in context_ids]
     proposer.rollback(0)
     matches = 0
     for token in target_tokens:
+        if hidden is not None and len(context) >= 2:
+            give_features(proposer, hidden[len(context) - 2], len(context))
         candidates = proposer.get_candidates(context, k)
         if candidates.n and int(candidates.tokens[0]) == int(token):
             matches += 1
