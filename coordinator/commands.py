@@ -93,16 +93,24 @@ def _quiet_alembic(*, keep_migration_steps: bool) -> None:
 
 
 @contextmanager
-def _engine(args: argparse.Namespace, *, require_head: bool = True) -> Iterator[Engine]:
-    """An engine for the command's database; refuses one whose schema is not at head."""
+def _engine(
+    args: argparse.Namespace, *, require_head: bool = True, create: bool = False
+) -> Iterator[Engine]:
+    """An engine for the command's database; refuses one whose schema is not at head. Only
+    `db upgrade` creates a SQLite file: for any other command a missing one is a mistyped path."""
     import sqlalchemy.exc
 
     _quiet_alembic(keep_migration_steps=args.func in (_db_upgrade, _db_downgrade))
     from coordinator.db import migrate
-    from coordinator.db.engine import make_engine
+    from coordinator.db.engine import NoSuchDatabase, make_engine
 
+    url = _database_url(args)
     try:
-        engine = make_engine(_database_url(args))
+        engine = make_engine(url, create=create)
+    except NoSuchDatabase as exc:
+        raise CommandError(
+            f"{exc} (`specfleet db upgrade --database-url {url}` creates one)"
+        ) from exc
     except (ValueError, sqlalchemy.exc.ArgumentError) as exc:
         raise CommandError(str(exc)) from exc
     try:
@@ -149,10 +157,12 @@ def _register_db(subparsers: Subparsers) -> None:
     _add_database_url(current)
 
 
-def _run_alembic(args: argparse.Namespace, action: Callable[[Engine], None]) -> None:
+def _run_alembic(
+    args: argparse.Namespace, action: Callable[[Engine], None], *, create: bool = False
+) -> None:
     import alembic.util
 
-    with _engine(args, require_head=False) as engine:
+    with _engine(args, require_head=False, create=create) as engine:
         try:
             action(engine)
         except alembic.util.CommandError as exc:
@@ -162,7 +172,7 @@ def _run_alembic(args: argparse.Namespace, action: Callable[[Engine], None]) -> 
 def _db_upgrade(args: argparse.Namespace) -> int:
     from coordinator.db import migrate
 
-    _run_alembic(args, lambda engine: migrate.upgrade(engine, args.revision))
+    _run_alembic(args, lambda engine: migrate.upgrade(engine, args.revision), create=True)
     return _db_current(args)
 
 
@@ -239,7 +249,9 @@ def _register_devices(subparsers: Subparsers) -> None:
         _devices_provision,
     )
     provision.add_argument("device_id", metavar="NAME", help="device id, also its MQTT username")
-    provision.add_argument("--kind", required=True, help="pi, jetson, phone or other")
+    provision.add_argument(
+        "--kind", help="pi, jetson, phone or other (required, but with --rotate: it is known)"
+    )
     provision.add_argument("--tag", action="append", default=[], help="a tag (repeat for more)")
     provision.add_argument(
         "--draft",
@@ -338,6 +350,11 @@ def _devices_add(args: argparse.Namespace) -> int:
             "The credential is shown only now: put it on the device (MQTT username = device id),"
             " then run `specfleet broker write-config` and reload the broker."
         )
+        print(
+            "No bundle was written, so `specfleet flash` has nothing to install: "
+            f"`specfleet devices provision {device.id} --kind {device.kind.value} --rotate` "
+            "writes one (with a new credential)."
+        )
     return 0
 
 
@@ -400,12 +417,14 @@ def _devices_retire(args: argparse.Namespace) -> int:
 def _devices_provision(args: argparse.Namespace) -> int:
     from coordinator import provisioning
     from coordinator.db.models import DeviceKind
-    from coordinator.registry import RegistryError, validate_tags
+    from coordinator.registry import DeviceExistsError, RegistryError, validate_tags
     from coordinator.releases import release_public_key_pem
     from coordinator.settings import Settings
     from inference.artifacts import ArtifactError, load_manifest
 
-    kind = _choice(DeviceKind, args.kind, "--kind")
+    if args.kind is None and not args.rotate:
+        raise CommandError("--kind is required for a new device: pi, jetson, phone or other")
+    kind = _choice(DeviceKind, args.kind, "--kind") if args.kind else DeviceKind.OTHER
     _check_broker_files(args)
     settings = Settings()
     broker_url = args.device_broker_url or settings.broker_url
@@ -455,6 +474,10 @@ def _devices_provision(args: argparse.Namespace) -> int:
                 device = registry.get(args.device_id)
             else:
                 device, credential = registry.provision(args.device_id, kind, args.tag, actor="cli")
+        except DeviceExistsError as exc:
+            raise CommandError(
+                f"{exc}; `--rotate` gives it a new credential and writes its bundle"
+            ) from exc
         except (RegistryError, ValueError) as exc:
             raise CommandError(str(exc)) from exc
         try:

@@ -114,7 +114,7 @@ def preflight(url: str) -> None:
     except (urllib.error.URLError, OSError) as exc:
         raise CommandError(
             f"the coordinator's API is not reachable at {url} ({exc}); start it "
-            "(`specfleet up` or `specfleet serve`) or pass --artifact-url"
+            "(`specfleet up`) or pass --artifact-url"
         ) from None
 
 
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     from broker.model_release import DeployModelArgs
     from coordinator.db import migrate
-    from coordinator.db.engine import make_engine, make_sessionmaker
+    from coordinator.db.engine import NoSuchDatabase, make_engine, make_sessionmaker
     from coordinator.releases import (
         ReleaseStoreError,
         issue_download_token,
@@ -168,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
     url = f"{base.rstrip('/')}/artifacts/{stored.release.sha256}"
     preflight(url)
 
-    engine = make_engine(settings.database_url)
+    try:
+        engine = make_engine(settings.database_url, create=False)
+    except NoSuchDatabase as exc:
+        raise CommandError(str(exc)) from exc
     try:
         migrate.require_head(engine)
         deployments = Deployments(make_sessionmaker(engine))

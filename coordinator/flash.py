@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import io
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -36,6 +37,8 @@ from specfleet.cli import CommandError
 if TYPE_CHECKING:
     from coordinator.packaging import DevicePlatform, Runtime
     from coordinator.settings import Settings
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "specfleet-agent"  # relative to the device user's home
 DEFAULT_ONLINE_TIMEOUT_S = 90.0
@@ -674,6 +677,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print every step; change nothing")
 
 
+def registered_kind(database_url: str, device_id: str) -> str | None:
+    """The device's kind if the registry holds it; None if not, or if the registry cannot be
+    read (the caller only words a hint with it)."""
+    import sqlalchemy as sa
+    import sqlalchemy.exc
+
+    from coordinator.db.engine import NoSuchDatabase, make_engine
+    from coordinator.db.models import Device
+
+    try:
+        engine = make_engine(database_url, create=False)
+    except (NoSuchDatabase, ValueError, sqlalchemy.exc.ArgumentError) as exc:
+        log.debug("no registry to look %s up in: %s", device_id, exc)
+        return None
+    try:
+        with engine.connect() as connection:
+            kind = connection.scalar(sa.select(Device.kind).where(Device.id == device_id))
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        log.debug("could not look %s up in the registry: %s", device_id, exc)
+        return None
+    finally:
+        engine.dispose()
+    return kind.value if kind is not None else None
+
+
+def _missing_bundle_hint(database_url: str, device_id: str) -> str:
+    kind = registered_kind(database_url, device_id)
+    if kind is None:
+        return f"run `specfleet devices provision {device_id} --kind KIND` first"
+    # `devices add` registers a device and prints its credential, but writes no bundle.
+    return (
+        f"{device_id} is registered but has no bundle (`devices add` writes none); "
+        f"`specfleet devices provision {device_id} --kind {kind} --rotate` writes one, "
+        "with a new credential"
+    )
+
+
 def options_from_args(args: argparse.Namespace, settings: Settings) -> FlashOptions:
     from broker.topics import validate_device_id
 
@@ -685,7 +725,7 @@ def options_from_args(args: argparse.Namespace, settings: Settings) -> FlashOpti
     if not (bundle / "device.json").is_file():
         raise CommandError(
             f"no bundle for {args.device_id} at {bundle}: "
-            f"run `specfleet devices provision {args.device_id}` first"
+            + _missing_bundle_hint(settings.database_url, args.device_id)
         )
     device = json.loads((bundle / "device.json").read_text())
     if device.get("device_id") != args.device_id:

@@ -40,14 +40,36 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
-def make_engine(url: str | URL, **kwargs: Any) -> Engine:
-    """An engine for `url`; a SQLite file's parent directory is created."""
+class NoSuchDatabase(Exception):
+    """A SQLite file that does not exist, where it must not be created (a read, a mistyped path)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"no such database: {path}")
+        self.path = path
+
+
+def sqlite_file(url: str | URL) -> Path | None:
+    """The file a SQLite URL names; None for in-memory databases and other backends."""
+    parsed = normalize_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return None
+    if database.startswith("file:"):
+        return None  # a URI filename: SQLite's own options decide (mode=ro, memory, ...)
+    return Path(database).expanduser()
+
+
+def make_engine(url: str | URL, *, create: bool = True, **kwargs: Any) -> Engine:
+    """An engine for `url`. A SQLite file (and its directory) is created on first use, unless
+    `create` is false: then a missing file raises NoSuchDatabase and nothing is written."""
     parsed = normalize_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        database = parsed.database
-        if database and database != ":memory:" and not database.startswith("file:"):
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        path = sqlite_file(parsed)
+        if path is not None and not create and not path.exists():
+            raise NoSuchDatabase(path)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(parsed, **kwargs)
         sa.event.listen(engine, "connect", _sqlite_on_connect)
         return engine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,8 +48,17 @@ def _credential(stdout: str) -> str:
     return match.group(1)
 
 
+def _create_empty_sqlite(url: str) -> None:
+    """The file an empty SQLite database is (commands other than `db upgrade` create none)."""
+    path = Path(url.removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sqlite3.connect(path).close()
+
+
 def test_db_upgrade_check_current_downgrade(specfleet: Run, database_url: str) -> None:
     db = ("--database-url", database_url)
+    if database_url.startswith("sqlite"):
+        _create_empty_sqlite(database_url)
     assert specfleet("db", "current", *db)[1] == "database revision: none (empty database)\n"
     status, _, err = specfleet("db", "check", *db)
     assert status == 2
@@ -123,6 +133,7 @@ def test_bad_input_exits_2_with_one_line(
 
 
 def test_commands_refuse_a_database_that_is_not_migrated(specfleet: Run, sqlite_url: str) -> None:
+    _create_empty_sqlite(sqlite_url)  # as a failed first upgrade leaves it
     status, _, err = specfleet("devices", "list", "--database-url", sqlite_url)
     assert status == 2
     assert "run `specfleet db upgrade`" in err
