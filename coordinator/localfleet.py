@@ -117,6 +117,8 @@ class FleetProcesses:
         env["SPECFLEET_HOME"] = str(self.settings.home)
         env["SPECFLEET_MODELS_DIR"] = str(self.settings.resolved_models_dir)
         env["SPECFLEET_MQTT_PROTOCOL"] = self.settings.mqtt_protocol
+        if self.settings.target is not None:  # verifiers load it, agents read its tokenizer
+            env["SPECFLEET_TARGET"] = self.settings.target
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

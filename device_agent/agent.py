@@ -61,6 +61,7 @@ class Agent:
         self.catalog = DrafterCatalog(
             settings.resolved_models_dir,
             tokenizer_dir=settings.tokenizer_dir,
+            target=settings.target,
             runtime=settings.draft_runtime,
             threads=settings.draft_threads,
         )
@@ -85,6 +86,7 @@ class Agent:
         self.local_api: LocalApi | None = None
         self.models = ModelStore.from_settings(settings)
         self.models.on_change = self.catalog.forget  # new sessions load what is installed
+        self.models.vocabulary = self.catalog.vocabulary  # drafts for this device's target only
 
     def topic(self, channel: DeviceChannel) -> str:
         return device_topic(self.device_id, channel)

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from inference.artifacts import ArtifactError, check_same_vocabulary, load_manifest
 from inference.drafters import (
     BUILTIN_DRAFTERS,
     DEFAULT_NGRAM_TABLE,
@@ -32,14 +33,26 @@ class CatalogError(Exception):
     """No tokenizer on the device, or a drafter it cannot run."""
 
 
-def find_tokenizer_dir(models_dir: Path) -> Path | None:
-    """The first model directory under `models_dir` that carries the tokenizer files."""
+def find_tokenizer_dir(models_dir: Path, target: str | None = None) -> Path | None:
+    """The first model directory under `models_dir` that carries the tokenizer files; with a
+    `target`, that target's directory or a draft built for it."""
     if not models_dir.is_dir():
         return None
     for directory in sorted(p for p in models_dir.iterdir() if p.is_dir()):
-        if (directory / TOKENIZER_FILE).is_file() and (directory / CHAT_FORMAT_FILE).is_file():
+        has_files = (directory / TOKENIZER_FILE).is_file() and (
+            directory / CHAT_FORMAT_FILE
+        ).is_file()
+        if has_files and (target is None or target in (directory.name, _built_for(directory))):
             return directory
     return None
+
+
+def _built_for(directory: Path) -> str | None:
+    """The target a draft's manifest says it was built for."""
+    try:
+        return str(load_manifest(directory).extra.get("target"))
+    except ArtifactError:
+        return None
 
 
 class DrafterCatalog:
@@ -56,12 +69,14 @@ class DrafterCatalog:
         models_dir: Path,
         *,
         tokenizer_dir: Path | None = None,
+        target: str | None = None,
         runtime: DraftRuntimeKind = "onnx",
         threads: int | None = None,
         ngram_path: Path = DEFAULT_NGRAM_TABLE,
     ) -> None:
         self.models_dir = models_dir
         self.tokenizer_dir = tokenizer_dir
+        self.target = target
         self.runtime = runtime
         self.threads = threads
         self.ngram_path = ngram_path
@@ -120,15 +135,34 @@ class DrafterCatalog:
     def tokenizer(self) -> ChatTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                directory = self.tokenizer_dir or find_tokenizer_dir(self.models_dir)
+                directory = self.tokenizer_dir or find_tokenizer_dir(self.models_dir, self.target)
                 if directory is None or not (directory / TOKENIZER_FILE).is_file():
                     where = self.tokenizer_dir or self.models_dir
+                    target = f" for target {self.target!r}" if self.target else ""
                     raise CatalogError(
-                        f"no {TOKENIZER_FILE} and {CHAT_FORMAT_FILE} in {where}: set tokenizer_dir "
-                        "or models_dir to a directory with the target's tokenizer"
+                        f"no {TOKENIZER_FILE} and {CHAT_FORMAT_FILE}{target} in {where}: set "
+                        "tokenizer_dir or models_dir to a directory with the target's tokenizer"
                     )
                 self._tokenizer = ChatTokenizer.load(directory)
             return self._tokenizer
+
+    def vocabulary(self) -> str | None:
+        """The vocabulary hash of this device's tokenizer (its target's); None without one."""
+        try:
+            return self.tokenizer().vocab_sha256
+        except CatalogError:
+            return None
+
+    def check_vocabulary(self, name: str) -> None:
+        """Refuse a neural drafter built for another target than this device's tokenizer's."""
+        resolved = self.resolve(name).removeprefix(HYBRID_PREFIX)
+        for draft in self._list_drafts():
+            if draft.manifest.name == resolved:
+                expected = self.tokenizer().vocab_sha256
+                try:
+                    check_same_vocabulary(draft.manifest, expected, "this device's target")
+                except ArtifactError as exc:
+                    raise CatalogError(f"drafter {name!r} refused: {exc}") from None
 
     def acquire(self, name: str, temperature: float = 0.0) -> Proposer:
         """A drafter for one session; a neural one samples at `temperature` from its top-K q'."""
@@ -136,6 +170,7 @@ class DrafterCatalog:
             raise CatalogError(
                 f"unknown drafter {name!r}; this device has: {', '.join(self.names())}"
             )
+        self.check_vocabulary(name)
         key = (self.resolve(name), temperature)
         with self._lock:
             idle = self._idle.get(key)

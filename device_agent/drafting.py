@@ -80,6 +80,8 @@ class SessionSpec:
     k: int
     # cloud: the verifier host drafts (with a fixed k > 0); plain: it decodes with no drafter.
     mode: m.Mode = m.Mode.DISTRIBUTED
+    # The vocabulary hash of the tokenizer that wrote prompt_ids: the coordinator checks it.
+    vocab: str = ""
 
     def open_message(self) -> m.SessionOpen:
         return m.SessionOpen(
@@ -94,6 +96,7 @@ class SessionSpec:
             mode=self.mode,
             # This agent streams host rounds too: cloud (the host drafts) and plain (no drafter).
             modes=(m.Mode.DISTRIBUTED, m.Mode.CLOUD, m.Mode.PLAIN),
+            vocab=self.vocab,
         )
 
 

@@ -70,6 +70,7 @@ def _spec_json(spec: SessionSpec) -> str:
             "max_tokens": spec.max_tokens,
             "draft_model": spec.draft_model,
             "k": spec.k,
+            "vocab": spec.vocab,
         }
     )
 
@@ -84,6 +85,7 @@ def _spec_from(document: dict[str, Any]) -> SessionSpec:
         max_tokens=int(document["max_tokens"]),
         draft_model=str(document["draft_model"]),
         k=int(document["k"]),
+        vocab=str(document.get("vocab", "")),  # rows journaled before vocabulary hashes have none
     )
 
 

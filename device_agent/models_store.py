@@ -45,7 +45,13 @@ from broker.model_release import (
     verify_release,
 )
 from broker.topics import DeviceChannel, device_topic
-from inference.artifacts import MANIFEST_FILE, ArtifactError, load_manifest, sha256_file
+from inference.artifacts import (
+    MANIFEST_FILE,
+    ArtifactError,
+    check_same_vocabulary,
+    load_manifest,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -279,6 +285,9 @@ class ModelStore:
     smoke: SmokeCheck = smoke_draft
     # Called with a model name after its active version changed (caches of loaded runtimes).
     on_change: Callable[[str], None] | None = None
+    # The vocabulary hash of the target this device drafts for (its tokenizer's), or None
+    # before it has one: a draft of another vocabulary is refused before it is swapped in.
+    vocabulary: Callable[[], str | None] | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
@@ -463,6 +472,18 @@ class ModelStore:
         extract_artifact(archive, staging / "model", args.size_bytes)
         archive.unlink()
         check_model_dir(staging / "model", args)
+        self._check_vocabulary(staging / "model")
+
+    def _check_vocabulary(self, directory: Path) -> None:
+        """A draft must share the vocabulary of the target this device drafts for."""
+        expected = self.vocabulary() if self.vocabulary is not None else None
+        manifest = load_manifest(directory)  # check_model_dir has read it: it loads
+        if expected is None or manifest.role != "draft":
+            return
+        try:
+            check_same_vocabulary(manifest, expected, "this device's target")
+        except ArtifactError as exc:
+            raise InstallError(InstallStage.CHECK, str(exc)) from None
 
     async def deploy(self, args: DeployModelArgs) -> InstallOutcome:
         async with self._lock:

@@ -757,6 +757,7 @@ class SessionBook:
                 draft_model=draft,
                 k=k,
                 mode=m.Mode(request.mode),
+                vocab=tokenizer.vocab_sha256,
             )
             spec.open_message()  # the bus contract's own limits (prompt length, ...)
         except ValidationError as exc:

@@ -36,6 +36,9 @@ class LocalSettings(BaseSettings):
     # Where tokenizer.json and chat_format.json live; default: the first model under models_dir
     # that carries them (every draft and target directory does).
     tokenizer_dir: Path | None = None
+    # The target this device drafts for, by its model name: its tokenizer is read from that
+    # target's directory, or from a draft built for it; None: SmolLM2, or whatever is there.
+    target: str | None = Field(default=None, min_length=1, max_length=128)
     default_draft: str = Field(default="lookup", min_length=1, max_length=128)
     draft_runtime: DraftRuntime = "onnx"  # which build of a neural draft a bare name means
     default_k: int | None = Field(default=None, ge=0, le=64)  # None: the drafter's own default

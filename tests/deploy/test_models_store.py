@@ -378,3 +378,24 @@ def test_the_agent_downloads_with_the_token_and_never_sends_its_credential(
 def _write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_install(
+    store: ModelStore,
+    coordinator_home: Path,
+    draft_dir: Path,
+    file_server: tuple[FileServer, Path],
+) -> None:
+    """A device that drafts for another target (its tokenizer's vocabulary hash) refuses the
+    release before the swap; one that drafts for this draft's target installs it."""
+    from inference.artifacts import load_manifest
+
+    server, www = file_server
+    release = release_args(coordinator_home, draft_dir, server, www)
+    store.vocabulary = lambda: "f" * 64
+    outcome = store.install(release)
+    assert outcome.state == "refused" and outcome.stage is InstallStage.CHECK
+    assert "another vocabulary" in outcome.error and "ffffffffffff" in outcome.error
+    assert store.active(release.name) is None
+    store.vocabulary = lambda: load_manifest(draft_dir).vocab_sha256
+    assert store.install(release).state == "installed"
