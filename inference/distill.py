@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from inference.gguf_source import GgufModel, QuantizedMatrix
     from inference.runtime import Runtime
     from inference.tokenizer import ChatTokenizer
 
@@ -220,11 +222,16 @@ BATCH_TOKENS = 4096  # padded tokens per training batch
 VALID_SHARE = 0.02  # last records by prompt index: a validation split for the training log
 CHECKPOINT_EVERY_S = 90.0
 HEAD_LR_SCALE = 2.0
+VOCAB_CAP = 1 << 18  # above every supported vocabulary (Qwen2's is 151,936)
 
 
-def choose_head_ids(records: Sequence[TeacherRecord], size: int, eos_id: int) -> list[int]:
-    """The `size` ids the target emits most often (greedy), EOS always in; sorted by id."""
-    counts = np.zeros(1 << 17, dtype=np.int64)
+def choose_head_ids(
+    records: Sequence[TeacherRecord], size: int, eos_id: int, vocab_size: int = VOCAB_CAP
+) -> list[int]:
+    """The `size` ids the target emits most often (greedy), EOS always in; sorted by id. A head
+    at least as large as the vocabulary is the whole vocabulary."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    size = min(size, vocab_size)
     for record in records:
         np.add.at(counts, np.asarray(record.answer_ids, dtype=np.int64), 1)
     counts[eos_id] = counts.max() + 1
@@ -246,7 +253,7 @@ class TrainingExamples:
 def training_examples(
     records: Sequence[TeacherRecord], head_ids: Sequence[int]
 ) -> TrainingExamples:
-    to_head = np.full(1 << 17, -1, dtype=np.int64)
+    to_head = np.full(VOCAB_CAP, -1, dtype=np.int64)
     to_head[np.asarray(head_ids)] = np.arange(len(head_ids))
     examples = TrainingExamples([], [], [], [], [])
     for record in records:
@@ -327,8 +334,11 @@ def train_draft(
     minutes: float,
     resume: bool,
     eos_id: int,
+    source: GgufModel | None = None,
 ) -> Path:
     """Fine-tune the draft for `minutes` of wall time; returns the trained weights (.npz).
+
+    The draft starts from the first blocks of `source`, the target's GGUF (default: SmolLM2's).
 
     Checkpoints every CHECKPOINT_EVERY_S; with `resume`, training goes on from the last one (its
     head ids and elapsed time included) instead of starting over.
@@ -339,6 +349,7 @@ def train_draft(
     from inference.draft_torch import DraftModel, cosine_lr, distill_loss
     from inference.gguf_source import EMBED, HEAD, NORM, GgufModel
 
+    source = source or GgufModel()
     torch.set_num_threads(2)
     torch.manual_seed(0)
     directory = work_dir / recipe.name
@@ -347,9 +358,12 @@ def train_draft(
     state: dict[str, Any] | None = None
     if resume and checkpoint_path.exists():
         state = torch.load(checkpoint_path, weights_only=False)
-    head_ids = state["head_ids"] if state else choose_head_ids(records, recipe.head_size, eos_id)
-
-    source = GgufModel()
+    vocab_size = source.config.vocab_size
+    head_ids = (
+        state["head_ids"]
+        if state
+        else choose_head_ids(records, recipe.head_size, eos_id, vocab_size)
+    )
     config = source.config.with_layers(recipe.n_layers)
     target = source.weights(recipe.n_layers)
     embed = target.pop(EMBED)
@@ -575,23 +589,62 @@ def load_draft_weights(
     return weights, head_ids, meta
 
 
-def export_draft(models_dir: Path, weights_path: Path, target_dir: Path) -> list[Path]:
-    """Build a draft's ONNX and TFLite directories (model, output ids, tokenizer, manifest)."""
+def target_source(target_dir: Path) -> GgufModel:
+    """The GGUF a built target came from (its manifest records where), to cut drafts from."""
+    from inference.artifacts import load_manifest
+    from inference.gguf_source import GgufError, GgufModel
+
+    manifest = load_manifest(target_dir)
+    recorded = manifest.extra.get("source_path")
+    if recorded is None:  # SmolLM2 builds from before the path was recorded
+        return GgufModel()
+    path = Path(recorded)
+    if not path.is_file():
+        raise GgufError(f"{manifest.name}'s GGUF is no longer at {path}: build the target again")
+    source = GgufModel(path)
+    if source.sha256 != manifest.source_sha256:
+        raise GgufError(f"{path} changed since {manifest.name} was built: build it again")
+    return source
+
+
+def embedding_q8(source: GgufModel) -> QuantizedMatrix:
+    """The target's embedding in q8_0 blocks: its own where the GGUF stores it so, else made
+    here from the fp32 table (gguf's reference quantiser)."""
+    import gguf
+
+    from inference.gguf_source import EMBED, QuantizedMatrix
+
+    own = source.quantized(EMBED)
+    if own is not None and own.kind == "q8_0":
+        return own
+    table = source.weights(0)[EMBED]  # no blocks: the global tensors only
+    blocks = gguf.quants.quantize(table, gguf.GGMLQuantizationType.Q8_0)
+    rows, cols = table.shape
+    return QuantizedMatrix("q8_0", rows, cols, blocks.reshape(rows, cols // 32, 34))
+
+
+EXPORT_FORMATS = ("onnx", "tflite")
+
+
+def export_draft(
+    models_dir: Path,
+    weights_path: Path,
+    target_dir: Path,
+    formats: Sequence[str] = EXPORT_FORMATS,
+) -> list[Path]:
+    """Build a draft's ONNX and/or TFLite directories (model, output ids, tokenizer, manifest)."""
     import shutil
 
     from inference.artifacts import describe_model, load_manifest, sha256_file, write_manifest
     from inference.drafts import OUTPUT_IDS_FILE, TFLITE_SUFFIX
-    from inference.gguf_source import EMBED, GgufModel
     from inference.tflite_export import export_tflite
     from inference.tokenizer import CHAT_FORMAT_FILE, TOKENIZER_FILE
 
     weights, head_ids, meta = load_draft_weights(weights_path)
     name = str(meta["name"])
-    source = GgufModel()
+    source = target_source(target_dir)
     config = source.config.with_layers(int(meta["n_layers"]))
-    embed_q8 = source.quantized(EMBED)
-    if embed_q8 is None or embed_q8.kind != "q8_0":
-        raise ValueError("the drafts reuse the target's q8_0 embedding; this GGUF has none")
+    embed_q8 = embedding_q8(source)
     target = load_manifest(target_dir)
     extra = {
         "draft": name,
@@ -606,6 +659,8 @@ def export_draft(models_dir: Path, weights_path: Path, target_dir: Path) -> list
         ("onnx", "model.onnx", name),
         ("tflite", "model.tflite", name + TFLITE_SUFFIX),
     ):
+        if model_format not in formats:
+            continue
         directory = models_dir / model_name
         partial = models_dir / f".{model_name}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -682,14 +737,19 @@ def agreement(draft: Runtime, records: Sequence[TeacherRecord]) -> dict[str, flo
     return {key: hits[key] / totals[key] for key in totals}
 
 
-def evaluate(models_dir: Path, target_dir: Path, threads: int) -> dict[str, Any]:
-    """Agreement of every built draft on held-out generated prompts and the shared prompts."""
+def evaluate(
+    models_dir: Path, target_dir: Path, threads: int, work: Path | None = None
+) -> dict[str, Any]:
+    """Agreement of every draft built for this target on held-out generated prompts and the
+    shared prompts; `work` holds the teacher text (default: models dir/distill)."""
+    from inference.artifacts import load_manifest
     from inference.drafts import list_drafts, load_draft
     from inference.onnx_runtime import OnnxRuntime
     from inference.teacher_prompts import teacher_prompt
     from inference.tokenizer import ChatTokenizer
 
-    work = models_dir / "distill"
+    work = work or models_dir / "distill"
+    vocab = load_manifest(target_dir).vocab_sha256
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = ChatTokenizer.load(target_dir)
     target = OnnxRuntime(target_dir / "model.onnx", threads=threads)
@@ -721,6 +781,8 @@ def evaluate(models_dir: Path, target_dir: Path, threads: int) -> dict[str, Any]
     probe = sets["held_out"][0].prompt_ids
     report: dict[str, Any] = {"target": {"decode_ms": decode_ms(target, probe)}}
     for draft in list_drafts(models_dir):
+        if draft.manifest.vocab_sha256 != vocab:
+            continue  # another target's draft
         runtime = load_draft(models_dir, draft.name, draft.format, threads=1)
         entry = report.setdefault(draft.name, {})
         entry[f"{draft.format}_decode_ms"] = decode_ms(runtime, probe)
@@ -771,8 +833,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip teacher text and training; rebuild ONNX/TFLite from the trained weights",
     )  # fmt: skip
     parser.add_argument(
-        "--weights-dir", type=Path, default=SHIPPED_DRAFTS,
-        help=f"where trained weights are written and read (default: {SHIPPED_DRAFTS})",
+        "--weights-dir", type=Path, default=None,
+        help=f"where trained weights are written and read (default: {SHIPPED_DRAFTS} for "
+        "SmolLM2, else the target's distill directory)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target", default=None,
+        help="the built target to distil for, by name (default: SmolLM2); its drafts are "
+        "named TARGET-draft-l1, TARGET-draft-l2",
+    )  # fmt: skip
+    parser.add_argument(
+        "--formats", nargs="+", choices=EXPORT_FORMATS, default=list(EXPORT_FORMATS),
+        help="which draft builds to export (default: onnx tflite)",
     )  # fmt: skip
     parser.add_argument(
         "--evaluate", action="store_true",
@@ -790,19 +862,27 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--teacher-minutes must be > 0, got {args.teacher_minutes}")
     if args.teacher_only and args.export_only:
         raise CommandError("--teacher-only and --export-only exclude each other")
-    from inference.artifacts import default_models_dir
-    from inference.target_build import ensure_target
+    from inference.artifacts import ArtifactError, default_models_dir
+    from inference.gguf_source import GgufError
+    from inference.target_build import ensure_target, target_name
 
     models_dir: Path = args.models_dir or default_models_dir()
     names = SIZES[args.size]
-    target_dir = ensure_target(models_dir)
-    weights_dir: Path = args.weights_dir
+    try:
+        target_dir = ensure_target(models_dir, name=args.target)
+        source = target_source(target_dir)
+    except (ArtifactError, GgufError, OSError) as exc:
+        raise CommandError(str(exc)) from exc
+    default = args.target is None or args.target == target_name("fp32")
+    # Another target's drafts and teacher text live apart from SmolLM2's, named after it.
+    work = models_dir / ("distill" if default else f"distill-{target_dir.name}")
+    weights_dir: Path = args.weights_dir or (SHIPPED_DRAFTS if default else work / "weights")
+    prefix = "" if default else f"{target_dir.name}-"
     if not args.export_only:
         from inference.onnx_runtime import OnnxRuntime
         from inference.teacher_prompts import teacher_prompt
         from inference.tokenizer import ChatTokenizer
 
-        work = models_dir / "distill"
         work.mkdir(parents=True, exist_ok=True)
         tokenizer = ChatTokenizer.load(target_dir)
         teacher_path = work / TEACHER_FILE
@@ -829,10 +909,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
         shares = sum(RECIPES[n].time_share for n in names)
         for name in names:
-            recipe = RECIPES[name]
+            recipe = dataclasses.replace(RECIPES[name], name=prefix + name)
             trained = train_draft(
                 recipe, records, work, minutes=args.minutes * recipe.time_share / shares,
-                resume=args.resume, eos_id=tokenizer.eos_id,
+                resume=args.resume, eos_id=tokenizer.eos_id, source=source,
             )  # fmt: skip
             (weights_dir / name).mkdir(parents=True, exist_ok=True)
             trained.replace(weights_dir / name / "weights.npz")
@@ -840,11 +920,11 @@ def run(args: argparse.Namespace) -> int:
         weights_path = weights_dir / name / "weights.npz"
         if not weights_path.exists():
             raise CommandError(f"no trained weights at {weights_path}; run without --export-only")
-        for directory in export_draft(models_dir, weights_path, target_dir):
+        for directory in export_draft(models_dir, weights_path, target_dir, args.formats):
             print(f"built {directory.name} in {directory}")
     if args.evaluate:
-        report = evaluate(models_dir, target_dir, args.threads)
-        (models_dir / "distill" / "evaluation.json").write_text(json.dumps(report, indent=2) + "\n")
+        report = evaluate(models_dir, target_dir, args.threads, work)
+        (work / "evaluation.json").write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report, indent=2))
     return 0
 

@@ -37,8 +37,11 @@ class Block(nn.Module):
 
         def linear(name: str) -> nn.Linear:
             weight = weights[prefix + name]
-            layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            bias = weights.get(prefix + name.removesuffix(".weight") + ".bias")  # qwen2's Q/K/V
+            layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
             layer.weight = nn.Parameter(weight.clone())
+            if bias is not None:
+                layer.bias = nn.Parameter(bias.clone())
             return layer
 
         self.input_norm = RmsNorm(weights[prefix + "input_layernorm.weight"], config.rms_eps)
@@ -93,7 +96,7 @@ class DraftModel(nn.Module):
         super().__init__()
         self.config = config
         tensors = {
-            name: torch.from_numpy(np.asarray(value, np.float32)) for name, value in weights.items()
+            name: torch.from_numpy(np.array(value, np.float32)) for name, value in weights.items()
         }
         # The input table is the target's own (as the export ships it), so it is not trained.
         self.embed_table: torch.Tensor
@@ -135,9 +138,11 @@ class DraftModel(nn.Module):
         }  # fmt: skip
         for i, block in enumerate(self.blocks):
             for attr, hf in names.items():
-                result[f"model.layers.{i}.{hf}"] = (
-                    getattr(block, attr).weight.detach().float().numpy()
-                )
+                module = getattr(block, attr)
+                result[f"model.layers.{i}.{hf}"] = module.weight.detach().float().numpy()
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    bias = hf.removesuffix(".weight") + ".bias"
+                    result[f"model.layers.{i}.{bias}"] = module.bias.detach().float().numpy()
         return result
 
 

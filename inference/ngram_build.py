@@ -334,7 +334,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_NGRAM_TABLE, help="table file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"table file (default: {DEFAULT_NGRAM_TABLE} for SmolLM2, else "
+        "models dir/TARGET-4gram.ngram)",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the built target whose answers fill the table (default: SmolLM2)",
+    )
     parser.add_argument(
         "--prompts", type=int, default=DEFAULT_PROMPTS,
         help="how many template prompts the target answers here (0: teacher text only)",
@@ -356,8 +367,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference.artifacts import default_models_dir, sha256_file
+    from inference.artifacts import ArtifactError, default_models_dir, sha256_file
     from inference.distill import read_teacher, without_benchmark
+    from inference.drafters import DEFAULT_NGRAM_TABLE
     from inference.proposers import NGramTable
     from inference.target_build import DEFAULT_PRECISION, ensure_target, load_target
     from inference.target_build import target_name as default_target_name
@@ -375,6 +387,15 @@ def run(args: argparse.Namespace) -> int:
     teacher_info: dict[str, object] = {}
     teacher_tokens = 0
     models_dir = args.models_dir or default_models_dir()
+    try:
+        target_dir = ensure_target(models_dir, name=args.target)
+    except ArtifactError as exc:
+        raise CommandError(str(exc)) from exc
+    tokenizer = ChatTokenizer.load(target_dir)
+    default = target_dir.name == default_target_name(DEFAULT_PRECISION)
+    out: Path = args.out or (
+        DEFAULT_NGRAM_TABLE if default else models_dir / f"{target_dir.name}-4gram.ngram"
+    )
     if args.teacher is not None:
         if not args.teacher.is_file():
             raise CommandError(f"no teacher file at {args.teacher}")
@@ -382,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
             records = read_teacher(args.teacher)
         except (ValueError, TypeError, KeyError) as exc:
             raise CommandError(f"{args.teacher}: not a teacher file ({exc})") from exc
-        records = without_benchmark(records, ChatTokenizer.load(ensure_target(models_dir)))
+        records = without_benchmark(records, tokenizer)
         sequences += [r.prompt_ids + r.answer_ids for r in records]
         teacher_tokens = sum(len(r.answer_ids) for r in records)
         teacher_info = {
@@ -391,20 +412,20 @@ def run(args: argparse.Namespace) -> int:
             "teacher_sha256": sha256_file(args.teacher),
         }
     answer_tokens = 0
-    # Teacher text comes from the default (fp32) target, as do the answers made here.
-    target_name = default_target_name(DEFAULT_PRECISION)
+    # The teacher text is the same target's (distill --target writes it), as are the answers here.
+    target_name = target_dir.name
     if args.prompts:
-        target, tokenizer = load_target(models_dir, threads=args.threads)
-        target_name = target.name
+        target, tokenizer = load_target(models_dir, threads=args.threads, name=args.target)
         prompts = build_prompts(args.prompts, args.seed)
         prompt_ids = [tokenizer.apply_chat_template(p.prompt) for p in prompts]
         answers = greedy_answers(target, prompt_ids, args.max_new_tokens, tokenizer.eos_id)
         sequences += [p + a for p, a in zip(prompt_ids, answers, strict=True)]
         answer_tokens = sum(len(a) for a in answers)
     table = NGramTable.build(sequences, order=args.order)
-    table.save(args.out)
+    table.save(out)
     info = {
         "target": target_name,
+        "vocab_sha256": tokenizer.vocab_sha256,
         "prompts": args.prompts,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
@@ -412,11 +433,11 @@ def run(args: argparse.Namespace) -> int:
         "answer_tokens": answer_tokens,
         **teacher_info,
         "contexts": len(table.entries),
-        "sha256": sha256_file(args.out),
+        "sha256": sha256_file(out),
     }
-    args.out.with_suffix(".json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     print(
-        f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB, {len(table.entries)} "
+        f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB, {len(table.entries)} "
         f"contexts from {answer_tokens + teacher_tokens} answer tokens) in "
         f"{time.perf_counter() - started:.0f} s"
     )

@@ -184,3 +184,36 @@ def test_build_target_command_builds_a_named_target(tmp_path: Path) -> None:
     assert "built my-tiny" in done.stdout
     manifest = json.loads((tmp_path / "models" / "my-tiny" / "manifest.json").read_text())
     assert manifest["name"] == "my-tiny" and manifest["extra"]["architecture"] == "llama"
+
+
+def test_draft_training_model_keeps_qwen2_biases(tiny_models: Path) -> None:
+    """The torch draft a distillation starts from is the target itself when it keeps every
+    block and the whole head: biases included, its logits are the exported graph's."""
+    import torch
+
+    from inference.draft_torch import DraftModel
+    from inference.gguf_source import EMBED, HEAD
+
+    source = GgufModel(tiny_models.parent / "tiny-qwen2.gguf")
+    weights = source.weights()
+    embed = weights.pop(EMBED)
+    model = DraftModel(source.config, weights, embed)
+    runtime, tokenizer = load_target(tiny_models, name="tiny-qwen2")
+    ids = tokenizer.apply_chat_template("Hello world, tell me a story.")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0].numpy()
+    np.testing.assert_allclose(logits, runtime.forward(ids, runtime.new_cache()), atol=1e-3)
+    trained = model.trained_weights()
+    bias = "model.layers.1.self_attn.k_proj.bias"
+    np.testing.assert_array_equal(trained[bias], weights[bias])
+    assert HEAD in trained
+
+
+def test_build_ngram_for_a_named_target(tiny_models: Path) -> None:
+    command = [sys.executable, "-m", "specfleet", "models", "build-ngram", "--target"]
+    command += ["tiny-llama", "--models-dir", str(tiny_models), "--prompts", "8"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    info = json.loads((tiny_models / "tiny-llama-4gram.json").read_text())
+    assert info["target"] == "tiny-llama" and info["contexts"] > 0
+    assert info["vocab_sha256"] == load_manifest(tiny_models / "tiny-llama").vocab_sha256
