@@ -227,8 +227,9 @@ class _Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
-def target_tokenizer(models_dir: Path) -> ChatTokenizer | None:
-    """The tokenizer of the target in `models_dir`, or None when no target is there."""
+def target_tokenizer(models_dir: Path, target: str | None = None) -> ChatTokenizer | None:
+    """The tokenizer of the target named `target` in `models_dir` (None: the first target
+    there), or None when there is no such target."""
     from inference.artifacts import ArtifactError, list_models
     from inference.tokenizer import ChatTokenizer
 
@@ -236,6 +237,8 @@ def target_tokenizer(models_dir: Path) -> ChatTokenizer | None:
         targets = [d for d, m in list_models(models_dir) if m.role == "target"]
     except ArtifactError:
         return None
+    if target is not None:
+        targets = [d for d in targets if d.name == target]
     return ChatTokenizer.load(targets[0]) if targets else None
 
 

@@ -69,7 +69,7 @@ def get_token_decoder(request: Request) -> TokenDecoder | None:
     if not getattr(state, "token_decoder_loaded", False):
         settings: Settings = state.settings
         try:
-            state.token_decoder = target_tokenizer(settings.resolved_models_dir)
+            state.token_decoder = target_tokenizer(settings.resolved_models_dir, settings.target)
         except Exception as exc:  # the tokenizers library raises bare Exception
             # Token ids still show; a broken tokenizer file must not take the pages down.
             log.warning("no token text: the target's tokenizer did not load: %s", exc)
