@@ -155,7 +155,7 @@ def _gguf_with(path: Path, arch: str, tokenizer_model: str = "gpt2") -> Path:
 
 
 def test_unsupported_architecture_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(GgufError, match="unsupported architecture 'phi3'.*llama, qwen2"):
+    with pytest.raises(GgufError, match=r"unsupported architecture 'phi3'.*llama, qwen2"):
         GgufModel(_gguf_with(tmp_path / "phi.gguf", "phi3"))
 
 
