@@ -115,6 +115,10 @@ class OnnxRuntime:
         self.session = ort.InferenceSession(
             str(model_path), sess_options=options, providers=_provider_chain(provider)
         )
+        # ORT falls back to the CPU when a GPU provider cannot start (no device, no driver).
+        active = self.session.get_providers()[0]
+        if active != PROVIDERS[provider]:
+            raise ProviderError(f"provider {provider}: onnxruntime fell back to {active}")
         self.name = name or model_path.stem
         # CPU kernels take another path for a single row, whose last bits differ from those of
         # the same row inside a window. Running a one-token step as two rows (the second a
