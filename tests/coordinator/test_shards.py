@@ -1,0 +1,76 @@
+"""Device shards held through PostgreSQL advisory locks: shared fairly, disjoint, handed back
+after the handler is done with them, and taken over when a holder's connection dies."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from coordinator.shards import N_SHARDS, ShardLeases, ShardsUnavailable, shard_of
+
+
+class Holder:
+    """A ShardLeases with its callbacks recorded."""
+
+    def __init__(self, url: str) -> None:
+        self.gained: list[frozenset[int]] = []
+        self.released: list[frozenset[int]] = []
+        self.leases = ShardLeases(url, on_gained=self._gained, on_released=self._released)
+
+    async def _gained(self, shards: frozenset[int]) -> None:
+        self.gained.append(shards)
+
+    async def _released(self, shards: frozenset[int]) -> None:
+        # The lock is still ours while the handler drains: nobody else may hold it yet.
+        assert not (shards & self.leases.held)
+        self.released.append(shards)
+
+
+async def _steps(*holders: Holder, rounds: int) -> None:
+    for _ in range(rounds):
+        for holder in holders:
+            await holder.leases.step()
+
+
+async def _share_then_take_over(url: str) -> dict[str, object]:
+    a, b = Holder(url), Holder(url)
+    await _steps(a, rounds=1)
+    alone = set(a.leases.held)
+    await _steps(b, a, b, rounds=2)
+    shared = (set(a.leases.held), set(b.leases.held))
+    handed_back = set().union(*a.released)
+    # a dies: its connection closes, and PostgreSQL lets its locks go.
+    a.leases._close()
+    await _steps(b, rounds=2)
+    taken_over = set(b.leases.held)
+    b.leases._close()
+    return {"alone": alone, "shared": shared, "handed_back": handed_back, "after": taken_over}
+
+
+def test_shards_are_shared_disjointly_and_taken_over(create_pg_database: Callable[[], str]) -> None:
+    found = asyncio.run(_share_then_take_over(create_pg_database()))
+    everything = set(range(N_SHARDS))
+    assert found["alone"] == everything
+    held_a, held_b = found["shared"]  # type: ignore[misc]
+    assert held_a.isdisjoint(held_b) and held_a | held_b == everything
+    assert len(held_a) == len(held_b) == N_SHARDS // 2
+    assert found["handed_back"] == held_b
+    assert found["after"] == everything
+
+
+def test_ownership_follows_the_device_shard(create_pg_database: Callable[[], str]) -> None:
+    holder = Holder(create_pg_database())
+    holder.leases.held = {shard_of("pi-01")}
+    assert holder.leases.owns("pi-01")
+    assert not holder.leases.owns(next(d for d in (f"pi-{i}" for i in range(99))
+                                       if shard_of(d) != shard_of("pi-01")))  # fmt: skip
+
+
+def test_sqlite_cannot_share_a_fleet(sqlite_url: str) -> None:
+    async def nothing(_: frozenset[int]) -> None:
+        return None
+
+    with pytest.raises(ShardsUnavailable, match="PostgreSQL advisory locks"):
+        ShardLeases(sqlite_url, on_gained=nothing, on_released=nothing)
