@@ -264,15 +264,20 @@ def measure_profile(
     positions: Sequence[int] = PROFILE_POSITIONS,
     kind: str = "cpu",
     context: int = PROFILE_CONTEXT,
+    target: str | None = None,
+    provider: str = "cpu",
 ) -> VerifierProfile:
     """Time passes of every (rows, positions) and prefills of a few lengths, as the verifier's
-    inference process runs them (the same runtime, fp32, `threads` ONNX Runtime threads)."""
+    inference process runs them (the same runtime, fp32, `threads` ONNX Runtime threads), for
+    the target named `target` (default: SmolLM2) on the execution provider `provider`."""
     from tqdm import tqdm
 
     from inference.target_build import load_target
     from verifier.child import profile_passes
 
-    runtime, _ = load_target(models_dir, threads=threads, allow_spinning=False)
+    runtime, _ = load_target(
+        models_dir, threads=threads, allow_spinning=False, name=target, provider=provider
+    )
     shapes = [(b, t) for b in rows for t in positions]
     passes: list[tuple[int, int, float]] = []
     for shape in tqdm(shapes, desc=f"profile {kind}", unit="shape"):
@@ -292,8 +297,8 @@ def measure_profile(
         prefill_fixed_ms=fixed,
         prefill_ms_per_token=per_token,
         source=(
-            f"measured by specfleet sim profile: {threads} thread(s), context {context}, "
-            f"{time.strftime('%Y-%m-%d')}"
+            f"measured by specfleet sim profile: {runtime.name} on {provider}, {threads} "
+            f"thread(s), context {context}, {time.strftime('%Y-%m-%d')}"
         ),
     )
 

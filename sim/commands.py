@@ -28,6 +28,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads (default: 1)")
     p.add_argument("--context", type=int, default=64, help="cached positions per row (default 64)")
     p.add_argument("--models-dir", type=Path, default=None, help="default: settings")
+    p.add_argument("--target", default=None, help="a built target by name (default: SmolLM2)")
+    p.add_argument(
+        "--provider", choices=("cpu", "cuda"), default="cpu", help="execution provider (cpu)"
+    )
     p.set_defaults(func=_profile)
 
     c = sub.add_parser("calibrate", help="fit the simulator's parameters from measured runs")
@@ -82,18 +86,39 @@ def _load(path: Path, model: Any) -> Any:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from inference.artifacts import ArtifactError
+    from inference.onnx_runtime import ProviderError
     from sim.calibrate import measure_profile
 
     if args.threads < 1 or args.context < 1:
         raise CommandError("--threads and --context must be >= 1")
     try:
-        profile = measure_profile(args.models_dir, threads=args.threads, context=args.context)
-    except FileNotFoundError as exc:
+        profile = measure_profile(
+            args.models_dir,
+            threads=args.threads,
+            context=args.context,
+            kind=args.provider,
+            target=args.target,
+            provider=args.provider,
+        )
+    except (FileNotFoundError, ArtifactError, ProviderError) as exc:
         raise CommandError(f"no target to profile: {exc}") from None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(profile.model_dump_json(indent=1) + "\n")
-    print(f"wrote {args.out}: {len(profile.passes)} pass shapes")
+    print(_cost_table(profile.passes))
+    print(f"wrote {args.out}: {len(profile.passes)} pass shapes ({profile.source})")
     return 0
+
+
+def _cost_table(passes: list[tuple[int, int, float]]) -> str:
+    """ms per pass, rows down and positions per row across (T = k + 1)."""
+    cost = {(rows, positions): ms for rows, positions, ms in passes}
+    columns = sorted({positions for _, positions in cost})
+    table = [
+        (str(rows), *(f"{cost[rows, t]:.1f}" if (rows, t) in cost else "-" for t in columns))
+        for rows in sorted({rows for rows, _ in cost})
+    ]
+    return format_table(("B", *(f"T={t}" for t in columns)), table)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
