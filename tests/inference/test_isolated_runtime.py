@@ -1,0 +1,161 @@
+"""A draft in its own process: the same logits as in-process, refusals, crashes, hangs, framing."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference import isolated_runtime
+from inference.artifacts import default_models_dir
+from inference.distill import ensure_drafts
+from inference.drafts import DraftRuntimeKind, load_draft
+from inference.isolated_runtime import (
+    DraftChildSpec,
+    IsolatedRuntime,
+    RuntimeLost,
+    RuntimeRefused,
+    decode_forward,
+    decode_logits,
+    encode_forward,
+    encode_logits,
+)
+from inference.proposers import head_token_ids
+
+DRAFTS: list[tuple[str, DraftRuntimeKind]] = [("draft-l1", "onnx"), ("draft-l1-tflite", "tflite")]
+PROMPT = list(range(200, 248))
+
+
+@pytest.fixture(scope="module")
+def models_dir(target_dir: Path) -> Path:
+    directory = default_models_dir()
+    ensure_drafts(directory, target_dir)
+    return directory
+
+
+@pytest.fixture
+def isolated(models_dir: Path) -> Iterator[IsolatedRuntime]:
+    """The ONNX draft-l1 in a child of its own, loaded."""
+    runtime = IsolatedRuntime(DraftChildSpec(models_dir, "draft-l1", "onnx", threads=1))
+    runtime.start()
+    assert runtime.wait_ready(60.0)
+    yield runtime
+    runtime.stop()
+
+
+@pytest.mark.parametrize(("name", "kind"), DRAFTS)
+def test_isolated_logits_equal_the_in_process_runtime_s_bit_for_bit(
+    models_dir: Path, name: str, kind: DraftRuntimeKind
+) -> None:
+    local = load_draft(models_dir, name, kind, threads=1)
+    isolated = IsolatedRuntime(DraftChildSpec(models_dir, name, kind, threads=1))
+    isolated.start()
+    try:
+        assert isolated.wait_ready(60.0)
+        assert isolated.vocab_size == local.vocab_size
+        local_ids, isolated_ids = head_token_ids(local), head_token_ids(isolated)
+        assert local_ids is not None and isolated_ids is not None
+        assert np.array_equal(local_ids, isolated_ids)
+        a, b = local.new_cache(), isolated.new_cache()
+        # A prefill, decode steps, a rollback and a window after it, as a drafter's rounds go.
+        steps: list[tuple[int | None, list[int]]] = [
+            (None, PROMPT),
+            (None, [17]),
+            (None, [18]),
+            (30, [5, 6, 7]),
+            (None, [9]),
+            (0, [1, 2]),
+        ]
+        for trim, tokens in steps:
+            if trim is not None:
+                a.trim(trim)
+                b.trim(trim)
+            expected, got = local.forward(tokens, a), isolated.forward(tokens, b)
+            assert got.dtype == np.float32
+            assert np.array_equal(expected, got)
+            assert a.length == b.length
+        # Two caches of different lengths in one pass.
+        c, d = local.new_cache(), isolated.new_cache()
+        local.forward(PROMPT[:7], c)
+        isolated.forward(PROMPT[:7], d)
+        expected_rows = local.forward_batch([([3, 4], a), ([8], c)])
+        got_rows = isolated.forward_batch([([3, 4], b), ([8], d)])
+        for expected, got in zip(expected_rows, got_rows, strict=True):
+            assert np.array_equal(expected, got)
+    finally:
+        isolated.stop()
+
+
+def test_framing_round_trips() -> None:
+    rows = [(3, 0, [1, 2, 3]), (9, 12, [7])]
+    words = np.frombuffer(encode_forward(rows, freed=[4, 5]), dtype="<i8")
+    assert decode_forward(words) == (rows, [4, 5])
+    logits = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((1, 3), np.float32)]
+    for expected, got in zip(logits, decode_logits(encode_logits(logits), 3), strict=True):
+        assert np.array_equal(expected, got)
+
+
+def test_a_refused_call_leaves_the_child_up(isolated: IsolatedRuntime) -> None:
+    cache = isolated.new_cache()
+    with pytest.raises(RuntimeRefused):
+        isolated.forward([10**9], cache)  # far past the vocabulary
+    assert isolated.up
+    assert isolated.forward([1, 2], isolated.new_cache()).shape == (2, isolated.vocab_size)
+
+
+@pytest.mark.parametrize(
+    ("sig", "named"), [(signal.SIGKILL, "SIGKILL"), (signal.SIGSEGV, "SIGSEGV")]
+)
+def test_a_killed_child_raises_runtime_lost_once_and_its_caches_stay_lost(
+    isolated: IsolatedRuntime, sig: signal.Signals, named: str
+) -> None:
+    losses: list[RuntimeLost] = []
+    isolated.on_lost = losses.append
+    cache = isolated.new_cache()
+    isolated.forward(PROMPT, cache)
+    assert isolated.pid is not None
+    os.kill(isolated.pid, sig)
+    with pytest.raises(RuntimeLost, match=named) as lost:
+        isolated.forward([1], cache)
+    assert lost.value.kind == "crash"
+    assert [loss.reason for loss in losses] == [lost.value.reason]
+    assert not isolated.up
+    with pytest.raises(RuntimeLost):  # down until started again; not counted twice
+        isolated.forward([1], isolated.new_cache())
+    assert len(losses) == 1
+    isolated.start()
+    assert isolated.wait_ready(60.0)
+    with pytest.raises(RuntimeLost, match="lost"):
+        isolated.forward([1], cache)  # a cache of the child that died
+    assert isolated.forward([1, 2], isolated.new_cache()).shape == (2, isolated.vocab_size)
+
+
+def test_a_hang_past_the_deadline_kills_the_child(
+    isolated: IsolatedRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(isolated_runtime, "CALL_DEADLINE_S", 0.5)
+    pid = isolated.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)  # alive, holding its pipe, answering nothing
+    with pytest.raises(RuntimeLost, match="hung") as lost:
+        isolated.forward([1, 2], isolated.new_cache())
+    assert lost.value.kind == "hang"
+    assert not isolated.up
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped
+
+
+def test_a_draft_that_cannot_load_is_a_start_loss(models_dir: Path) -> None:
+    losses: list[RuntimeLost] = []
+    runtime = IsolatedRuntime(
+        DraftChildSpec(models_dir, "no-such-draft", "onnx"), on_lost=losses.append
+    )
+    runtime.start()
+    with pytest.raises(RuntimeLost, match="could not load") as lost:
+        runtime.wait_ready(60.0)
+    assert lost.value.kind == "start"
+    assert len(losses) == 1 and not runtime.up
