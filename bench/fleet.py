@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import secrets
@@ -37,11 +38,6 @@ START_TIMEOUT_S = 120.0
 # Connecting a swarm: the handshakes, its subscriptions and its retained presence.
 CONNECT_S_PER_AGENT = 0.1
 RSS_SAMPLE_S = 1.0
-# One coordinator owns every session today; N would each answer every draft.
-PART_ONE_MISSING = (
-    "--coordinators {n}: coordinators cannot share a fleet yet (sessions have no single owner "
-    "until leases or device hashing land, issue 16 part 1); two would both answer every draft"
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sessions, all started at once, one per agent (default 200)",
     )
     parser.add_argument(
-        "--coordinators", type=int, default=1, help="coordinators sharing the fleet (only 1 today)"
+        "--coordinators",
+        type=int,
+        default=1,
+        help="coordinators sharing the fleet (default 1; more need PostgreSQL)",
+    )
+    parser.add_argument(
+        "--kill-coordinator-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="SIGKILL the first coordinator S seconds into the sessions (needs 2+)",
     )
     parser.add_argument("--verifiers", type=int, default=1, help="replay verifiers (default 1)")
     parser.add_argument(
@@ -87,10 +93,18 @@ def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad input with a one-line reason (CommandError: exit status 2)."""
     from specfleet.cli import CommandError
 
-    if args.coordinators != 1:
-        if args.coordinators < 1:
-            raise CommandError("--coordinators must be at least 1")
-        raise CommandError(PART_ONE_MISSING.format(n=args.coordinators))
+    if not 1 <= args.coordinators <= 8:
+        raise CommandError("--coordinators must be in 1..8")
+    postgres = (args.database_url or "").startswith("postgresql")
+    if args.coordinators > 1 and not postgres:
+        raise CommandError(
+            f"--coordinators {args.coordinators}: coordinators share a fleet through "
+            "PostgreSQL advisory locks; pass --database-url postgresql://..."
+        )
+    if args.kill_coordinator_after is not None and (
+        args.coordinators < 2 or args.kill_coordinator_after <= 0
+    ):
+        raise CommandError("--kill-coordinator-after needs --coordinators 2+ and S > 0")
     if not 1 <= args.agents <= 20_000:
         raise CommandError("--agents must be in 1..20000")
     if not 1 <= args.sessions <= args.agents:
@@ -214,6 +228,9 @@ def report(
         "agents": args.agents,
         "agents_connected": sum(r["connected"] for r in results),
         "coordinators": args.coordinators,
+        "coordinator_killed_at_s": getattr(args, "killed_at_s", None),
+        "retries": sum(r["retries"] for r in results),
+        "resyncs": sum(r["resyncs"] for r in results),
         "verifiers": args.verifiers,
         "processes": args.processes,
         "k": args.k,
@@ -241,6 +258,7 @@ def report(
         "rounds_duplicated": checks["duplicated"] + duplicate_verdicts,
         "sessions_with_gaps": checks["gaps"],
         "rounds_unconfirmed": checks["unconfirmed"],
+        # The largest coordinator at each sample.
         "coordinator_rss_mb_start": rss[0][1] / 2**20 if rss else None,
         "coordinator_rss_mb_max": max(b for _, b in rss) / 2**20 if rss else None,
         "coordinator_rss_mb_end": rss[-1][1] / 2**20 if rss else None,
@@ -256,6 +274,8 @@ def table(document: dict[str, Any]) -> str:
     rows = [
         ["agents connected", f"{document['agents_connected']} / {document['agents']}"],
         ["coordinators / verifiers", f"{document['coordinators']} / {document['verifiers']}"],
+        ["coordinator SIGKILLed at s", document["coordinator_killed_at_s"] or "-"],
+        ["round retries / resyncs", f"{document['retries']} / {document['resyncs']}"],
         [
             "sessions opened / finished",
             f"{document['sessions_opened']} / {document['sessions_finished']} "
@@ -282,9 +302,67 @@ def table(document: dict[str, Any]) -> str:
 # --- the run ------------------------------------------------------------------------------------
 
 
+@dataclass
+class Coordinators:
+    """The coordinators under load: children of this process, each with its HTTP port."""
+
+    children: list[Any]
+    http_ports: list[int]
+    killed: set[str]
+
+    def alive(self) -> list[Any]:
+        return [c for c in self.children if c.name not in self.killed]
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(child.stop() for child in self.children))
+
+
+def start_coordinators(fleet: Any, n: int) -> Coordinators:
+    """`specfleet up` N times against the fleet's broker and database; N > 1 share the fleet."""
+    from broker.mosquitto import free_port
+    from coordinator.localfleet import ChildProcess
+
+    children, ports = [], []
+    for i in range(n):
+        port = free_port()
+        argv = [sys.executable, "-m", "specfleet", "up", "--broker", fleet.broker_url,
+                "--database-url", fleet.settings.database_url,
+                "--http-port", str(port)]  # fmt: skip
+        env = fleet._child_env()
+        env["SPECFLEET_COORDINATOR_ID"] = f"{fleet.settings.coordinator_id}-{i}"
+        if n > 1:
+            env["SPECFLEET_SHARED_FLEET"] = "true"
+        name = f"coordinator-{i}"
+        child = ChildProcess(name, argv, env, fleet.workdir / f"{name}.log")
+        child.start()
+        children.append(child)
+        ports.append(port)
+    return Coordinators(children, ports, set())
+
+
+def shards_settled(database_url: str, n: int) -> bool:
+    """Every shard locked, by N coordinators present (the locks of coordinator/shards.py)."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    from coordinator.shards import N_SHARDS, PRESENCE_LOCKS, SHARD_LOCKS
+
+    dsn = make_url(database_url).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT classid::bigint, count(*), count(DISTINCT pid) FROM pg_locks "
+            "WHERE locktype = 'advisory' AND granted AND classid::bigint IN (%s, %s) "
+            "GROUP BY classid",
+            (SHARD_LOCKS, PRESENCE_LOCKS),
+        ).fetchall()
+    counts = {int(str(classid)): (int(str(c)), int(str(holders))) for classid, c, holders in rows}
+    shards, holders = counts.get(SHARD_LOCKS, (0, 0))
+    return counts.get(PRESENCE_LOCKS, (0, 0))[0] == n and shards == N_SHARDS and holders == n
+
+
 async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from bench.recorded import DEFAULT_ANSWERS, load_answers
-    from bench.soak import count_tracebacks
+    from bench.soak import count_tracebacks, wait_for_verifier
     from broker.mosquitto import PrivateMosquitto
     from coordinator.localfleet import FleetProcesses
     from coordinator.settings import Settings
@@ -314,24 +392,34 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             credentials={VERIFIER_USER: ""},
             workdir=workdir,
         )
+        coordinators = start_coordinators(fleet, args.coordinators)
         try:
-            coordinator = fleet.start_coordinator()
             for i in range(args.verifiers):
                 _start_child(fleet, f"replay-{i}", ["-m", "bench.replay_verifier",
                              "--broker-url", mosquitto.url, "--id", f"replay-{i}",
                              "--answers", str(answers_path)], fleet.verifiers)  # fmt: skip
-            from bench.soak import wait_for_verifier
-
             await wait_for_verifier(mosquitto.url, fleet)
-            await wait_until_ready(fleet.coordinator_http_port, coordinator)
-            results, rss = await _drive(args, fleet, coordinator, mosquitto.url, plans, workdir)
-            # Counted before the coordinator is stopped: what it logs while stopping is not load.
-            tracebacks = count_tracebacks(workdir / "coordinator.log")
+            for child, port in zip(coordinators.children, coordinators.http_ports, strict=True):
+                await wait_until_ready(port, child)
+            if args.coordinators > 1:
+                await _wait_for_shards(settings.database_url, args.coordinators)
+            results, rss = await _drive(args, fleet, coordinators, mosquitto.url, plans, workdir)
+            # Counted before the coordinators stop: what they log while stopping is not load.
+            tracebacks = sum(count_tracebacks(c.log_path) for c in coordinators.children)
         finally:
             await fleet.stop_children()
+            await coordinators.stop()
         session_ids = [s["session_id"] for r in results for s in r["sessions"]]
         stored = await asyncio.to_thread(stored_rounds, settings.database_url, session_ids)
     return report(results, stored, rss, tracebacks, args)
+
+
+async def _wait_for_shards(database_url: str, n: int) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not await asyncio.to_thread(shards_settled, database_url, n):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {n} coordinators did not share the shards in time")
+        await asyncio.sleep(0.5)
 
 
 def register_devices(engine: Any, device_ids: list[str]) -> None:
@@ -383,15 +471,15 @@ def _start_child(fleet: Any, name: str, argv: list[str], registry: dict[str, Any
 
 
 async def _drive(
-    args: argparse.Namespace, fleet: Any, coordinator: Any, broker_url: str, plans: list[Any],
-    workdir: Path,
+    args: argparse.Namespace, fleet: Any, coordinators: Coordinators, broker_url: str,
+    plans: list[Any], workdir: Path,
 ) -> tuple[list[dict[str, Any]], list[tuple[float, int]]]:  # fmt: skip
-    """Start the swarms, wait until every agent is connected, say go, sample the coordinator's
-    RSS until every swarm is done, say stop; the swarms' results."""
+    """Start the swarms, wait until every agent is connected, say go, sample the coordinators'
+    RSS (and kill one, if asked) until every swarm is done, say stop; the swarms' results."""
     from tqdm import tqdm
 
     from bench.fleet_agents import GO_TOPIC, STOP_TOPIC, done_topic, ready_topic
-    from bench.soak import _inbox, rss_bytes
+    from bench.soak import _inbox
     from broker.client import BrokerAddress, ConnectOptions, connect
 
     options = ConnectOptions(client_id=f"bench-fleet-parent-{secrets.token_hex(3)}")
@@ -408,33 +496,46 @@ async def _drive(
                              str(workdir / f"{plan.swarm}.result.json")], fleet.agents)  # fmt: skip
             budget = START_TIMEOUT_S + CONNECT_S_PER_AGENT * args.agents
             with tqdm(total=args.agents, desc="connecting", unit="agent", file=sys.stderr) as bar:
-                await _collect(inbox, "ready", plans, fleet, coordinator, budget, bar)
+                await _collect(inbox, "ready", plans, fleet, coordinators, budget, bar)
             rss: list[tuple[float, int]] = []
             started = time.monotonic()
             await control.publish(GO_TOPIC, b"{}")
+            jobs = [asyncio.create_task(_sample_rss(coordinators, started, rss))]
+            if args.kill_coordinator_after is not None:
+                jobs.append(asyncio.create_task(_kill_later(coordinators, args)))
             with tqdm(total=len(plans), desc="sessions", unit="swarm", file=sys.stderr) as bar:
-                sampler = asyncio.create_task(_sample_rss(coordinator, started, rss, bar))
                 try:
-                    await _collect(inbox, "done", plans, fleet, coordinator, None, bar)
+                    await _collect(inbox, "done", plans, fleet, coordinators, None, bar)
                 finally:
-                    sampler.cancel()
-            rss.append((time.monotonic() - started, rss_bytes(coordinator.pid)))
+                    for job in jobs:
+                        job.cancel()
             await control.publish(STOP_TOPIC, b"{}")
     results = [json.loads((workdir / f"{plan.swarm}.result.json").read_text()) for plan in plans]
     return results, rss
 
 
+async def _kill_later(coordinators: Coordinators, args: argparse.Namespace) -> None:
+    """SIGKILL the first coordinator midway, as a crash would: its shards go to the others."""
+    await asyncio.sleep(args.kill_coordinator_after)
+    victim = coordinators.children[0]
+    coordinators.killed.add(victim.name)
+    victim.kill()
+    args.killed_at_s = args.kill_coordinator_after
+    print(f"\nkilled {victim.name} (SIGKILL) at {args.kill_coordinator_after:g} s", file=sys.stderr)
+
+
 async def _collect(
-    inbox: asyncio.Queue[Any], kind: str, plans: list[Any], fleet: Any, coordinator: Any,
-    budget_s: float | None, bar: Any,
+    inbox: asyncio.Queue[Any], kind: str, plans: list[Any], fleet: Any,
+    coordinators: Coordinators, budget_s: float | None, bar: Any,
 ) -> None:  # fmt: skip
     """Until every swarm has said `kind`; a child that dies ends the run with its log."""
     waiting = {plan.swarm for plan in plans}
     deadline = None if budget_s is None else time.monotonic() + budget_s
     while waiting:
-        for child in [coordinator, *fleet.verifiers.values(), *fleet.agents.values()]:
-            if not child.alive() and (child is coordinator or child.name in waiting
-                                      or child.name.startswith("replay")):  # fmt: skip
+        watched = [*coordinators.alive(), *fleet.verifiers.values()]
+        watched += [child for child in fleet.agents.values() if child.name in waiting]
+        for child in watched:
+            if not child.alive():
                 raise RuntimeError(f"{child.name} exited: see {child.log_path}")
         try:
             incoming = await asyncio.wait_for(inbox.get(), 1.0)
@@ -452,14 +553,18 @@ async def _collect(
 
 
 async def _sample_rss(
-    coordinator: Any, started: float, rss: list[tuple[float, int]], bar: Any
+    coordinators: Coordinators, started: float, rss: list[tuple[float, int]]
 ) -> None:
+    """The largest coordinator's RSS, every RSS_SAMPLE_S."""
     from bench.soak import rss_bytes
 
     while True:
-        sample = rss_bytes(coordinator.pid)
-        rss.append((time.monotonic() - started, sample))
-        bar.set_postfix(rss_mb=f"{sample / 2**20:.0f}")
+        sizes = []
+        for child in coordinators.alive():
+            with contextlib.suppress(OSError, RuntimeError):
+                sizes.append(rss_bytes(child.pid))
+        if sizes:
+            rss.append((time.monotonic() - started, max(sizes)))
         await asyncio.sleep(RSS_SAMPLE_S)
 
 

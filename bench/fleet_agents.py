@@ -41,6 +41,10 @@ CONTROL_ROOT = "bench/fleet"
 GO_TOPIC = f"{CONTROL_ROOT}/go"
 STOP_TOPIC = f"{CONTROL_ROOT}/stop"
 REPLY_TIMEOUT_S = 60.0
+# A verdict this late is asked for again (SessionOpen with resume=retry), at most MAX_RETRIES
+# times a round; an agent's own retry comes after a similar wait.
+RETRY_AFTER_S = 10.0
+MAX_RETRIES = 3
 # Connecting is the broker's and our CPU's busiest moment: this many handshakes at once.
 CONNECT_CONCURRENCY = 32
 DRAFT_MODEL = "recorded"
@@ -102,6 +106,8 @@ class SwarmResult:
     refusals: list[str] = field(default_factory=list)
     timeouts: int = 0
     duplicate_verdicts: int = 0
+    retries: int = 0  # rounds asked for again after RETRY_AFTER_S of silence
+    resyncs: int = 0  # session states that moved a session on (a new owner, a retry's answer)
     first_sent: float = 0.0
     last_answer: float = 0.0
     sessions: list[SessionRecord] = field(default_factory=list)
@@ -171,12 +177,17 @@ class SessionRun:
         )
         self.result.first_sent = self.result.first_sent or time.time()
         await self.agent.send(DeviceChannel.SESSION, opening)
-        state = await self._reply(m.SessionState)
+        try:
+            state = await self._reply((m.SessionState,), REPLY_TIMEOUT_S)
+        except _Refused:
+            return
         if not isinstance(state, m.SessionState):
+            self.result.timeouts += 1
             return
         self.record.opened = True
         committed, round_index, k = state.committed_len, state.next_round, self.swarm.k
         prompt_len = len(self.answer.prompt_ids)
+        retries = 0
         while True:
             generated = committed - prompt_len
             tokens = draft_along(self.answer, generated, k, self.swarm.alpha, self.rng)
@@ -190,29 +201,53 @@ class SessionRun:
             )
             sent = time.perf_counter()
             await self.agent.send(DeviceChannel.DRAFT, draft)
-            verdict = await self._reply(m.Verdict, round_index)
-            if not isinstance(verdict, m.Verdict):
+            try:
+                reply = await self._reply((m.Verdict, m.SessionState), RETRY_AFTER_S, round_index)
+                if reply is None:
+                    # Silence, as when a coordinator dies: ask where the session stands, as an
+                    # agent does, and go on from the answer.
+                    if retries == MAX_RETRIES:
+                        self.result.timeouts += 1
+                        return
+                    retries += 1
+                    self.result.retries += 1
+                    retry = opening.model_copy(update={"resume": m.ResumeReason.RETRY})
+                    await self.agent.send(DeviceChannel.SESSION, retry)
+                    reply = await self._reply((m.SessionState,), REPLY_TIMEOUT_S)
+            except _Refused:
                 return
+            if reply is None:
+                self.result.timeouts += 1
+                return
+            if isinstance(reply, m.SessionState):  # a resync: another owner, or a retry's answer
+                self.result.resyncs += 1
+                if reply.status != "active":
+                    self.record.finished = reply.status == "finished"
+                    break
+                committed, round_index = reply.committed_len, reply.next_round
+                continue
+            assert isinstance(reply, m.Verdict)
             self.record.latencies_ms.append((time.perf_counter() - sent) * 1000.0)
-            self.record.rounds.append(verdict.round)
+            self.record.rounds.append(reply.round)
             self.result.last_answer = time.time()
-            committed, round_index = verdict.committed_len, verdict.round + 1
+            committed, round_index = reply.committed_len, reply.round + 1
             self.record.committed = committed - prompt_len
-            if verdict.policy is not None and verdict.policy.k > 0:
-                k = verdict.policy.k
-            if verdict.finished:
+            if reply.policy is not None and reply.policy.k > 0:
+                k = reply.policy.k
+            if reply.finished:
                 self.record.finished = True
                 break
         close = m.SessionClose(session_id=self.record.session_id, reason="bench fleet")
         await self.agent.send(DeviceChannel.SESSION, close)
-        await self._reply(m.SessionState)
+        with contextlib.suppress(_Refused):
+            await self._reply((m.SessionState,), REPLY_TIMEOUT_S)
 
     async def _reply(
-        self, kind: type[m.Message], round_index: int | None = None
+        self, kinds: tuple[type[m.Message], ...], timeout_s: float, round_index: int | None = None
     ) -> m.Message | None:
-        """The next `kind` about this session (for a round: its verdict); refusals and silence
-        are counted and end the session."""
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        """The next message of `kinds` about this session (a Verdict: of `round_index`); None
+        after `timeout_s` of silence; _Refused, counted, for an error reply."""
+        deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
                 incoming = await asyncio.wait_for(self.agent.inbox.get(), left)
@@ -223,14 +258,19 @@ class SessionRun:
                 continue
             if isinstance(reply, m.ErrorReply):
                 self.result.refusals.append(f"{reply.refused_type}: {reply.reason}")
-                return None
+                raise _Refused
             if isinstance(reply, m.Verdict) and reply.round in self.record.rounds:
                 self.result.duplicate_verdicts += 1
                 continue
-            if isinstance(reply, kind) and getattr(reply, "round", round_index) == round_index:
+            if isinstance(reply, m.Verdict) and reply.round != round_index:
+                continue
+            if isinstance(reply, kinds):
                 return reply
-        self.result.timeouts += 1
         return None
+
+
+class _Refused(Exception):
+    """The coordinator refused the session's message (counted in the result)."""
 
 
 async def _connect_all(

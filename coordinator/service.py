@@ -35,6 +35,7 @@ from coordinator.quotas import Quotas
 from coordinator.registry import DeviceRegistry
 from coordinator.sessions import LiveSession, SessionBook
 from coordinator.settings import Settings
+from coordinator.shards import ShardLeases, shard_of
 from coordinator.verifiers import VerifierPool
 from inference.artifacts import TargetIdentity
 
@@ -154,6 +155,16 @@ class Coordinator:
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._rebuilt: list[LiveSession] = []
         self._connections = 0
+        # A shared fleet: this coordinator answers only the devices of the shards it holds.
+        self.shards: ShardLeases | None = None
+        if settings.shared_fleet:
+            self.shards = ShardLeases(
+                settings.database_url,
+                on_gained=self._take_shards,
+                on_released=self._hand_back_shards,
+            )
+            self.verifier_handlers[m.RoundDone] = self._on_round_done
+            self.background.append(self._run_shards)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         client = self._client
@@ -174,8 +185,10 @@ class Coordinator:
 
     async def run(self) -> None:
         address = BrokerAddress.from_url(self.settings.broker_url)
-        # A restart: the database holds every session that was running; they resume here.
-        self._rebuilt = await self.book.rebuild()
+        # A restart: the database holds every session that was running; they resume here. A
+        # shared fleet's sessions come back shard by shard, as their locks are taken.
+        if self.shards is None:
+            self._rebuilt = await self.book.rebuild()
         if self._rebuilt:
             await asyncio.to_thread(
                 self.events.append,
@@ -260,6 +273,8 @@ class Coordinator:
     async def _dispatch_device(
         self, device_id: str, channel: DeviceChannel, payload: bytes
     ) -> None:
+        if self.shards is not None and not self.shards.owns(device_id):
+            return  # another coordinator's device
         try:
             message = m.decode(payload)
             if not isinstance(message, EXPECTED_ON_DEVICE_CHANNEL[channel]):
@@ -283,6 +298,31 @@ class Coordinator:
             task.add_done_callback(self._handler_tasks.discard)
         else:
             await handler(device_id, message)
+
+    # --- a shared fleet -------------------------------------------------------------------------
+
+    async def _run_shards(self) -> None:
+        assert self.shards is not None
+        await self.shards.run(ready=self.connected)
+
+    async def _take_shards(self, shards: frozenset[int]) -> None:
+        """Shards just locked: their active sessions come back from the database, and their
+        devices are told where each stands (a draft sent to the old owner is re-sent)."""
+        rebuilt = await self.book.rebuild(lambda device_id: shard_of(device_id) in shards)
+        if rebuilt:
+            log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))
+            await self.book.announce(rebuilt)
+
+    async def _hand_back_shards(self, shards: frozenset[int]) -> None:
+        """Before their locks go: let each session's round in flight finish, then forget it
+        (the database has it; the next owner rebuilds it)."""
+        for live in [s for s in self.book.live.values() if shard_of(s.device_id) in shards]:
+            async with live.lock:
+                self.book.live.pop(live.id, None)
+
+    async def _on_round_done(self, verifier_id: str, done: m.RoundDone) -> None:
+        if done.session_id in self.book.live:  # else another coordinator's session
+            await self.book.on_round_done(verifier_id, done)
 
     async def _guarded(self, handler: DeviceHandler, device_id: str, message: Any) -> None:
         try:

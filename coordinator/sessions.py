@@ -391,10 +391,13 @@ class SessionBook:
             live = self.live.setdefault(session_id, live)  # another load may have won
         return live
 
-    async def rebuild(self) -> list[LiveSession]:
+    async def rebuild(self, owned: Callable[[str], bool] | None = None) -> list[LiveSession]:
         """After a coordinator restart: every active session back in memory from the database,
-        each device told its session's state (a draft lost with the old process is re-sent)."""
+        each device told its session's state (a draft lost with the old process is re-sent).
+        `owned(device_id)`: only those devices' sessions (shards taken over from a peer)."""
         rebuilt = await asyncio.to_thread(self._load_active)
+        if owned is not None:
+            rebuilt = [live for live in rebuilt if owned(live.device_id)]
         for live in rebuilt:
             self.live.setdefault(live.id, live)
         if rebuilt:

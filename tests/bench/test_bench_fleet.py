@@ -92,8 +92,9 @@ def _args(**overrides: Any) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        ({"coordinators": 2}, "coordinators cannot share a fleet yet"),
-        ({"coordinators": 0}, "--coordinators must be at least 1"),
+        ({"coordinators": 2}, "share a fleet through PostgreSQL advisory locks"),
+        ({"coordinators": 0}, "--coordinators must be in 1..8"),
+        ({"kill_coordinator_after": 5.0}, "--kill-coordinator-after needs --coordinators 2+"),
         ({"agents": 10, "sessions": 11}, "--sessions must be in 1..--agents"),
         ({"agents": 0}, "--agents must be in 1..20000"),
         ({"alpha": 1.5}, "--alpha must be in [0, 1]"),
