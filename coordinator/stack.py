@@ -139,9 +139,20 @@ def prepare_database(settings: Settings) -> Engine:
     return engine
 
 
+def verifier_credential_file(home: Path) -> Path:
+    """Where `up` leaves this run's verifier credential (for `verifier --password-file`)."""
+    return home / "broker" / f"{VERIFIER_USER}.credential"
+
+
 def quickstart_broker(settings: Settings, port: int, registry: DeviceRegistry) -> QuickstartBroker:
     credentials = {COORDINATOR_USER: new_credential(), VERIFIER_USER: new_credential()}
     password_file = settings.home / "broker" / "passwords"
+    secret = verifier_credential_file(settings.home)
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    tmp = secret.with_suffix(".tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_text(credentials[VERIFIER_USER] + "\n")
+    tmp.replace(secret)
     broker = EmbeddedBroker(
         port=port,
         password_file=password_file,
@@ -228,10 +239,15 @@ async def _run_up(
                     "mqtt_protocol": "3.1.1",
                 }
             )
-            print(f"broker       {quick.broker.url}  (embedded amqtt; MQTT 3.1.1)", flush=True)
+            print(
+                f"broker       {quick.broker.url}  (embedded amqtt, MQTT 3.1.1: for trials; "
+                "production runs Mosquitto and passes --broker)",
+                flush=True,
+            )
         else:
             print(f"broker       {settings.broker_url}  (external)", flush=True)
-        print(f"database     {engine.url.render_as_string(hide_password=True)}", flush=True)
+        database_url = engine.url.render_as_string(hide_password=True)
+        print(f"database     {database_url}", flush=True)
         coordinator = Coordinator(settings, engine, target=configured_target(settings))
         app = create_app(settings, engine)
         attach_service(app, coordinator, broker_revoke(settings, registry, quick))
@@ -252,6 +268,8 @@ async def _run_up(
             task = asyncio.create_task(coordinator.run(), name="coordinator")
             await coordinator.connected.wait()
             print(f"coordinator  connected as {coordinator.client_id}", flush=True)
+            steps = next_steps(settings, database_url, embedded=quick is not None)
+            print("\n".join(steps), flush=True)
             if ready is not None:
                 ready.set()
             await task
@@ -259,6 +277,34 @@ async def _run_up(
         if quick is not None:
             await quick.broker.stop()
         engine.dispose()
+
+
+def next_steps(settings: Settings, database_url: str, *, embedded: bool) -> list[str]:
+    """The banner's closing lines: the dashboard, and the commands that add an admin, a
+    verifier and a device to this stack (run with the same SPECFLEET_HOME)."""
+    scheme = "https" if settings.http_ssl_certfile else "http"
+    host = "127.0.0.1" if settings.http_host in ("0.0.0.0", "::") else settings.http_host
+    broker = settings.broker_url
+    db = f" --database-url {database_url}"
+    if embedded:
+        verifier_auth = (
+            f"--username {VERIFIER_USER} --password-file {verifier_credential_file(settings.home)}"
+        )
+    else:
+        verifier_auth = f"--username {VERIFIER_USER} --password-file FILE"
+    bundle = settings.home / "bundles" / "pi-1"
+    return [
+        f"dashboard    {scheme}://{host}:{settings.http_port}/  (log in with an admin's token)",
+        "",
+        "next, in another shell:",
+        f"  an admin     specfleet admin create alice{db}",
+        f"  a verifier   specfleet verifier --broker-url {broker} {verifier_auth}{db}",
+        f"  a device     specfleet devices provision pi-1 --kind pi "
+        f"--device-broker-url {broker}{db}",
+        # The bundle's config names its files relative to the bundle.
+        f"               cd {bundle} && specfleet-agent run --config agent.toml",
+        "",
+    ]
 
 
 async def _refresh_forever(quick: QuickstartBroker, registry: DeviceRegistry) -> None:
