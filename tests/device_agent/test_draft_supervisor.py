@@ -1,0 +1,178 @@
+"""Supervised draft children: restarts with backoff, quarantine, and drafting through a loss."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from device_agent import draft_supervisor
+from device_agent.draft_supervisor import DraftSupervisor, SupervisedProposer
+from inference.drafters import HYBRID, make_proposer
+from inference.isolated_runtime import RuntimeLost
+from inference.proposers import Proposer
+from inference.tokenizer import ChatTokenizer
+
+DRAFT = "draft-l1"
+READY_TIMEOUT_S = 60.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def supervisor(models_dir: Path, clock: Clock) -> Iterator[DraftSupervisor]:
+    supervisor = DraftSupervisor(models_dir, threads=1, clock=clock)
+    yield supervisor
+    supervisor.stop()
+
+
+def kill_child(supervisor: DraftSupervisor, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Kill the draft's child and let the runtime find out, as a drafting call would."""
+    runtime = supervisor.runtime(DRAFT)
+    assert runtime.pid is not None
+    os.kill(runtime.pid, sig)
+    with pytest.raises(RuntimeLost):
+        runtime.forward([1], runtime.new_cache())
+
+
+def wait_available(supervisor: DraftSupervisor) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not supervisor.available(DRAFT):
+        assert time.monotonic() < deadline, "the draft child did not come back"
+        time.sleep(0.05)
+
+
+def test_a_lost_child_restarts_after_its_backoff(
+    supervisor: DraftSupervisor, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(draft_supervisor, "RESTART_BACKOFF_S", 2.0)
+    assert supervisor.wait_first_load(DRAFT)
+    first_pid = supervisor.runtime(DRAFT).pid
+    kill_child(supervisor)
+    [health] = supervisor.health()
+    assert (health.state, health.losses) == ("down", 1)
+    assert "SIGKILL" in health.last_loss
+    clock.now += 1.9
+    assert not supervisor.available(DRAFT)
+    assert supervisor.health()[0].state == "down"  # not restarted within the backoff
+    clock.now += 0.2
+    wait_available(supervisor)
+    [health] = supervisor.health()
+    assert (health.state, health.starts, health.quarantined) == ("up", 2, False)
+    assert health.pid not in (None, first_pid)
+    runtime = supervisor.runtime(DRAFT)
+    assert runtime.forward([1, 2], runtime.new_cache()).shape[0] == 2
+
+
+def test_the_backoff_doubles_with_each_loss_in_the_window(
+    supervisor: DraftSupervisor, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(draft_supervisor, "RESTART_BACKOFF_S", 1.0)
+    monkeypatch.setattr(draft_supervisor, "QUARANTINE_LOSSES", 5)
+    assert supervisor.wait_first_load(DRAFT)
+    kill_child(supervisor)
+    clock.now += 1.0
+    wait_available(supervisor)
+    kill_child(supervisor)
+    clock.now += 1.5
+    assert not supervisor.available(DRAFT)  # the second loss waits 2 s
+    clock.now += 0.5
+    wait_available(supervisor)
+
+
+def test_a_draft_that_keeps_crashing_is_quarantined_and_reported(
+    supervisor: DraftSupervisor, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(draft_supervisor, "RESTART_BACKOFF_S", 0.0)
+    monkeypatch.setattr(draft_supervisor, "QUARANTINE_LOSSES", 3)
+    assert supervisor.wait_first_load(DRAFT)
+    for sig in (signal.SIGSEGV, signal.SIGKILL):
+        kill_child(supervisor, sig)
+        clock.now += 10.0
+        wait_available(supervisor)
+    assert supervisor.quarantined() == {}
+    kill_child(supervisor, signal.SIGSEGV)
+    clock.now += 3600.0  # quarantine outlasts any backoff
+    assert not supervisor.available(DRAFT)
+    [reason] = supervisor.quarantined().values()
+    assert "3 losses" in reason and "SIGSEGV" in reason
+    [health] = supervisor.health()
+    assert (health.state, health.quarantined, health.losses, health.pid) == (
+        "quarantined",
+        True,
+        3,
+        None,
+    )
+
+
+def test_losses_outside_the_window_do_not_quarantine(
+    supervisor: DraftSupervisor, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(draft_supervisor, "RESTART_BACKOFF_S", 0.0)
+    monkeypatch.setattr(draft_supervisor, "QUARANTINE_LOSSES", 2)
+    assert supervisor.wait_first_load(DRAFT)
+    kill_child(supervisor)
+    clock.now += draft_supervisor.QUARANTINE_WINDOW_S + 1.0
+    wait_available(supervisor)
+    kill_child(supervisor)
+    assert supervisor.quarantined() == {}
+
+
+def rounds(proposer: Proposer, context: list[int], n: int, k: int = 4) -> list[list[int]]:
+    """n greedy windows, each committed whole (as if the target accepted it)."""
+    windows = []
+    for _ in range(n):
+        window = proposer.get_candidates(context, k).tokens.tolist()
+        windows.append(window)
+        context += window or [context[-1]]
+    return windows
+
+
+@pytest.mark.parametrize("name", [DRAFT, "hybrid+" + DRAFT])
+def test_a_supervised_drafter_drafts_as_in_process_and_falls_back_through_a_loss(
+    supervisor: DraftSupervisor,
+    models_dir: Path,
+    tokenizer: ChatTokenizer,
+    clock: Clock,
+    name: str,
+) -> None:
+    assert supervisor.wait_first_load(DRAFT)
+    proposer = SupervisedProposer(
+        name,
+        lambda: make_proposer(name, models_dir, load_runtime=supervisor.runtime),
+        make_proposer(HYBRID, models_dir),
+        lambda: supervisor.available(DRAFT),
+    )
+    in_process = make_proposer(name, models_dir, threads=1)
+    fallback = make_proposer(HYBRID, models_dir)
+    context = tokenizer.apply_chat_template("Write a haiku about the sea and the moon.")
+
+    assert rounds(proposer, list(context), 3) == rounds(in_process, list(context), 3)
+    assert proposer.drafting_with == name
+    kill_child(supervisor, signal.SIGSEGV)
+    # The round that meets the loss is drafted by the fallback, at once.
+    window = proposer.get_candidates(context, 4)
+    assert window.tokens.tolist() == fallback.get_candidates(context, 4).tokens.tolist()
+    assert proposer.drafting_with == HYBRID
+    clock.now += 60.0
+    wait_available(supervisor)
+    proposer.rollback(len(context))
+    in_process.rollback(0)
+    assert rounds(proposer, list(context), 2) == rounds(in_process, list(context), 2)
+    assert proposer.drafting_with == name
+    assert proposer.fallback_rounds >= 1
