@@ -69,7 +69,7 @@ def _workloads() -> dict[str, dict[str, Any]]:
 
 def test_verifiers_scale_and_every_container_has_probes_and_secrets_from_secrets() -> None:
     workloads = _workloads()
-    assert workloads["coordinator"]["spec"]["replicas"] == 1  # until sessions are leased
+    assert workloads["coordinator"]["spec"]["replicas"] == 2  # sharing the fleet
     hpa = [
         doc
         for path in _manifest_files()
@@ -125,7 +125,7 @@ def test_the_compose_file_passes_the_compose_specification() -> None:
     parsed = compose_spec.PyOptions(apply_merge=True).from_yaml(COMPOSE_FILE.read_text())
     assert parsed.validate() is None
     assert set(parsed.service_names()) == {
-        "postgres", "broker-config", "mosquitto", "coordinator", "verifier",
+        "postgres", "broker-config", "mosquitto", "coordinator-a", "coordinator-b", "verifier",
     }  # fmt: skip
 
 
@@ -144,7 +144,11 @@ def test_compose_secrets_are_declared_and_made_by_make_secrets() -> None:
         if build:
             assert (COMPOSE_FILE.parent / build["context"] / build["dockerfile"]).is_file()
     assert compose["services"]["verifier"]["deploy"]["replicas"] >= 2
-    assert "replicas" not in compose["services"]["coordinator"].get("deploy", {})
+    coordinators = [s for name, s in compose["services"].items() if name.startswith("coordinator")]
+    assert len(coordinators) == 2
+    ids = {c["environment"]["SPECFLEET_COORDINATOR_ID"] for c in coordinators}
+    assert len(ids) == 2
+    assert all(c["environment"]["SPECFLEET_SHARED_FLEET"] == "true" for c in coordinators)
 
 
 def _service_command(command: str, broker_dir: Path, secret_files: dict[str, Path]) -> list[str]:
