@@ -8,6 +8,7 @@ import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any
 
 from broker import messages as m
@@ -64,6 +65,7 @@ class Agent:
             target=settings.target,
             runtime=settings.draft_runtime,
             threads=settings.draft_threads,
+            isolate=settings.isolate_drafts,
         )
         # Drafting is CPU work, and a LiteRT interpreter is not safe to share between threads:
         # one worker thread drafts for every session in turn, keeping the event loop free.
@@ -168,6 +170,7 @@ class Agent:
             if self.local_api is not None:
                 await self.local_api.close()
             self.drafting.shutdown(wait=False, cancel_futures=True)
+            self.catalog.stop()
             if self.journal is not None:
                 self.journal.close()
 
@@ -184,6 +187,7 @@ class Agent:
             "proactive": self.settings.proactive,
             "sessions_active": len(self.sessions.active),
             "sessions_local": sum(1 for s in self.sessions.active if s.local),
+            "draft_runtimes": [asdict(h) for h in self.catalog.runtime_health()],
         }
 
     async def publish(self, channel: DeviceChannel, message: m.Message) -> bool:

@@ -15,6 +15,7 @@ from inference.artifacts import ArtifactError, check_same_vocabulary, load_manif
 from inference.drafters import (
     BUILTIN_DRAFTERS,
     DEFAULT_NGRAM_TABLE,
+    HYBRID,
     HYBRID_PREFIX,
     LOOKUP,
     DrafterError,
@@ -24,6 +25,7 @@ from inference.drafters import (
 from inference.tokenizer import CHAT_FORMAT_FILE, TOKENIZER_FILE, ChatTokenizer
 
 if TYPE_CHECKING:
+    from device_agent.draft_supervisor import DraftRuntimeHealth, DraftSupervisor
     from inference.drafts import DraftInfo, DraftRuntimeKind
     from inference.feature_head import HeadInfo
     from inference.proposers import Proposer
@@ -62,6 +64,10 @@ class DrafterCatalog:
     one; a returned drafter is rolled back to empty and reused, which spares the next session
     the runtime's load (0.03-0.2 s for the small drafts, measured here). Every method may be
     called from the event loop or from the agent's drafting thread, hence the lock.
+
+    With `isolate`, every neural draft runs in a supervised child process of its own
+    (`device_agent.draft_supervisor`): its sessions draft with the copying hybrid while it is
+    down, and `stop` ends the children.
     """
 
     def __init__(
@@ -73,6 +79,7 @@ class DrafterCatalog:
         runtime: DraftRuntimeKind = "onnx",
         threads: int | None = None,
         ngram_path: Path = DEFAULT_NGRAM_TABLE,
+        isolate: bool = False,
     ) -> None:
         self.models_dir = models_dir
         self.tokenizer_dir = tokenizer_dir
@@ -85,6 +92,11 @@ class DrafterCatalog:
         self._tokenizer: ChatTokenizer | None = None
         self._drafts: list[DraftInfo] | None = None
         self._heads: list[HeadInfo] | None = None
+        self.supervisor: DraftSupervisor | None = None
+        if isolate:
+            from device_agent.draft_supervisor import DraftSupervisor
+
+            self.supervisor = DraftSupervisor(models_dir, threads=threads)
 
     def _list_drafts(self) -> list[DraftInfo]:
         with self._lock:
@@ -177,6 +189,8 @@ class DrafterCatalog:
             if idle:
                 return idle.pop()
         try:
+            if self.supervisor is not None and self._is_draft(key[0]):
+                return self._supervised(key[0], temperature, self.supervisor)
             return make_proposer(
                 key[0],
                 self.models_dir,
@@ -187,16 +201,65 @@ class DrafterCatalog:
         except (DrafterError, ImportError, OSError, ValueError) as exc:
             raise CatalogError(f"cannot load drafter {name!r}: {exc}") from exc
 
+    def _is_draft(self, resolved: str) -> bool:
+        """Whether a drafter runs a draft model (feature heads stay in this process)."""
+        model = resolved.removeprefix(HYBRID_PREFIX)
+        return any(d.manifest.name == model for d in self._list_drafts())
+
+    def _supervised(
+        self, resolved: str, temperature: float, supervisor: DraftSupervisor
+    ) -> Proposer:
+        from device_agent.draft_supervisor import SupervisedProposer
+
+        model = resolved.removeprefix(HYBRID_PREFIX)
+        supervisor.wait_first_load(model)
+
+        def neural() -> Proposer:
+            return make_proposer(
+                resolved,
+                self.models_dir,
+                temperature=temperature,
+                ngram_path=self.ngram_path,
+                load_runtime=supervisor.runtime,
+            )
+
+        # The fallback needs no native runtime: the copying hybrid, or lookup without a table.
+        fallback = make_proposer(
+            HYBRID if self.ngram_path.is_file() else LOOKUP,
+            self.models_dir,
+            temperature=temperature,
+            ngram_path=self.ngram_path,
+        )
+        return SupervisedProposer(
+            resolved,
+            neural,
+            fallback,
+            lambda: supervisor.available(model),
+        )
+
+    def runtime_health(self) -> list[DraftRuntimeHealth]:
+        """The draft children and their state; empty when drafts run in this process."""
+        return [] if self.supervisor is None else self.supervisor.health()
+
+    def stop(self) -> None:
+        """End the draft children, if any."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
     def forget(self, name: str) -> None:
         """A model's files changed (an OTA install or rollback): list drafts and load it afresh.
 
         Sessions drafting with the old version keep it until they end; new ones get the new one.
+        Isolated, the old version's child stops: its sessions draft with the fallback until the
+        new one's child is up.
         """
         with self._lock:
             self._drafts = None
             self._heads = None
             for key in [k for k in self._idle if k[0] in (name, HYBRID_PREFIX + name)]:
                 del self._idle[key]
+        if self.supervisor is not None:
+            self.supervisor.forget(name)
 
     def release(self, name: str, temperature: float, proposer: Proposer) -> None:
         """Take a drafter back once its session no longer drafts with it."""

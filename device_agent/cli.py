@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--sys-root", type=Path, help="where to read /sys (battery, heat); default /sys"
     )
+    run.add_argument(
+        "--in-process-drafts",
+        dest="isolate_drafts",
+        action="store_false",
+        default=None,
+        help="run neural drafts in the agent's own process, not in supervised child processes",
+    )
     run.add_argument("--draft", dest="default_draft", help="drafter of sessions that name none")
     run.add_argument(
         "--connect-wait",
@@ -195,6 +202,7 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             "battery_floor_percent": args.battery_floor_percent,
             "power_saver": args.power_saver,
             "sys_root": args.sys_root,
+            "isolate_drafts": args.isolate_drafts,
         }
     return load_agent_settings(args.config, **overrides)
 

@@ -115,10 +115,11 @@ class DraftSupervisor:
             self._lost(name, RuntimeLost(f"draft {name}: cannot spawn its runtime: {exc}", "start"))
 
     def wait_first_load(self, name: str, timeout_s: float = FIRST_LOAD_WAIT_S) -> bool:
-        """Wait for the child's first load; False when it failed (a loss) or took too long."""
+        """Wait for the child's first load (as an in-process load would have blocked); a restart
+        is never waited for. False when it is not up: failed (a loss), too slow, restarting."""
         runtime = self.runtime(name)
         try:
-            return runtime.wait_ready(timeout_s)
+            return runtime.wait_ready(timeout_s if runtime.generation == 1 else 0.0)
         except RuntimeLost:
             return False
 

@@ -56,6 +56,9 @@ class LocalSettings(BaseSettings):
     fallback_after_s: float = Field(default=5.0, ge=0)
     # Keep open sessions in <home>/agent-journal.sqlite3, so that a restarted agent resumes them.
     journal: bool = True
+    # Run each neural draft in a supervised child process (issue 17): a native crash, a hang or
+    # an OOM kill there costs a round's draft, not the agent. False: in this process.
+    isolate_drafts: bool = True
 
     @property
     def resolved_models_dir(self) -> Path:

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import secrets
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_peer import BusPeer, TargetJudge, prompt_text, reference, running_agent
 
+from broker.mosquitto import PrivateMosquitto
 from device_agent import draft_supervisor
 from device_agent.draft_supervisor import DraftSupervisor, SupervisedProposer
+from device_agent.sessions import SessionRequest, SessionSummary
+from inference import isolated_runtime
 from inference.drafters import HYBRID, make_proposer
 from inference.isolated_runtime import RuntimeLost
+from inference.onnx_runtime import OnnxRuntime
 from inference.proposers import Proposer
 from inference.tokenizer import ChatTokenizer
 
@@ -176,3 +183,64 @@ def test_a_supervised_drafter_drafts_as_in_process_and_falls_back_through_a_loss
     assert rounds(proposer, list(context), 2) == rounds(in_process, list(context), 2)
     assert proposer.drafting_with == name
     assert proposer.fallback_rounds >= 1
+
+
+# -- the agent: a draft child killed or hung mid-session -------------------------------------
+
+E2E_PROMPT = "summarize-01"
+E2E_MAX_TOKENS = 48
+SESSION_TIMEOUT_S = 90.0
+
+
+async def session_with_a_fault(
+    broker_url: str,
+    models_dir: Path,
+    target: tuple[OnnxRuntime, ChatTokenizer],
+    fault: signal.Signals,
+    at_draft: int,
+) -> tuple[SessionSummary, BusPeer, list[dict[str, object]], bool]:
+    runtime, tokenizer = target
+    peer = BusPeer(broker_url, TargetJudge(runtime, tokenizer.eos_id))
+    device = f"dev-{secrets.token_hex(4)}"
+    async with peer.running(), running_agent(broker_url, device, models_dir) as agent:
+        supervisor = agent.catalog.supervisor
+        assert supervisor is not None, "drafts run in child processes by default"
+        request = SessionRequest(
+            prompt=prompt_text(E2E_PROMPT), max_tokens=E2E_MAX_TOKENS, draft=DRAFT, k=3
+        )
+        session = await agent.sessions.start(request)
+        while len(peer.drafts) < at_draft:
+            await asyncio.sleep(0.002)
+        pid = supervisor.runtime(DRAFT).pid
+        assert pid is not None
+        os.kill(pid, fault)
+        summary = await asyncio.wait_for(session.wait(), SESSION_TIMEOUT_S)
+        health = agent.health()
+        still_up = agent.connected.is_set() and not session.local
+    return summary, peer, list(health["draft_runtimes"]), still_up
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSEGV, signal.SIGSTOP])
+def test_a_draft_child_killed_or_hung_mid_session_costs_a_round_not_the_answer(
+    mosquitto: PrivateMosquitto,
+    models_dir: Path,
+    target: tuple[OnnxRuntime, ChatTokenizer],
+    fault: signal.Signals,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SIGSTOP leaves the child alive and silent: a hang, found by the call deadline.
+    monkeypatch.setattr(isolated_runtime, "CALL_DEADLINE_S", 0.5)
+    summary, peer, health, still_up = asyncio.run(
+        session_with_a_fault(mosquitto.url, models_dir, target, fault, at_draft=3)
+    )
+    assert summary.status == "finished" and summary.error == ""
+    assert summary.token_ids == reference(E2E_PROMPT, target, E2E_MAX_TOKENS)
+    assert still_up  # the agent, its bus session and its other work went on
+    [draft_health] = [h for h in health if h["name"] == DRAFT]
+    assert draft_health["losses"] == 1
+    expected = "hung" if fault is signal.SIGSTOP else fault.name
+    assert expected in str(draft_health["last_loss"])
+    assert not draft_health["quarantined"]
+    # Rounds went on after the fault, one per draft: none was lost or sent twice.
+    assert summary.rounds > 3
+    assert [d.round for d in peer.drafts] == list(range(summary.rounds))
