@@ -6,19 +6,24 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from bench.models import DEFAULT_PROMPTS, BenchPrompt, read_prompts
 from bench.report import format_table, write_json
 from coordinator.localfleet import AgentSpec, LocalFleet, local_fleet
+
+if TYPE_CHECKING:
+    from coordinator.settings import Settings
 
 # Three devices, three drafters: prompt lookup and a 4-gram table in front of the distilled
 # 1-layer draft on LiteRT; that draft alone on ONNX Runtime; lookup and the table alone.
@@ -65,20 +70,34 @@ async def ask(
     return summary
 
 
-async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list[dict[str, Any]]:
+def demo_settings(args: argparse.Namespace) -> Settings:
     from coordinator.settings import Settings
+
+    settings = Settings()
+    if args.database_url:
+        settings = settings.model_copy(update={"database_url": args.database_url})
+    return settings
+
+
+def log_to_file(path: Path) -> None:
+    """This process's log goes to `path`, not between the streamed answers (`-v` keeps it on
+    the terminal); the fleet's other processes log beside it."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+
+
+async def run_demo(
+    args: argparse.Namespace, prompts: list[BenchPrompt], settings: Settings, workdir: Path
+) -> tuple[list[dict[str, Any]], float]:
+    """The sessions' results, and the seconds the fleet spent answering (start-up excluded)."""
     from coordinator.stack import home_lock
     from inference.distill import ensure_drafts
     from inference.target_build import ensure_target
 
-    settings = Settings()
-    overrides: dict[str, Any] = {}
-    if args.database_url:
-        overrides["database_url"] = args.database_url
-    workdir = Path(tempfile.mkdtemp(prefix="specfleet-demo-"))
-    if not args.database_url:
-        overrides["home"] = settings.home
-    settings = settings.model_copy(update=overrides)
     target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
     # The drafts are built from the weights committed in models/drafts/ (once; then cached).
     await asyncio.to_thread(ensure_drafts, settings.resolved_models_dir, target_dir)
@@ -98,7 +117,9 @@ async def run_demo(args: argparse.Namespace, prompts: list[BenchPrompt]) -> list
             external_broker=args.broker,
         ) as fleet:
             print(f"broker {fleet.broker_url}; database {settings.database_url}", flush=True)
-            return await _answer_all(fleet, agents, prompts, args)
+            started = time.perf_counter()
+            results = await _answer_all(fleet, agents, prompts, args)
+            return results, time.perf_counter() - started
 
 
 async def _answer_all(
@@ -162,6 +183,48 @@ def _add_verifiers(fleet: LocalFleet, results: list[dict[str, Any]]) -> None:
             result["verifiers"] = dict(counts)
 
 
+@dataclass(frozen=True)
+class TargetAlone:
+    """One prompt answered by the target alone, one token per pass, nothing else running."""
+
+    tokens: int
+    decode_s: float  # after the prefill, as the sessions' tokens/s counts
+    total_s: float  # with the prefill
+    same: bool | None  # its tokens equal the session's (greedy only; None when sampling)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def target_alone(
+    results: list[dict[str, Any]], args: argparse.Namespace, settings: Settings
+) -> dict[str, TargetAlone]:
+    """The baseline of the table's last columns, by prompt id: the target decodes each prompt by
+    itself, after the fleet has stopped, so that it has the machine to itself."""
+    from tqdm import tqdm
+
+    from inference.sampling import SamplingParams
+    from inference.speculative import decode_target
+    from inference.target_build import load_target
+
+    target, tokenizer = load_target(settings.resolved_models_dir, threads=1)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed)
+    greedy = args.temperature == 0
+    baseline: dict[str, TargetAlone] = {}
+    for result in tqdm(results, desc="target alone", unit="prompt"):
+        ids = tokenizer.apply_chat_template(result["prompt"])
+        decoded = decode_target(target, ids, args.max_tokens, params, tokenizer.eos_id)
+        session = result.get("token_ids")
+        baseline[result["prompt_id"]] = TargetAlone(
+            tokens=len(decoded.tokens),
+            decode_s=decoded.decode_ms / 1e3,
+            total_s=decoded.total_ms / 1e3,
+            same=(decoded.tokens == session) if greedy and session is not None else None,
+        )
+    return baseline
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts",
@@ -194,6 +257,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also write the per-session results as JSON",
     )
     parser.add_argument("--quiet", action="store_true", help="no streaming, the table only")
+    parser.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip the target alone on the same prompts (one pass per token, about 40 ms each "
+        "on one CPU core) and the speedup columns",
+    )
 
 
 def _prompts_path(args: argparse.Namespace) -> Path:
@@ -221,13 +291,52 @@ def run(args: argparse.Namespace) -> int:
         prompts = prompts[: args.limit]
     from coordinator.stack import StackError
 
+    settings = demo_settings(args)
+    workdir = Path(tempfile.mkdtemp(prefix="specfleet-demo-"))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to the agents
+    if not getattr(args, "verbose", False):
+        log_to_file(workdir / "demo.log")
     try:
-        results = asyncio.run(run_demo(args, prompts))
+        results, fleet_s = asyncio.run(run_demo(args, prompts, settings, workdir))
     except StackError as exc:
         raise CommandError(str(exc)) from exc
     results.sort(key=lambda r: r["prompt_id"])
-    rows = [
-        [
+    baseline = target_alone(results, args, settings) if args.baseline else {}
+    print()
+    print(results_table(results, baseline))
+    if baseline:
+        print(throughput_line(results, baseline, fleet_s))
+    if args.json is not None:
+        document: dict[str, Any] = {"sessions": results, "answering_s": fleet_s}
+        if baseline:
+            document["target_alone"] = {
+                prompt_id: {
+                    "tokens": b.tokens,
+                    "decode_s": b.decode_s,
+                    "total_s": b.total_s,
+                    "tokens_per_s": b.tokens_per_s,
+                    "same_tokens": b.same,
+                }
+                for prompt_id, b in baseline.items()
+            }
+        write_json(args.json, document)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _same(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def results_table(results: list[dict[str, Any]], baseline: dict[str, TargetAlone]) -> str:
+    """One row per session; with a baseline, the target alone's tokens/s on the same prompt,
+    the session's speedup over it, and whether the two answers are the same tokens."""
+    headers = ["prompt", "device", "draft", "tokens", "α", "tokens/s", "rounds", "verifier"]
+    if baseline:
+        headers += ["target tok/s", "speedup", "same"]
+    rows = []
+    for r in results:
+        row = [
             r["prompt_id"],
             r["device_id"],
             r["draft"],
@@ -237,15 +346,28 @@ def run(args: argparse.Namespace) -> int:
             r.get("rounds", 0),
             ",".join(sorted(r.get("verifiers", {}))),
         ]
-        for r in results
-    ]
-    print()
-    print(
-        format_table(
-            ["prompt", "device", "draft", "tokens", "α", "tokens/s", "rounds", "verifier"], rows
-        )
+        alone = baseline.get(r["prompt_id"])
+        if alone is not None:
+            speedup = r.get("tokens_per_s", 0.0) / alone.tokens_per_s if alone.tokens_per_s else 0
+            row += [f"{alone.tokens_per_s:.1f}", f"{speedup:.2f}x", _same(alone.same)]
+        rows.append(row)
+    return format_table(headers, rows)
+
+
+def throughput_line(
+    results: list[dict[str, Any]], baseline: dict[str, TargetAlone], fleet_s: float
+) -> str:
+    """The fleet's throughput against the target answering the same prompts one at a time."""
+    fleet_tokens = sum(int(r.get("tokens", 0)) for r in results)
+    alone_tokens = sum(b.tokens for b in baseline.values())
+    alone_s = sum(b.total_s for b in baseline.values())
+    fleet_rate = fleet_tokens / fleet_s if fleet_s > 0 else 0.0
+    alone_rate = alone_tokens / alone_s if alone_s > 0 else 0.0
+    same = [b.same for b in baseline.values() if b.same is not None]
+    identical = f"; {sum(same)} of {len(same)} answers token-identical" if same else ""
+    return (
+        f"fleet (DSD): {fleet_tokens} tokens in {fleet_s:.1f} s of answering, "
+        f"{fleet_rate:.1f} tokens/s | target alone, one prompt at a time: {alone_tokens} tokens in "
+        f"{alone_s:.1f} s, {alone_rate:.1f} tokens/s | "
+        f"speedup {fleet_rate / alone_rate if alone_rate else 0:.2f}x{identical}"
     )
-    if args.json is not None:
-        write_json(args.json, {"sessions": results})
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0
