@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from broker import messages as m
+from device_agent.draft_supervisor import drafted_by
 from inference.features import features_from_wire
 from inference.proposers import (
     Candidates,
@@ -453,7 +454,8 @@ class SessionDrafter:
             base_len=base_len,
             tokens=tuple(int(t) for t in candidates.tokens.tolist()),
             q=q,
-            draft_model=self.draft_model,
+            # The last proposal is this window's (fresh, or the pre-drafted one).
+            draft_model=drafted_by(self.proposer, self.draft_model),
             draft_ms=draft_ms,
             proactive=proactive,
             want_features=wants_features(self.proposer),
