@@ -79,14 +79,17 @@ def demo_settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def log_to_file(path: Path) -> None:
+def log_to_file(path: Path, log_format: str) -> None:
     """This process's log goes to `path`, not between the streamed answers (`-v` keeps it on
     the terminal); the fleet's other processes log beside it."""
+    from specfleet.logs import TEXT_FORMAT, JsonFormatter
+
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    json_lines = log_format == "json"
+    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
     root.addHandler(handler)
 
 
@@ -295,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="specfleet-demo-"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request to the agents
     if not getattr(args, "verbose", False):
-        log_to_file(workdir / "demo.log")
+        log_to_file(workdir / "demo.log", getattr(args, "log_format", "text"))
     try:
         results, fleet_s = asyncio.run(run_demo(args, prompts, settings, workdir))
     except StackError as exc:

@@ -22,6 +22,7 @@ from device_agent.settings import (
     load_local_settings,
 )
 from specfleet.cli_help import finish_parsers
+from specfleet.logs import configure_logging
 
 log = logging.getLogger("device_agent")
 
@@ -277,9 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `ask` writes the answer to the terminal: only warnings go beside it unless asked.
     quiet = args.command == "ask" and not args.verbose
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    configure_logging(
+        logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
+        args.log_format,
     )
     if args.command == "ask":
         return _ask(args)

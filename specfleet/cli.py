@@ -14,6 +14,7 @@ from types import FrameType
 
 from specfleet.cli_help import finish_parsers
 from specfleet.examples import EXAMPLES
+from specfleet.logs import configure_logging
 
 # Modules that expose `register(subparsers)`; each adds its subcommands with a `func` default.
 COMMAND_MODULES = (
@@ -83,10 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:

@@ -1,5 +1,6 @@
 """What every command's parser shares, applied once the parser tree is built: examples in each
-`--help`, `-v` after the sub-command too, and both spellings of the broker flag.
+`--help`, `-v` and `--log-format` after the sub-command too, and both spellings of the broker
+flag.
 
 Kept to the standard library, so that `specfleet-agent` (on a device) imports it as cheaply as
 `specfleet` does.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import textwrap
 from collections.abc import Iterator, Mapping
+
+from specfleet.logs import LOG_FORMATS
 
 # The broker's address was spelled `--broker` by some commands and `--broker-url` by others. Both
 # are accepted everywhere; each command's help names the spelling it was written with.
@@ -77,6 +80,17 @@ def _add_verbose(parser: argparse.ArgumentParser, dest: str) -> None:
     )
 
 
+def _add_log_format(parser: argparse.ArgumentParser, *, root: bool) -> None:
+    if "--log-format" in parser._option_string_actions:
+        return
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text" if root else argparse.SUPPRESS,
+        help="text (default) or json: one JSON object a line, for a log collector",
+    )
+
+
 def finish_parsers(
     root: argparse.ArgumentParser,
     examples: Mapping[str, str],
@@ -106,4 +120,5 @@ def finish_parsers(
         parser.epilog = f"{parser.epilog.rstrip()}\n\n{epilog}" if parser.epilog else epilog
         if parser is not root:
             _add_verbose(parser, verbose_dest)
+        _add_log_format(parser, root=parser is root)
         _alias_broker(parser)
