@@ -84,7 +84,7 @@ EXAMPLES: dict[str, str] = {
     """,
     # --- the stack ---
     "specfleet up": f"""
-        specfleet up                                  # embedded broker, SQLite, http://127.0.0.1:8000
+        specfleet up                                  # embedded broker, SQLite, http://127.0.0.1:8420
         specfleet up --broker mqtt://127.0.0.1:1883 --database-url {DB}
         specfleet up --http-port 8080 --ssl-certfile cert.pem --ssl-keyfile key.pem
     """,
