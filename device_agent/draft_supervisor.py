@@ -257,3 +257,9 @@ class SupervisedProposer(HybridProposer):
         for proposer in (self.neural, self.fallback):
             if proposer is not None:
                 proposer.rollback(committed_len)
+
+
+def drafted_by(proposer: Proposer, name: str) -> str:
+    """The drafter behind a proposer's last window, for the round's record: a supervised
+    drafter's fallback says so, so that its rounds are not counted as the neural draft's."""
+    return proposer.drafting_with if isinstance(proposer, SupervisedProposer) else name

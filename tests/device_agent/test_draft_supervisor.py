@@ -244,3 +244,6 @@ def test_a_draft_child_killed_or_hung_mid_session_costs_a_round_not_the_answer(
     # Rounds went on after the fault, one per draft: none was lost or sent twice.
     assert summary.rounds > 3
     assert [d.round for d in peer.drafts] == list(range(summary.rounds))
+    # The rounds the fallback drafted say so: the policy does not count them as draft-l1's.
+    labels = [d.draft_model for d in peer.drafts]
+    assert labels[:3] == [DRAFT] * 3 and HYBRID in labels
