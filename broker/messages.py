@@ -134,6 +134,9 @@ class Telemetry(_Message):
     power_saver: bool | None = None
     thermal_limit_c: float | None = Field(default=None, ge=0, le=200)
     battery_floor_percent: float | None = Field(default=None, ge=0, le=100)
+    # Drafts whose runtime process kept crashing here, quarantined until the agent restarts;
+    # their sessions draft with the copying hybrid. Left out when there are none.
+    quarantined_drafts: tuple[Name, ...] | None = Field(default=None, max_length=16)
 
 
 def check_sparse_q(

@@ -203,6 +203,7 @@ class Fleet:
             memory_percent=telemetry.memory_percent,
             battery_percent=telemetry.battery_percent,
             thermal_c=telemetry.thermal_c,
+            extra=_quarantine(telemetry),
         )
         # Telemetry proves the device is alive; if presence had timed out, it is back.
         await self._registry_call(self.registry.mark_online, device_id, at)
@@ -323,3 +324,10 @@ class Fleet:
             await asyncio.to_thread(method, *args, **kwargs)
         except (DeviceNotFoundError, DeviceRetiredError) as exc:
             log.warning("ignored a message for %s", exc)
+
+
+def _quarantine(telemetry: m.Telemetry) -> dict[str, str] | None:
+    """The drafts the device quarantined, for its telemetry snapshot (the device page shows it)."""
+    if not telemetry.quarantined_drafts:
+        return None
+    return {"quarantined_drafts": ", ".join(telemetry.quarantined_drafts)}

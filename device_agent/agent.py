@@ -267,7 +267,12 @@ class Agent:
             power_saver=self.settings.power_saver,
             thermal_limit_c=self.settings.thermal_limit_c,
             battery_floor_percent=self.settings.battery_floor_percent,
+            quarantined_drafts=self._quarantined_drafts(),
         )
+
+    def _quarantined_drafts(self) -> tuple[str, ...] | None:
+        names = [h.name for h in self.catalog.runtime_health() if h.quarantined]
+        return tuple(names[:16]) or None
 
     async def _receive(self, client: BusClient) -> None:
         ours = {self.topic(DeviceChannel.COMMAND), self.topic(DeviceChannel.VERDICT)}

@@ -46,6 +46,7 @@
       fact("Memory", t.memory_percent === undefined || t.memory_percent === null ? "–" : `${fmt.num(t.memory_percent)}%`),
       fact("Battery", t.battery_percent === undefined || t.battery_percent === null ? "–" : `${fmt.num(t.battery_percent)}%`),
       fact("Temperature", t.thermal_c === undefined || t.thermal_c === null ? "–" : `${fmt.num(t.thermal_c, 1)} °C`),
+      fact("Quarantined drafts", t.quarantined_drafts || "none"),
     );
     document.getElementById("telemetry-at").textContent =
       device.telemetry_at ? `reported ${fmt.ago(device.telemetry_at)}` : "no telemetry yet";
