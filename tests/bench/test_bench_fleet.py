@@ -134,3 +134,26 @@ def test_a_small_fleet_runs_with_nothing_lost_or_duplicated(
     assert (document["rounds_lost"], document["rounds_duplicated"]) == (0, 0)
     assert document["sessions_with_gaps"] == 0
     assert document["coordinator_rss_mb_max"] > 0
+
+
+def test_two_coordinators_share_the_fleet_and_survive_one_sigkill(
+    tmp_path: Path, create_pg_database: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One of two sharing coordinators is SIGKILLed 1.5 s into the sessions: the other takes its
+    shards, and every session finishes with its rounds contiguous in the database."""
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("bench.commands",))
+    out = tmp_path / "fleet.json"
+    status = cli.main([
+        "bench", "fleet", "--agents", "40", "--sessions", "30", "--processes", "1",
+        "--max-tokens", "200", "--alpha", "0.5", "--coordinators", "2",
+        "--kill-coordinator-after", "1.5", "--database-url", create_pg_database(),
+        "--json", str(out),
+    ])  # fmt: skip
+    document = json.loads(out.read_text())
+    assert status == 0, document
+    assert document["coordinator_killed_at_s"] == 1.5
+    assert document["sessions_finished"] == 30
+    assert document["errors"] == 0
+    assert (document["rounds_lost"], document["rounds_duplicated"]) == (0, 0)
+    assert document["sessions_with_gaps"] == 0
+    assert document["rounds_stored"] == document["rounds"] + document["rounds_unconfirmed"]
