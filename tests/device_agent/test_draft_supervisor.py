@@ -9,10 +9,12 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_peer import BusPeer, TargetJudge, prompt_text, reference, running_agent
 
+from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
 from device_agent import draft_supervisor
 from device_agent.draft_supervisor import DraftSupervisor, SupervisedProposer
@@ -247,3 +249,35 @@ def test_a_draft_child_killed_or_hung_mid_session_costs_a_round_not_the_answer(
     # The rounds the fallback drafted say so: the policy does not count them as draft-l1's.
     labels = [d.draft_model for d in peer.drafts]
     assert labels[:3] == [DRAFT] * 3 and HYBRID in labels
+
+
+def test_an_agent_with_a_quarantined_draft_reports_it_and_its_sessions_draft_with_the_hybrid(
+    mosquitto: PrivateMosquitto,
+    models_dir: Path,
+    target: tuple[OnnxRuntime, ChatTokenizer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(draft_supervisor, "QUARANTINE_LOSSES", 1)
+
+    async def main() -> tuple[SessionSummary, BusPeer, m.Telemetry, dict[str, Any]]:
+        runtime, tokenizer = target
+        peer = BusPeer(mosquitto.url, TargetJudge(runtime, tokenizer.eos_id))
+        device = f"dev-{secrets.token_hex(4)}"
+        async with peer.running(), running_agent(mosquitto.url, device, models_dir) as agent:
+            supervisor = agent.catalog.supervisor
+            assert supervisor is not None and supervisor.wait_first_load(DRAFT)
+            kill_child(supervisor, signal.SIGSEGV)
+            request = SessionRequest(
+                prompt=prompt_text(E2E_PROMPT), max_tokens=E2E_MAX_TOKENS, draft=DRAFT, k=3
+            )
+            session = await agent.sessions.start(request)
+            summary = await asyncio.wait_for(session.wait(), SESSION_TIMEOUT_S)
+            return summary, peer, agent._telemetry(), agent.health()
+
+    summary, peer, telemetry, health = asyncio.run(main())
+    assert telemetry.quarantined_drafts == (DRAFT,)
+    [draft_health] = health["draft_runtimes"]
+    assert draft_health["state"] == "quarantined" and "SIGSEGV" in draft_health["last_loss"]
+    assert summary.status == "finished"
+    assert summary.token_ids == reference(E2E_PROMPT, target, E2E_MAX_TOKENS)
+    assert {d.draft_model for d in peer.drafts} == {HYBRID}
