@@ -86,6 +86,11 @@ class Settings(BaseSettings):
             self.database_url = f"sqlite:///{self.home / 'specfleet.db'}"
         if self.models_dir is None:
             self.models_dir = self.home / "models"
+        if self.shared_fleet and not self.database_url.startswith("postgresql"):
+            raise ValueError(
+                "shared_fleet needs PostgreSQL: coordinators share a fleet through its "
+                "advisory locks (SPECFLEET_DATABASE_URL=postgresql://...)"
+            )
         if self.environment == "production" and len(self.secret_key) < 16:
             raise ValueError("SPECFLEET_SECRET_KEY must be set (16+ characters) in production")
         return self

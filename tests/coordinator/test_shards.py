@@ -74,3 +74,12 @@ def test_sqlite_cannot_share_a_fleet(sqlite_url: str) -> None:
 
     with pytest.raises(ShardsUnavailable, match="PostgreSQL advisory locks"):
         ShardLeases(sqlite_url, on_gained=nothing, on_released=nothing)
+
+
+def test_settings_refuse_a_shared_fleet_without_postgresql(sqlite_url: str) -> None:
+    from pydantic import ValidationError
+
+    from coordinator.settings import Settings
+
+    with pytest.raises(ValidationError, match="shared_fleet needs PostgreSQL"):
+        Settings(shared_fleet=True, database_url=sqlite_url)
