@@ -164,6 +164,7 @@ class Coordinator:
                 on_released=self._hand_back_shards,
             )
             self.verifier_handlers[m.RoundDone] = self._on_round_done
+            self.verifiers.shared = True
             self.background.append(self._run_shards)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:

@@ -81,6 +81,8 @@ class VerifierPool:
         self._lease_acks: dict[str, asyncio.Future[m.LeaseAck]] = {}  # lease id -> its answer
         # Called with the id of a verifier declared dead, after its requests were moved.
         self.lost_observers: list[Callable[[str], None]] = []
+        # Coordinators sharing a fleet see each other's results: unknown ones are not news.
+        self.shared = False
 
     # --- what verifiers tell us ---------------------------------------------------------------
 
@@ -109,7 +111,12 @@ class VerifierPool:
             return
         pending = info.in_flight.pop(result.request_id, None) if info else None
         if pending is None:
-            log.info("late result %s from %s (already resent)", result.request_id, verifier_id)
+            log.log(
+                logging.DEBUG if self.shared else logging.INFO,
+                "late result %s from %s (already resent, or another coordinator's)",
+                result.request_id,
+                verifier_id,
+            )
             return
         if info is not None:
             info.last_heartbeat = time.monotonic()  # a result proves it is alive
