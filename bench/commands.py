@@ -36,6 +36,11 @@ BENCHMARKS = (
         "thousands of MQTT agents and a replay verifier against the control plane (a load "
         "tool: no model, recorded answers)",
     ),
+    (
+        "draft-boundary",
+        "bench.draft_boundary",
+        "a drafting round's cost with the draft in a child process against in-process",
+    ),
 )
 
 

@@ -178,6 +178,10 @@ EXAMPLES: dict[str, str] = {
     "specfleet bench fleet": """
         specfleet bench fleet --agents 2000 --sessions 200 --json
     """,
+    "specfleet bench draft-boundary": """
+        specfleet bench draft-boundary --json
+        specfleet bench draft-boundary --drafts draft-l1,draft-l1-tflite --k 2 --rounds 500
+    """,
     "specfleet verifier": """
         specfleet verifier --broker-url mqtt://127.0.0.1:1883 --database-url sqlite:///fleet.db
         specfleet verifier --id verifier-1 --precision q4 --max-batch 16
