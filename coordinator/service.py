@@ -274,8 +274,9 @@ class Coordinator:
     async def _dispatch_device(
         self, device_id: str, channel: DeviceChannel, payload: bytes
     ) -> None:
-        if self.shards is not None and not self.shards.owns(device_id):
-            return  # another coordinator's device
+        shared_out = self.shards is not None and not self.shards.owns(device_id)
+        if shared_out and channel is not DeviceChannel.ACK:
+            return  # another coordinator's device; acks answer whoever sent the command
         try:
             message = m.decode(payload)
             if not isinstance(message, EXPECTED_ON_DEVICE_CHANNEL[channel]):

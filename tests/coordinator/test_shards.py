@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+from coordinator_rig import raw_device, rig_settings, running_coordinator
 
+from broker.topics import DeviceChannel
 from coordinator.shards import N_SHARDS, ShardLeases, ShardsUnavailable, shard_of
 
 
@@ -83,3 +87,54 @@ def test_settings_refuse_a_shared_fleet_without_postgresql(sqlite_url: str) -> N
 
     with pytest.raises(ValidationError, match="shared_fleet needs PostgreSQL"):
         Settings(shared_fleet=True, database_url=sqlite_url)
+
+
+async def _command_from_the_other_coordinator(url: str, tmp_path: Path) -> dict[str, Any]:
+    """Two sharing coordinators; the one that does not own the device sends it a command (as
+    its API's start or cancel does) and must still get the device's ack."""
+    from broker import messages as m
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    half = N_SHARDS // 2
+    with PrivateMosquitto() as broker:
+        shared = [
+            rig_settings(tmp_path / name, engine, broker.url).model_copy(
+                update={"shared_fleet": True}
+            )
+            for name in ("first", "second")
+        ]
+        async with (
+            running_coordinator(shared[0], engine) as first,
+            running_coordinator(shared[1], engine) as second,
+        ):
+            assert first.shards is not None and second.shards is not None
+            async with asyncio.timeout(30):  # their own lock loops share the shards out
+                while (len(first.shards.held), len(second.shards.held)) != (half, half):
+                    await asyncio.sleep(0.2)
+            device_id = next(f"pi-{i}" for i in range(99) if first.shards.owns(f"pi-{i}"))
+            async with raw_device(broker.url, device_id) as device:
+                sent = asyncio.create_task(
+                    second.fleet.send_command(device_id, m.CommandName.PING, timeout_s=10)
+                )
+                async with asyncio.timeout(10):
+                    command = None
+                    while not isinstance(command, m.Command):
+                        command = m.decode((await anext(device._messages)).payload)
+                ack = m.CommandAck(command_id=command.command_id, device_id=device_id, ok=True)
+                await device.send(DeviceChannel.ACK, ack)
+                answered = await sent
+                return {
+                    "ack": answered.command_id == command.command_id,
+                    "owned_by_second": second.shards.owns(device_id),
+                }
+
+
+def test_a_command_from_a_coordinator_that_does_not_own_the_device_is_acked(
+    create_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    found = asyncio.run(_command_from_the_other_coordinator(create_pg_database(), tmp_path))
+    assert found == {"ack": True, "owned_by_second": False}
