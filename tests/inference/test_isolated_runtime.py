@@ -159,3 +159,40 @@ def test_a_draft_that_cannot_load_is_a_start_loss(models_dir: Path) -> None:
         runtime.wait_ready(60.0)
     assert lost.value.kind == "start"
     assert len(losses) == 1 and not runtime.up
+
+
+MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A cgroup v1 memory group of our own (root, as on this host), removed afterwards."""
+    group = MEMORY_CGROUPS / f"specfleet-test-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"no writable cgroup v1 memory controller here: {exc}")
+    yield group
+    for pid in (group / "cgroup.procs").read_text().split():  # a survivor goes back to the root
+        (MEMORY_CGROUPS / "cgroup.procs").write_text(pid)
+    group.rmdir()
+
+
+def test_an_out_of_memory_kill_is_a_crash_like_any_other(
+    isolated: IsolatedRuntime, memory_cgroup: Path
+) -> None:
+    # What the child allocates from now on may not pass 40 MB; one pass over 2,048 positions
+    # needs far more (attention scores, logits), so the kernel's OOM killer ends the child.
+    (memory_cgroup / "memory.limit_in_bytes").write_text(str(40 * 2**20))
+    assert isolated.pid is not None
+    (memory_cgroup / "cgroup.procs").write_text(str(isolated.pid))
+    losses: list[RuntimeLost] = []
+    isolated.on_lost = losses.append
+    with pytest.raises(RuntimeLost, match="SIGKILL") as lost:
+        isolated.forward([7] * 2048, isolated.new_cache())
+    assert lost.value.kind == "crash" and "out-of-memory" in lost.value.reason
+    oom = dict(
+        line.split() for line in (memory_cgroup / "memory.oom_control").read_text().splitlines()
+    )
+    assert int(oom["oom_kill"]) >= 1  # the kernel's OOM killer did it, not someone else
+    assert len(losses) == 1
