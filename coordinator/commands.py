@@ -898,7 +898,7 @@ def _broker_write_config(args: argparse.Namespace) -> int:
 
 
 def _register_up(subparsers: Subparsers) -> None:
-    help_text = "run the broker (embedded unless --broker), the coordinator and the HTTP API"
+    help_text = "run the broker (one of its own unless --broker), the coordinator and the HTTP API"
     parser = subparsers.add_parser("up", help=help_text, description=help_text)
     _add_database_url(parser)
     parser.add_argument(
@@ -907,7 +907,17 @@ def _register_up(subparsers: Subparsers) -> None:
         help="use this MQTT broker instead of starting the embedded one (mqtt:// or mqtts://)",
     )
     parser.add_argument(
-        "--mqtt-port", type=int, default=None, help="port of the embedded broker (default 1884)"
+        "--mqtt-port",
+        type=int,
+        default=None,
+        help="the devices' port on the broker up starts (default 1884)",
+    )
+    parser.add_argument(
+        "--local-broker",
+        choices=("auto", "mosquitto", "amqtt"),
+        default="auto",
+        help="without --broker: Mosquitto with the production config where it is installed "
+        "(auto, the default), or the pure-Python amqtt",
     )
     parser.add_argument("--http-port", type=int, default=None, help="port of the HTTP API")
     parser.add_argument(
@@ -960,7 +970,7 @@ def _up(args: argparse.Namespace) -> int:
     _quiet_alembic(keep_migration_steps=False)
     embedded_port = None if args.broker else (args.mqtt_port or DEFAULT_PORT)
     try:
-        asyncio.run(run_up(settings, embedded_port=embedded_port))
+        asyncio.run(run_up(settings, embedded_port=embedded_port, local_broker=args.local_broker))
     except OSError as exc:
         raise CommandError(f"cannot start: {exc}") from exc
     return 0

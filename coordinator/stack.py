@@ -8,9 +8,10 @@ import fcntl
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
@@ -27,6 +28,7 @@ from coordinator.provisioning import BrokerReload, BrokerSync
 from coordinator.registry import DeviceRegistry
 from coordinator.service import Coordinator, configured_target
 from coordinator.settings import Settings
+from coordinator.stack_broker import StackMosquitto, mosquitto_binary
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ VERIFIER_USER = ServiceRole.VERIFIER.value
 # Libraries that narrate their internals at INFO; an operator wants our lines only.
 NOISY_LOGGERS = ("alembic", "amqtt", "transitions")
 
+# Which broker `up` runs for itself: Mosquitto where installed ("auto"), or the one named.
+LocalBrokerChoice = Literal["auto", "mosquitto", "amqtt"]
 # Devices provisioned while the stack runs can connect within this many seconds.
 PASSWORD_REFRESH_S = 2.0
 
@@ -144,15 +148,19 @@ def verifier_credential_file(home: Path) -> Path:
     return home / "broker" / f"{VERIFIER_USER}.credential"
 
 
+def write_verifier_credential(home: Path, secret: str) -> None:
+    path = verifier_credential_file(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_text(secret + "\n")
+    tmp.replace(path)
+
+
 def quickstart_broker(settings: Settings, port: int, registry: DeviceRegistry) -> QuickstartBroker:
     credentials = {COORDINATOR_USER: new_credential(), VERIFIER_USER: new_credential()}
     password_file = settings.home / "broker" / "passwords"
-    secret = verifier_credential_file(settings.home)
-    secret.parent.mkdir(parents=True, exist_ok=True)
-    tmp = secret.with_suffix(".tmp")
-    tmp.touch(mode=0o600)
-    tmp.write_text(credentials[VERIFIER_USER] + "\n")
-    tmp.replace(secret)
+    write_verifier_credential(settings.home, credentials[VERIFIER_USER])
     broker = EmbeddedBroker(
         port=port,
         password_file=password_file,
@@ -202,13 +210,26 @@ async def http_api(
         yield server
     finally:
         server.should_exit = True
-        await task
+        if not _interrupted(task):
+            await task
+
+
+def _interrupted(task: asyncio.Task[None]) -> bool:
+    """Whether `task` ended in Ctrl-C or SIGTERM (uvicorn re-raises the signal it caught when
+    it stops). asyncio raised that out of the loop already, which is how the stack is stopping;
+    awaiting the task would raise it again, inside the task being cancelled."""
+    return task.done() and not task.cancelled() and isinstance(task.exception(), KeyboardInterrupt)
 
 
 async def run_up(
-    settings: Settings, *, embedded_port: int | None, ready: asyncio.Event | None = None
+    settings: Settings,
+    *,
+    embedded_port: int | None,
+    ready: asyncio.Event | None = None,
+    local_broker: LocalBrokerChoice = "auto",
 ) -> None:
-    """Serve until cancelled. `embedded_port` None means: use settings.broker_url as it is."""
+    """Serve until cancelled. `embedded_port` None means: use settings.broker_url as it is;
+    otherwise start a broker of our own there (Mosquitto where installed, else amqtt)."""
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if embedded_port is not None:
@@ -218,39 +239,112 @@ async def run_up(
     # share one (scale-out).
     embedded = embedded_port is not None
     with home_lock(settings.home, "up") if embedded else contextlib.nullcontext():
-        await _run_up(settings, embedded_port, ready)
+        await _run_up(settings, embedded_port, ready, local_broker)
+
+
+@dataclass
+class OwnBroker:
+    """The broker an `up` runs for itself, whichever it is, and how the stack uses it."""
+
+    settings: Settings  # the coordinator's, pointed at this broker with a service account
+    device_url: str  # where devices connect (Mosquitto: not the services' listener)
+    description: str
+    revoke: BrokerRevoke
+    refresh_forever: Callable[[], Coroutine[Any, Any, None]]
+    stop: Callable[[], Coroutine[Any, Any, None]]
+
+
+async def start_own_broker(
+    settings: Settings, port: int, registry: DeviceRegistry, choice: LocalBrokerChoice
+) -> OwnBroker:
+    binary = None if choice == "amqtt" else mosquitto_binary()
+    if choice == "mosquitto" and binary is None:
+        raise StackError("--local-broker mosquitto: no mosquitto here (Debian package: mosquitto)")
+    if binary is None:
+        return await _own_amqtt(settings, port, registry, choice)
+    mosquitto = StackMosquitto(binary, settings.home / "broker" / "mosquitto", port)
+    await asyncio.to_thread(mosquitto.start, registry)
+    write_verifier_credential(settings.home, mosquitto.credentials[VERIFIER_USER])
+
+    async def revoke(device_id: str) -> str:
+        await asyncio.to_thread(mosquitto.refresh, registry)
+        return "removed from Mosquitto's password file; reloaded, which disconnects it"
+
+    async def refresh_forever() -> None:
+        while True:
+            await asyncio.sleep(PASSWORD_REFRESH_S)
+            await asyncio.to_thread(mosquitto.refresh, registry)
+
+    async def stop() -> None:
+        # Inline, not in a thread: this runs while the loop winds down (Ctrl-C, SIGTERM), and
+        # stopping Mosquitto takes milliseconds.
+        mosquitto.stop()
+
+    return OwnBroker(
+        settings.model_copy(
+            update={
+                "broker_url": mosquitto.service_url,
+                "broker_username": COORDINATOR_USER,
+                "broker_password": mosquitto.credentials[COORDINATOR_USER],
+                "mqtt_protocol": "auto",
+            }
+        ),
+        mosquitto.url,
+        f"(Mosquitto, MQTT 5, the production config; services on {mosquitto.service_url}; "
+        f"log {mosquitto.log_path})",
+        revoke,
+        refresh_forever,
+        stop,
+    )
+
+
+async def _own_amqtt(
+    settings: Settings, port: int, registry: DeviceRegistry, choice: LocalBrokerChoice
+) -> OwnBroker:
+    quick = quickstart_broker(settings, port, registry)
+    await quick.broker.start()
+    revoke = broker_revoke(settings, registry, quick)
+    assert revoke is not None
+    why = "as asked" if choice == "amqtt" else "no mosquitto installed"
+    return OwnBroker(
+        settings.model_copy(
+            update={
+                "broker_url": quick.broker.url,
+                "broker_username": COORDINATOR_USER,
+                "broker_password": quick.credentials[COORDINATOR_USER],
+                "mqtt_protocol": "3.1.1",
+            }
+        ),
+        quick.broker.url,
+        f"(embedded amqtt, MQTT 3.1.1, {why}: for trials; production runs Mosquitto)",
+        revoke,
+        lambda: _refresh_forever(quick, registry),
+        quick.broker.stop,
+    )
 
 
 async def _run_up(
-    settings: Settings, embedded_port: int | None, ready: asyncio.Event | None
+    settings: Settings,
+    embedded_port: int | None,
+    ready: asyncio.Event | None,
+    local_broker: LocalBrokerChoice,
 ) -> None:
     engine = prepare_database(settings)
     registry = DeviceRegistry(make_sessionmaker(engine))
-    quick: QuickstartBroker | None = None
+    own: OwnBroker | None = None
     try:
         if embedded_port is not None:
-            quick = quickstart_broker(settings, embedded_port, registry)
-            await quick.broker.start()
-            settings = settings.model_copy(
-                update={
-                    "broker_url": quick.broker.url,
-                    "broker_username": COORDINATOR_USER,
-                    "broker_password": quick.credentials[COORDINATOR_USER],
-                    "mqtt_protocol": "3.1.1",
-                }
-            )
-            print(
-                f"broker       {quick.broker.url}  (embedded amqtt, MQTT 3.1.1: for trials; "
-                "production runs Mosquitto and passes --broker)",
-                flush=True,
-            )
+            own = await start_own_broker(settings, embedded_port, registry, local_broker)
+            settings = own.settings
+            print(f"broker       {own.device_url}  {own.description}", flush=True)
         else:
             print(f"broker       {settings.broker_url}  (external)", flush=True)
         database_url = engine.url.render_as_string(hide_password=True)
         print(f"database     {database_url}", flush=True)
         coordinator = Coordinator(settings, engine, target=configured_target(settings))
         app = create_app(settings, engine)
-        attach_service(app, coordinator, broker_revoke(settings, registry, quick))
+        revoke = own.revoke if own is not None else broker_revoke(settings, registry, None)
+        attach_service(app, coordinator, revoke)
         async with http_api(
             app,
             settings.http_host,
@@ -263,23 +357,26 @@ async def _run_up(
                 f"http api     {scheme}://{settings.http_host}:{settings.http_port}/api/v1",
                 flush=True,
             )
-            if quick is not None:
-                coordinator.background.append(lambda: _refresh_forever(quick, registry))
+            if own is not None:
+                coordinator.background.append(own.refresh_forever)
             task = asyncio.create_task(coordinator.run(), name="coordinator")
             await coordinator.connected.wait()
             print(f"coordinator  connected as {coordinator.client_id}", flush=True)
-            steps = next_steps(settings, database_url, embedded=quick is not None)
+            device_url = own.device_url if own is not None else settings.broker_url
+            steps = next_steps(settings, database_url, device_url, embedded=own is not None)
             print("\n".join(steps), flush=True)
             if ready is not None:
                 ready.set()
             await task
     finally:
-        if quick is not None:
-            await quick.broker.stop()
+        if own is not None:
+            await own.stop()
         engine.dispose()
 
 
-def next_steps(settings: Settings, database_url: str, *, embedded: bool) -> list[str]:
+def next_steps(
+    settings: Settings, database_url: str, device_url: str, *, embedded: bool
+) -> list[str]:
     """The banner's closing lines: the dashboard, and the commands that add an admin, a
     verifier and a device to this stack (run with the same SPECFLEET_HOME)."""
     scheme = "https" if settings.http_ssl_certfile else "http"
@@ -300,7 +397,7 @@ def next_steps(settings: Settings, database_url: str, *, embedded: bool) -> list
         f"  an admin     specfleet admin create alice{db}",
         f"  a verifier   specfleet verifier --broker-url {broker} {verifier_auth}{db}",
         f"  a device     specfleet devices provision pi-1 --kind pi "
-        f"--device-broker-url {broker}{db}",
+        f"--device-broker-url {device_url}{db}",
         # The bundle's config names its files relative to the bundle.
         f"               cd {bundle} && specfleet-agent run --config agent.toml",
         "",

@@ -42,11 +42,21 @@ def _argv(command_line: str) -> list[str]:
     return [sys.executable, "-m", MODULES[program], *args]
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[list[str], dict[str, str]]]:
+@pytest.fixture(params=["mosquitto", "amqtt"])
+def stack(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[list[str], dict[str, str]]]:
     env = _env(tmp_path)
     process = subprocess.Popen(
-        [*_argv("specfleet up"), "--mqtt-port", str(free_port()), "--http-port", str(free_port())],
+        [
+            *_argv("specfleet up"),
+            "--mqtt-port",
+            str(free_port()),
+            "--http-port",
+            str(free_port()),
+            "--local-broker",
+            request.param,
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -88,7 +98,13 @@ def test_the_banner_names_the_dashboard_and_commands_that_work(
     banner, env = stack
     text = "\n".join(banner)
     assert banner[0].startswith("broker       mqtt://127.0.0.1:")
-    assert "(embedded amqtt, MQTT 3.1.1: for trials; production runs Mosquitto" in banner[0]
+    assert any(
+        kind in banner[0]
+        for kind in (
+            "(Mosquitto, MQTT 5, the production config; services on mqtt://127.0.0.1:",
+            "(embedded amqtt, MQTT 3.1.1, as asked: for trials; production runs Mosquitto)",
+        )
+    ), banner[0]
     (dashboard,) = [line.split()[1] for line in banner if line.startswith("dashboard ")]
     assert dashboard.startswith("http://127.0.0.1:") and dashboard.endswith("/")
     with urllib.request.urlopen(dashboard, timeout=10) as page:  # redirected to the login page
