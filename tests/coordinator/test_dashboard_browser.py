@@ -308,6 +308,24 @@ def test_charts_models_and_events_pages(page: Page, dashboard: Dashboard) -> Non
     expect(page.locator("#chart-rtt svg rect.bar")).to_have_count(11)
     expect(page.locator("#chart-legs svg rect.bar")).to_have_count(5)
     expect(page.locator("#chart-verifiers")).to_contain_text("No coordinator service attached")
+    for chart in ("acceptance", "rtt", "legs"):
+        ticks = page.locator(f"#chart-{chart} svg text.tick").all_text_contents()
+        assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), (chart, ticks)  # 0,0,1,1 was
+    counts = page.locator("#chart-rtt svg text.tick").all_text_contents()
+    assert all(tick.isdigit() for tick in counts), counts  # rounds are counted whole
+    expect(page.locator("#chart-rtt svg text.axis-title")).to_have_text(
+        ["rounds", "round trip, ms"]
+    )
+    expect(page.locator("#chart-legs svg text.axis-title")).to_have_text(["ms"])
+    # Each series here is one bucket, so one point: drawn large, inside the plot, off its edges.
+    lone = page.locator("#chart-acceptance svg circle.point")
+    expect(lone).to_have_count(3)
+    plot_right = float(
+        page.eval_on_selector("#chart-acceptance svg", "n => n.viewBox.baseVal.width")
+    )
+    for index in range(3):
+        assert lone.nth(index).get_attribute("r") == "4.5"
+        assert 60 < float(lone.nth(index).get_attribute("cx") or 0) < plot_right - 20
     screenshot(page, "charts")
 
     page.goto(dashboard.url + "/models")

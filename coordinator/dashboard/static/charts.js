@@ -5,7 +5,7 @@
   const { api, el, toast } = SF;
   const NS = "http://www.w3.org/2000/svg";
   const COLORS = ["#1f6feb", "#10b981", "#f59e0b", "#8b5cf6", "#ef4444", "#0ea5e9", "#64748b", "#d946ef"];
-  const H = 240, PAD = { left: 44, right: 12, top: 10, bottom: 28 };
+  const H = 240, PAD = { left: 52, right: 12, top: 18, bottom: 28 };
   const VERIFIER_POINTS = 150; // 5 minutes of samples at one every 2 s
   const verifierHistory = new Map(); // verifier id -> [{t, y}]
 
@@ -35,40 +35,48 @@
     container.replaceChildren(root);
   }
 
-  // A round axis maximum: 1, 2 or 5 times a power of ten, at or above `value`.
-  function niceMax(value) {
-    if (value <= 0) return 1;
-    const power = 10 ** Math.floor(Math.log10(value));
-    for (const step of [1, 2, 2.5, 5, 10]) if (step * power >= value) return step * power;
-    return 10 * power;
+  // The y axis for values up to `value`: a step of 1, 2 or 5 times a power of ten giving at most
+  // 5 gridlines (whole steps only where the values are counts), and labels with as many
+  // decimals as the step needs, so no two gridlines read the same.
+  function yScale(value, { integer = false } = {}) {
+    const target = Math.max(value, integer ? 1 : 1e-9) / 5;
+    let power = 10 ** Math.floor(Math.log10(target));
+    if (integer) power = Math.max(1, power);
+    let step = power;
+    for (const m of [1, 2, 5, 10]) if (m * power >= target) { step = m * power; break; }
+    const top = Math.max(step, Math.ceil(value / step - 1e-9) * step);
+    const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+    return { top, step, label: (v) => v.toFixed(decimals) };
   }
 
-  function yAxis(root, W, yMax, format) {
+  function yAxis(root, W, scale, title) {
     const plotH = H - PAD.top - PAD.bottom;
-    // Steps of 0.5, 1 or 2 (times a power of ten) between gridlines, whatever the maximum.
-    const mantissa = Math.round(yMax / 10 ** Math.floor(Math.log10(yMax)) * 10) / 10;
-    const ticks = mantissa === 2 ? 4 : 5;
+    const ticks = Math.round(scale.top / scale.step);
     for (let i = 0; i <= ticks; i += 1) {
-      const value = (yMax * i) / ticks;
+      const value = scale.step * i;
       const y = PAD.top + plotH - (plotH * i) / ticks;
       root.append(svg("line", { x1: PAD.left, x2: W - PAD.right, y1: y, y2: y, class: i ? "grid" : "axis" }));
-      root.append(svg("text", { x: PAD.left - 6, y: y + 4, "text-anchor": "end" }, format(value)));
+      root.append(svg("text", { x: PAD.left - 6, y: y + 4, "text-anchor": "end", class: "tick" }, scale.label(value)));
     }
+    if (title) root.append(svg("text", { x: 4, y: 10, class: "axis-title" }, title));
   }
 
-  // series: [{label, color, points: [{t: ms since epoch, y}]}]
-  function lineChart(container, series, { yMax, format, emptyText }) {
+  // series: [{label, color, points: [{t: ms since epoch, y}]}]; `span` is the time one point
+  // stands for (a bucket): half of it pads each end, so no point sits on the axis and a lone
+  // point sits mid-chart.
+  function lineChart(container, series, { yMax, integer, format, emptyText, title, span = 60000 }) {
     const points = series.flatMap((s) => s.points);
     if (!points.length) { empty(container, emptyText); return; }
-    const tMin = Math.min(...points.map((p) => p.t));
-    const tMax = Math.max(...points.map((p) => p.t), tMin + 1);
-    const top = yMax ?? niceMax(Math.max(1, ...points.map((p) => p.y)));
+    const tMin = Math.min(...points.map((p) => p.t)) - span / 2;
+    const tMax = Math.max(...points.map((p) => p.t)) + span / 2;
+    const scale = yScale(yMax ?? Math.max(...points.map((p) => p.y)), { integer });
+    const top = scale.top;
     const W = width(container);
     const plotW = W - PAD.left - PAD.right, plotH = H - PAD.top - PAD.bottom;
     const x = (t) => PAD.left + (plotW * (t - tMin)) / (tMax - tMin);
     const y = (v) => PAD.top + plotH - (plotH * v) / top;
     const root = frame(W);
-    yAxis(root, W, top, format);
+    yAxis(root, W, scale, title);
     for (const fraction of [0, 0.5, 1]) {
       const t = tMin + fraction * (tMax - tMin);
       root.append(svg("text", { x: x(t), y: H - 8, "text-anchor": fraction === 0 ? "start" : fraction === 1 ? "end" : "middle" },
@@ -78,8 +86,10 @@
       if (!s.points.length) continue;
       const path = s.points.map((p, i) => `${i ? "L" : "M"}${x(p.t).toFixed(1)},${y(p.y).toFixed(1)}`).join("");
       root.append(svg("path", { d: path, fill: "none", stroke: s.color, "stroke-width": 2, "vector-effect": "non-scaling-stroke" }));
+      // Markers where there are few points; a lone point gets a larger one (it has no line).
+      const radius = s.points.length === 1 ? 4.5 : 2.5;
       for (const p of s.points.length <= 60 ? s.points : []) {
-        root.append(svg("circle", { cx: x(p.t), cy: y(p.y), r: 2.5, fill: s.color },
+        root.append(svg("circle", { cx: x(p.t), cy: y(p.y), r: radius, fill: s.color, class: "point" },
           svg("title", {}, `${s.label}: ${format(p.y)} at ${new Date(p.t).toLocaleTimeString()}`)));
       }
     }
@@ -87,14 +97,15 @@
   }
 
   // bars: [{label, value, extra?}] where extra (drawn lighter, behind) is e.g. a p95.
-  function barChart(container, bars, { format, emptyText }) {
+  function barChart(container, bars, { format, integer, emptyText, title, unit = "" }) {
     if (!bars.some((b) => b.value || b.extra)) { empty(container, emptyText); return; }
-    const top = niceMax(Math.max(...bars.map((b) => Math.max(b.value || 0, b.extra || 0))));
+    const scale = yScale(Math.max(...bars.map((b) => Math.max(b.value || 0, b.extra || 0))), { integer });
+    const top = scale.top;
     const W = width(container);
     const plotW = W - PAD.left - PAD.right, plotH = H - PAD.top - PAD.bottom;
     const slot = plotW / bars.length;
     const root = frame(W);
-    yAxis(root, W, top, format);
+    yAxis(root, W, scale, title);
     bars.forEach((b, i) => {
       const x0 = PAD.left + i * slot + slot * 0.15;
       const width = slot * 0.7;
@@ -106,8 +117,9 @@
       const h = (plotH * (b.value || 0)) / top;
       root.append(svg("rect", { x: x0, y: PAD.top + plotH - h, width, height: h, class: "bar", rx: 2 },
         svg("title", {}, `${b.label}: ${format(b.value || 0)}`)));
-      root.append(svg("text", { x: x0 + width / 2, y: H - 8, "text-anchor": "middle" }, b.label));
+      root.append(svg("text", { x: x0 + width / 2, y: H - 8, "text-anchor": "middle", class: "bar-label" }, b.label));
     });
+    if (unit) root.append(svg("text", { x: W - PAD.right, y: 10, "text-anchor": "end", class: "axis-title" }, unit));
     container.replaceChildren(root);
   }
 
@@ -130,8 +142,10 @@
         color: COLORS[i % COLORS.length],
         points: s.points.map((p) => ({ t: new Date(p.start).getTime(), y: p.alpha })),
       }));
+      const bucketMs = 1000 * Math.max(10, Math.round(window_s / 60));
       lineChart(document.getElementById("chart-acceptance"), series,
-        { yMax: 1, format: (v) => v.toFixed(2), emptyText: "No drafted rounds in this window" });
+        { yMax: 1, format: (v) => v.toFixed(2), emptyText: "No drafted rounds in this window",
+          title: "α", span: bucketMs });
       legend(document.getElementById("legend-acceptance"), series);
 
       const edges = latency.rtt_ms.edges;
@@ -140,11 +154,13 @@
         value: count,
       }));
       barChart(document.getElementById("chart-rtt"), rttBars,
-        { format: (v) => v.toFixed(0), emptyText: "No measured round trips in this window" });
+        { format: (v) => `${v.toFixed(0)} rounds`, integer: true, title: "rounds",
+          unit: "round trip, ms", emptyText: "No measured round trips in this window" });
 
       const legBars = latency.legs.map((l) => ({ label: l.leg, value: l.p50_ms, extra: l.p95_ms }));
       barChart(document.getElementById("chart-legs"), legBars,
-        { format: (v) => (v >= 100 ? v.toFixed(0) : v.toFixed(1)), emptyText: "No timed rounds in this window" });
+        { format: (v) => `${v >= 100 ? v.toFixed(0) : v.toFixed(1)} ms`, title: "ms",
+          emptyText: "No timed rounds in this window" });
     } catch (error) {
       if (error.status !== 401) toast(error.message, true);
     }
@@ -167,7 +183,8 @@
       const series = [...verifierHistory.entries()].map(([id, points], i) => ({
         label: id, color: COLORS[i % COLORS.length], points,
       }));
-      lineChart(container, series, { format: (v) => v.toFixed(0), emptyText: "No verifier has reported yet" });
+      lineChart(container, series, { format: (v) => v.toFixed(0), integer: true, title: "queued",
+        span: 10000, emptyText: "No verifier has reported yet" });
       legend(document.getElementById("legend-verifiers"), series);
     } catch (error) {
       if (error.status !== 401) toast(error.message, true);
