@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import numpy as np
 from verifier_helpers import (
     REPO_ROOT,
     BusListener,
@@ -20,6 +21,7 @@ from verifier_helpers import (
     greedy_reference,
     make_request,
     prompt_ids,
+    target_pair,
 )
 
 from broker.client import BrokerAddress, ConnectOptions, connect
@@ -28,6 +30,7 @@ from broker.messages import DeviceState, VerifierStatus, VerifyRequest, decode_a
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import VerifierChannel, verifier_topic
 from inference.artifacts import default_models_dir
+from inference.features import features_from_wire
 from inference.target_build import load_target_identity
 from verifier.child import ChildConfig
 from verifier.worker import VerifierWorker, WorkerConfig
@@ -367,3 +370,34 @@ def test_heartbeat_carries_load_retained_and_the_will_fires_on_sigkill(
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_results_carry_features_only_where_asked(mosquitto: PrivateMosquitto) -> None:
+    """The coordinator's path: a request that asks gets, on its result, the target's hidden
+    state at the position that chose its next token (a target-alone pass's, within fp16); one
+    that does not ask gets no feature byte."""
+    runtime, _ = target_pair()
+    cases = [(0, 0, None), (1, 3, 0), (2, 5, 2)]
+
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        requests = [
+            greedy_case(f"feat-{i}", *case).model_copy(update={"want_features": i != 1 or None})
+            for i, case in enumerate(cases)
+        ]
+        for request in requests:
+            await publish(worker, listener, encode(request))
+        for request, case in zip(requests, cases, strict=True):
+            result = await listener.result(request.request_id)
+            assert not result.error and (result.n_accepted, result.next_token) == expected(*case)
+            if not request.want_features:
+                assert result.features is None
+                continue
+            assert result.features is not None
+            accepted = list(request.tokens[: result.n_accepted])
+            sequence = [*request.context_ids, *accepted]
+            ((_, hidden),) = runtime.forward_batch_hidden([(sequence, runtime.new_cache())])
+            np.testing.assert_allclose(
+                features_from_wire(result.features), hidden[-1], rtol=2e-3, atol=2e-3
+            )
+
+    run_with_worker(mosquitto, body)
