@@ -217,3 +217,28 @@ def test_build_ngram_for_a_named_target(tiny_models: Path) -> None:
     info = json.loads((tiny_models / "tiny-llama-4gram.json").read_text())
     assert info["target"] == "tiny-llama" and info["contexts"] > 0
     assert info["vocab_sha256"] == load_manifest(tiny_models / "tiny-llama").vocab_sha256
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        # Llama 3 groups digits by three and keeps a newline run apart from the spaces after it.
+        ("llama3", ["I", "'ve", "Ġ", "123", "45", "Ġitems", "ĊĊ", "Ġ", "Ġok"]),
+        ("llama-bpe", ["I", "'ve", "Ġ", "123", "45", "Ġitems", "ĊĊ", "Ġ", "Ġok"]),
+        ("qwen2", ["I", "'ve", "Ġ", "1", "2", "3", "4", "5", "Ġitems", "ĊĊ", "Ġ", "Ġok"]),
+        ("gpt2", ["I", "'ve", "Ġ12345", "Ġitems", "ĊĊĠ", "Ġok"]),
+        ("smollm", ["I", "'ve", "Ġ", "1", "2", "3", "4", "5", "Ġitems", "ĊĊĠ", "Ġok"]),
+    ],
+)
+def test_pre_tokenizer_follows_the_gguf_pre_field(pre: str, pieces: list[str]) -> None:
+    from inference.tokenizer import _pre_tokenizer
+
+    split = _pre_tokenizer(pre).pre_tokenize_str("I've 12345 items\n\n  ok")
+    assert [piece for piece, _ in split] == pieces
+
+
+def test_an_unknown_pre_tokenizer_is_refused_by_name() -> None:
+    from inference.tokenizer import _pre_tokenizer
+
+    with pytest.raises(TokenizerError, match="pre-tokenizer 'deepseek-llm' is not supported"):
+        _pre_tokenizer("deepseek-llm")
