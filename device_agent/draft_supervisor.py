@@ -93,12 +93,16 @@ class DraftSupervisor:
     def runtime(self, name: str) -> IsolatedRuntime:
         """The runtime of draft `name`, its child started on first use (not waited for)."""
         with self._lock:
-            child = self._children.get(name)
-            if child is None:
-                child = self._children[name] = _Child(IsolatedRuntime(self._spec(name)))
-                child.runtime.on_lost = lambda lost, n=name: self._lost(n, lost)
-                self._start(name, child)
-            return child.runtime
+            return self._child(name).runtime
+
+    def _child(self, name: str) -> _Child:
+        """The draft's child, created and started on first use; called with the lock held."""
+        child = self._children.get(name)
+        if child is None:
+            child = self._children[name] = _Child(IsolatedRuntime(self._spec(name)))
+            child.runtime.on_lost = lambda lost, n=name: self._lost(n, lost)
+            self._start(name, child)
+        return child
 
     def _spec(self, name: str) -> DraftChildSpec:
         from inference.drafts import list_drafts
@@ -127,8 +131,12 @@ class DraftSupervisor:
         """Whether draft `name` can draft now; starts a child that is due for a restart, and
         takes the ready message of one that is starting. Never blocks."""
         with self._lock:
-            child = self._children.get(name)
-            if child is None or child.quarantine is not None:
+            try:
+                # A draft forgotten after an OTA change gets a child with its new files.
+                child = self._child(name)
+            except ValueError:  # its files are gone
+                return False
+            if child.quarantine is not None:
                 return False
             if not child.runtime.up and not child.runtime.starting:
                 if self.clock() < child.next_start:

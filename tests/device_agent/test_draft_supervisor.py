@@ -187,6 +187,35 @@ def test_a_supervised_drafter_drafts_as_in_process_and_falls_back_through_a_loss
     assert proposer.fallback_rounds >= 1
 
 
+def test_a_forgotten_draft_gets_a_new_child_and_its_sessions_draft_on(
+    supervisor: DraftSupervisor, models_dir: Path, tokenizer: ChatTokenizer
+) -> None:
+    assert supervisor.wait_first_load(DRAFT)
+    old_pid = supervisor.runtime(DRAFT).pid
+    proposer = SupervisedProposer(
+        DRAFT,
+        lambda: make_proposer(DRAFT, models_dir, load_runtime=supervisor.runtime),
+        make_proposer(HYBRID, models_dir),
+        lambda: supervisor.available(DRAFT),
+    )
+    in_process = make_proposer(DRAFT, models_dir, threads=1)
+    context = tokenizer.apply_chat_template("Name three rivers in Europe.")
+    assert rounds(proposer, list(context), 2) == rounds(in_process, list(context), 2)
+    supervisor.forget(DRAFT)  # an OTA install changed its files: not a loss
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    proposer.get_candidates(context, 2)
+    assert proposer.drafting_with == HYBRID  # its child is gone: the round is the fallback's
+    while proposer.drafting_with != DRAFT:  # no other session asks: the round starts a child
+        assert time.monotonic() < deadline, "the draft never came back after forget"
+        time.sleep(0.05)
+        proposer.get_candidates(context, 2)
+    [health] = supervisor.health()
+    assert health.losses == 0 and health.pid not in (None, old_pid)
+    proposer.rollback(len(context))
+    in_process.rollback(0)
+    assert rounds(proposer, list(context), 2) == rounds(in_process, list(context), 2)
+
+
 # -- the agent: a draft child killed or hung mid-session -------------------------------------
 
 E2E_PROMPT = "summarize-01"
