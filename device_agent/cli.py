@@ -22,6 +22,7 @@ from device_agent.settings import (
     load_local_settings,
 )
 from specfleet.cli_help import finish_parsers
+from specfleet.completion import add_completion_command
 from specfleet.logs import configure_logging
 
 log = logging.getLogger("device_agent")
@@ -35,6 +36,10 @@ EXAMPLES = {
         specfleet-agent run --config ~/specfleet-agent/current/agent.toml   # as flashed
         specfleet-agent run --device-id pi-kitchen --credential-file credential \\
             --broker-url mqtt://broker.lan:1883 --kind pi -v
+    """,
+    "specfleet-agent completion": """
+        eval "$(specfleet-agent completion bash)"              # in ~/.bashrc
+        specfleet-agent completion bash > /etc/bash_completion.d/specfleet-agent
     """,
     "specfleet-agent ask": """
         specfleet-agent ask "Why is the sky blue?"                  # through the running agent
@@ -151,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument("--json", action="store_true", help="print the session summary as JSON")
     _add_device_arguments(ask)
+    add_completion_command(sub, "specfleet-agent")
     finish_parsers(parser, EXAMPLES)
     return parser
 
@@ -284,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "ask":
         return _ask(args)
+    if args.command == "completion":
+        result: int = args.func(args)
+        return result
     try:
         settings = _settings(args)
     except ValidationError as exc:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from specfleet.cli_help import finish_parsers
+from specfleet.completion import add_completion_command
 from specfleet.examples import EXAMPLES
 from specfleet.logs import configure_logging
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    add_completion_command(subparsers, "specfleet")
     finish_parsers(parser, EXAMPLES)
     return parser
 

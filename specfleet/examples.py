@@ -105,6 +105,10 @@ EXAMPLES: dict[str, str] = {
     "specfleet admin revoke": """
         specfleet admin revoke alice                  # every token and dashboard login
     """,
+    "specfleet completion": """
+        eval "$(specfleet completion bash)"           # in ~/.bashrc
+        specfleet completion bash > /etc/bash_completion.d/specfleet
+    """,
     "specfleet replay": """
         specfleet replay 3f2a9c1e-0d4b-4c55-9a0e-6a1f2b3c4d5e --speed 4
         specfleet replay 3f2a9c1e-0d4b-4c55-9a0e-6a1f2b3c4d5e --verify   # re-verify with the target
