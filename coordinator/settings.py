@@ -2,13 +2,56 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 DEFAULT_HOME = Path.home() / ".local" / "share" / "specfleet"
+# A TOML file of the settings (the environment's names, lower case, without the prefix:
+# database_url = "..."), for hosts that keep their configuration in a file. The environment
+# overrides the file, the file the defaults. `specfleet --config FILE` sets it.
+CONFIG_ENV = "SPECFLEET_CONFIG"
+
+
+class ConfigFileError(ValueError):
+    """The settings file is missing, not TOML, or names a setting that does not exist."""
+
+
+def config_file() -> Path | None:
+    value = os.environ.get(CONFIG_ENV)
+    return Path(value) if value else None
+
+
+def use_config_file(path: Path | None) -> None:
+    """Check the settings file named by `--config` (else by SPECFLEET_CONFIG, if set) and make it
+    this process's, and its children's."""
+    chosen = path or config_file()
+    if chosen is None:
+        return
+    check_config_file(chosen)
+    os.environ[CONFIG_ENV] = str(chosen.resolve())
+
+
+def check_config_file(path: Path) -> None:
+    """Refuse, with the reason, a file Settings would choke on or half ignore."""
+    if not path.is_file():
+        raise ConfigFileError(f"{path}: no such file")
+    try:
+        # pydantic-settings' own reader: tomllib, or tomli before Python 3.11.
+        document = TomlConfigSettingsSource(Settings, path).toml_data
+    except (OSError, ValueError) as exc:  # TOMLDecodeError is a ValueError
+        raise ConfigFileError(f"{path}: not TOML ({exc})") from None
+    unknown = sorted(set(document) - set(Settings.model_fields))
+    if unknown:
+        raise ConfigFileError(f"{path}: no such setting: {', '.join(unknown)}")
 
 
 class Settings(BaseSettings):
@@ -99,6 +142,20 @@ class Settings(BaseSettings):
     def resolved_models_dir(self) -> Path:
         assert self.models_dir is not None  # filled by the validator
         return self.models_dir
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = config_file()
+        if path is None:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, path))
 
 
 def get_settings() -> Settings:

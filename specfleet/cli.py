@@ -10,9 +10,10 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
-from specfleet.cli_help import finish_parsers
+from specfleet.cli_help import finish_parsers, walk
 from specfleet.completion import add_completion_command
 from specfleet.examples import EXAMPLES
 from specfleet.logs import configure_logging
@@ -75,18 +76,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--version", action="version", version=f"specfleet {_version()}")
+    _add_settings_file(parser, root=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
     add_completion_command(subparsers, "specfleet")
     finish_parsers(parser, EXAMPLES)
+    for _, command in walk(parser, "specfleet"):
+        if command is not parser:
+            _add_settings_file(command, root=False)
     return parser
+
+
+def _add_settings_file(parser: argparse.ArgumentParser, *, root: bool) -> None:
+    """`--config FILE`, before or after the command (SUPPRESS: after it, given or not, it does
+    not undo the one given before)."""
+    if "--config" in parser._option_string_actions:
+        return
+    parser.add_argument(
+        "--config",
+        dest="settings_file",
+        type=Path,
+        default=None if root else argparse.SUPPRESS,
+        metavar="FILE",
+        help="a TOML file of settings (database_url = ..., the environment's names without "
+        "SPECFLEET_); SPECFLEET_* variables override it (or set SPECFLEET_CONFIG)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
+    if args.command != "completion":
+        from coordinator.settings import ConfigFileError, use_config_file
+
+        try:
+            use_config_file(args.settings_file)
+        except ConfigFileError as exc:
+            print(f"specfleet: settings: {exc}", file=sys.stderr)
+            return 2
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:

@@ -14,6 +14,7 @@ EXAMPLES: dict[str, str] = {
         specfleet admin create alice                  # a login for the dashboard
         specfleet demo                                # the whole fleet on this machine
         specfleet devices list -v                     # -v goes before or after the command
+        specfleet --config /etc/specfleet/specfleet.toml up --broker mqtt://127.0.0.1:1883
     """,
     # --- database ---
     "specfleet db": f"""
