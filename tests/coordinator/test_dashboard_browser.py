@@ -36,7 +36,8 @@ from broker.mosquitto import free_port
 from coordinator.api.main import create_app
 from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
-from coordinator.db.models import AdminRole, SessionMode, SessionStatus
+from coordinator.db.models import AdminRole, DeviceDeploymentState, SessionMode, SessionStatus
+from coordinator.rollout import Deployments
 from coordinator.settings import Settings
 from device_agent import __version__ as AGENT_VERSION
 from inference.artifacts import default_models_dir
@@ -364,6 +365,7 @@ class RolloutDashboard:
     viewer_token: str
     finished: StoredSession
     rollouts: StoredRollouts
+    deployments: Deployments  # to move a rollout on while a page shows it
 
 
 @pytest.fixture
@@ -389,7 +391,7 @@ def rollout_dashboard(pg_clean_engine: Engine, tmp_path: Path) -> Iterator[Rollo
         home=tmp_path,
     )
     with serve(create_app(settings, pg_clean_engine)) as url:
-        yield RolloutDashboard(url, token, viewer_token, finished, rollouts)
+        yield RolloutDashboard(url, token, viewer_token, finished, rollouts, Deployments(sessions))
 
 
 def _segments(page: Page, selector: str) -> dict[str, int]:
@@ -444,11 +446,27 @@ def test_deployments_page_shows_waves_device_states_and_aborts(
     expect(page.locator("#state-legend")).to_contain_text("1 rolled back")
     screenshot(page, "deployment")
 
+    # The runner starts the last wave and pi-1 answers: the page follows without a reload.
+    page.evaluate("window.__notReloaded = true")
+    board.deployments.start_wave(rollouts.rolling, 2, ["pi-1", "pi-2"])
+    board.deployments.record_device(
+        rollouts.rolling,
+        "pi-1",
+        DeviceDeploymentState.INSTALLED,
+        "installed",
+        model_name="draft-l1",
+    )
+    expect(waves.nth(2).locator('tr[data-device="pi-1"]')).to_have_attribute(
+        "data-state", "installed"
+    )
+    expect(waves.nth(2).locator('tr[data-device="pi-2"]')).to_have_attribute("data-state", "sent")
+    expect(waves.nth(2)).to_have_attribute("data-state", "running")
+    assert page.evaluate("window.__notReloaded") is True
+
     page.once("dialog", lambda dialog: dialog.accept("smoke failures on phones"))
     page.get_by_role("button", name="Abort rollout").click()
     expect(page.locator("#deployment-state")).to_have_text("cancelled")
     expect(page.get_by_role("button", name="Abort rollout")).to_be_hidden()
-    expect(waves.nth(2)).to_have_attribute("data-state", "never started")
     screenshot(page, "deployment-aborted")
 
     page.goto(board.url + "/events")
