@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -14,7 +15,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
 
@@ -35,15 +36,69 @@ DEMO_AGENTS = (
 DEMO_VERIFIERS = ("demo-verifier-1", "demo-verifier-2")
 
 
+class TokenStream:
+    """Several sessions' answers, streamed into one terminal at once.
+
+    On a terminal (`live`), each running session has a line at the bottom that grows token by
+    token as its tokens arrive; a finished line scrolls up, labelled, above them. Elsewhere (a
+    pipe, a log), each line is written once it is complete, so that sessions never interleave
+    within a line.
+    """
+
+    def __init__(self, out: TextIO, *, live: bool | None = None) -> None:
+        self._out = out
+        self._live = out.isatty() if live is None else live
+        self._open: dict[str, str] = {}  # label -> its unfinished line
+        self._drawn = 0  # live lines on screen below the finished ones
+
+    def write(self, label: str, delta: str) -> None:
+        *done, current = (self._open.get(label, "") + delta).split("\n")
+        self._clear()
+        for line in done:
+            self._out.write(f"[{label}] {line}\n")
+        self._open[label] = current
+        self._draw()
+
+    def end(self, label: str) -> None:
+        """The session is done: its unfinished line becomes a finished one."""
+        self._clear()
+        rest = self._open.pop(label, "")
+        if rest:
+            self._out.write(f"[{label}] {rest}\n")
+        self._draw()
+
+    def _clear(self) -> None:
+        if self._drawn:
+            # Up to the first live line's start, then erase to the end of the screen.
+            self._out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self._drawn = 0
+
+    def _draw(self) -> None:
+        if self._live:
+            width = shutil.get_terminal_size().columns - 1
+            for label, text in self._open.items():
+                line = f"[{label}] {text}"
+                # A live line never wraps (a wrapped one would not be erased): its tail shows.
+                self._out.write((line if len(line) <= width else "…" + line[-width + 1 :]) + "\n")
+            self._drawn = len(self._open)
+        self._out.flush()
+
+
 async def ask(
-    client: httpx.AsyncClient, port: int, request: dict[str, Any], label: str, stream: bool
+    client: httpx.AsyncClient,
+    port: int,
+    request: dict[str, Any],
+    label: str,
+    stream: bool,
+    printer: TokenStream | None = None,
 ) -> dict[str, Any]:
-    """One session through an agent's local API; text deltas go to the terminal as they come.
+    """One session through an agent's local API; with `stream`, its text goes to the terminal
+    token by token (through `printer`, shared by concurrent sessions, or a private one).
 
     Returns the agent's summary of the session (session_id, token_ids, text, rounds, ...).
     """
+    out = printer or TokenStream(sys.stdout)
     summary: dict[str, Any] = {}
-    line = ""
     event = ""
     async with client.stream(
         "POST", f"http://127.0.0.1:{port}/v1/sessions", json=request, timeout=None
@@ -57,16 +112,13 @@ async def ask(
             elif raw.startswith("data:"):
                 data = json.loads(raw[5:].strip())
                 if event == "text" and stream:
-                    line += data["delta"]
-                    *done, line = line.split("\n")
-                    for text in done:
-                        print(f"[{label}] {text}", flush=True)
+                    out.write(label, data["delta"])
                 elif event == "done":
                     summary = data
                 elif event == "error":
                     raise RuntimeError(f"{label}: {data}")
-    if stream and line:
-        print(f"[{label}] {line}", flush=True)
+    if stream:
+        out.end(label)
     return summary
 
 
@@ -132,6 +184,7 @@ async def _answer_all(
     for index, prompt in enumerate(prompts):
         queues[agents[index % len(agents)].device_id].append(prompt)
     results: list[dict[str, Any]] = []
+    printer = TokenStream(sys.stdout)
     async with httpx.AsyncClient() as client:
 
         async def serve(spec: AgentSpec) -> None:
@@ -147,9 +200,8 @@ async def _answer_all(
                 if args.k is not None:
                     request["k"] = args.k
                 label = f"{spec.device_id} {prompt.id}"
-                summary = await ask(
-                    client, fleet.agent_ports[spec.device_id], request, label, stream=not args.quiet
-                )
+                port = fleet.agent_ports[spec.device_id]
+                summary = await ask(client, port, request, label, not args.quiet, printer)
                 summary.setdefault("wall_s", time.perf_counter() - started)
                 results.append(
                     {

@@ -3,6 +3,7 @@ unless -v, and the table ends with the target alone on the same prompts beside t
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.demo import TargetAlone, results_table, throughput_line
+from coordinator.demo import TargetAlone, TokenStream, results_table, throughput_line
 from inference.artifacts import default_models_dir
 
 RUN_S = 600.0
@@ -54,6 +55,41 @@ def test_the_throughput_line_compares_the_fleet_with_the_target_one_prompt_at_a_
         "prompt at a time: 50 tokens in 2.5 s, 20.0 tokens/s | speedup 1.25x; 1 of 2 answers "
         "token-identical"
     )
+
+
+def _stream(writes: list[tuple[str, str] | str], *, live: bool) -> str:
+    out = io.StringIO()
+    stream = TokenStream(out, live=live)
+    for step in writes:
+        if isinstance(step, str):
+            stream.end(step)
+        else:
+            stream.write(*step)
+    return out.getvalue()
+
+
+INTERLEAVED: list[tuple[str, str] | str] = [
+    ("a", "The"), ("b", "Use"), ("a", " sky\nis"), ("b", " a"), "b", ("a", " blue"), "a",
+]  # fmt: skip
+
+
+def test_off_a_terminal_sessions_never_share_a_line() -> None:
+    assert _stream(INTERLEAVED, live=False) == "[a] The sky\n[b] Use a\n[a] is blue\n"
+
+
+def test_on_a_terminal_each_session_grows_its_own_line_token_by_token() -> None:
+    up = "\x1b[{}F\x1b[J"  # back to the first live line, erase to the end of the screen
+    assert _stream(INTERLEAVED, live=True) == "".join(
+        [
+            "[a] The\n",
+            up.format(1), "[a] The\n[b] Use\n",
+            up.format(2), "[a] The sky\n", "[a] is\n[b] Use\n",  # a's line done: it stays
+            up.format(2), "[a] is\n[b] Use a\n",
+            up.format(2), "[b] Use a\n", "[a] is\n",  # b ends
+            up.format(1), "[a] is blue\n",
+            up.format(1), "[a] is blue\n",  # a ends
+        ]
+    )  # fmt: skip
 
 
 def test_without_a_baseline_the_table_has_no_comparison() -> None:
