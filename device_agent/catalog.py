@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inference.artifacts import ArtifactError, check_same_vocabulary, load_manifest
+from inference.artifacts import ArtifactError, check_same_vocabulary, load_manifest, with_vocab
 from inference.drafters import (
     BUILTIN_DRAFTERS,
     DEFAULT_NGRAM_TABLE,
@@ -172,7 +172,8 @@ class DrafterCatalog:
             if draft.manifest.name == resolved:
                 expected = self.tokenizer().vocab_sha256
                 try:
-                    check_same_vocabulary(draft.manifest, expected, "this device's target")
+                    manifest = with_vocab(draft.directory, draft.manifest)
+                    check_same_vocabulary(manifest, expected, "this device's target")
                 except ArtifactError as exc:
                     raise CatalogError(f"drafter {name!r} refused: {exc}") from None
 

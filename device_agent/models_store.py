@@ -51,6 +51,7 @@ from inference.artifacts import (
     check_same_vocabulary,
     load_manifest,
     sha256_file,
+    with_vocab,
 )
 
 if TYPE_CHECKING:
@@ -477,7 +478,7 @@ class ModelStore:
     def _check_vocabulary(self, directory: Path) -> None:
         """A draft must share the vocabulary of the target this device drafts for."""
         expected = self.vocabulary() if self.vocabulary is not None else None
-        manifest = load_manifest(directory)  # check_model_dir has read it: it loads
+        manifest = with_vocab(directory, load_manifest(directory))  # check_model_dir read it
         if expected is None or manifest.role != "draft":
             return
         try:

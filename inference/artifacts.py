@@ -52,7 +52,7 @@ class ModelManifest:
     builder_version: str
     extra: dict[str, Any] = field(default_factory=dict)  # builder-specific facts (head size, ...)
     # `inference.tokenizer.vocab_sha256` of the tokenizer beside it: a draft serves a target
-    # only when the two agree. Manifests written before it existed get it from their tokenizer.
+    # only when the two agree. "" in manifests written before it: see `with_vocab`.
     vocab_sha256: str = ""
     kind: str = DECODER  # what the graph computes; manifests older than kinds hold decoders
 
@@ -123,21 +123,18 @@ def tokenizer_vocab_sha256(path: Path) -> str:
         stat = path.stat()
     except OSError as exc:
         raise ArtifactError(f"{path}: not a readable tokenizer ({exc})") from exc
-    # Manifests older than the field get it from their tokenizer on every load: 0.1-0.4 s for
-    # SmolLM2's, so the answer is kept while the file is unchanged.
+    # SmolLM2's tokenizer is a 2 MB JSON document: the answer is kept while the file stays.
     return _vocab_sha256_of(str(path), stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=64)
 def _vocab_sha256_of(path: str, mtime_ns: int, size: int) -> str:
-    from tokenizers import Tokenizer
-
-    from inference.tokenizer import vocab_sha256
+    from inference.tokenizer import document_vocab_sha256
 
     try:
-        return vocab_sha256(Tokenizer.from_file(path))
-    except Exception as exc:  # tokenizers raises its own untyped errors on a bad file
-        raise ArtifactError(f"{path}: not a readable tokenizer ({exc})") from exc
+        return document_vocab_sha256(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{path}: not a readable tokenizer ({exc!r})") from exc
 
 
 @dataclass(frozen=True)
@@ -196,11 +193,17 @@ def load_manifest(directory: Path) -> ModelManifest:
         raise ArtifactError(f"{path}: not JSON ({exc})") from exc
     if not isinstance(document, dict):
         raise ArtifactError(f"{path}: not a JSON object")
-    manifest = ModelManifest.from_json(document)
-    if not manifest.vocab_sha256:
-        vocab = tokenizer_vocab_sha256(directory / manifest.tokenizer_file)
-        manifest = dataclasses.replace(manifest, vocab_sha256=vocab)
-    return manifest
+    return ModelManifest.from_json(document)
+
+
+def with_vocab(directory: Path, manifest: ModelManifest) -> ModelManifest:
+    """The manifest with its vocabulary hash, read from its tokenizer where it predates the
+    field. Apart from `load_manifest`, which stays cheap for listings: a hash costs a parse of
+    the tokenizer (0.1-0.3 s for SmolLM2's)."""
+    if manifest.vocab_sha256:
+        return manifest
+    vocab = tokenizer_vocab_sha256(directory / manifest.tokenizer_file)
+    return dataclasses.replace(manifest, vocab_sha256=vocab)
 
 
 def list_models(models_dir: Path) -> list[tuple[Path, ModelManifest]]:

@@ -742,14 +742,14 @@ def evaluate(
 ) -> dict[str, Any]:
     """Agreement of every draft built for this target on held-out generated prompts and the
     shared prompts; `work` holds the teacher text (default: models dir/distill)."""
-    from inference.artifacts import load_manifest
+    from inference.artifacts import load_manifest, with_vocab
     from inference.drafts import list_drafts, load_draft
     from inference.onnx_runtime import OnnxRuntime
     from inference.teacher_prompts import teacher_prompt
     from inference.tokenizer import ChatTokenizer
 
     work = work or models_dir / "distill"
-    vocab = load_manifest(target_dir).vocab_sha256
+    vocab = with_vocab(target_dir, load_manifest(target_dir)).vocab_sha256
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = ChatTokenizer.load(target_dir)
     target = OnnxRuntime(target_dir / "model.onnx", threads=threads)
@@ -781,7 +781,7 @@ def evaluate(
     probe = sets["held_out"][0].prompt_ids
     report: dict[str, Any] = {"target": {"decode_ms": decode_ms(target, probe)}}
     for draft in list_drafts(models_dir):
-        if draft.manifest.vocab_sha256 != vocab:
+        if with_vocab(draft.directory, draft.manifest).vocab_sha256 != vocab:
             continue  # another target's draft
         runtime = load_draft(models_dir, draft.name, draft.format, threads=1)
         entry = report.setdefault(draft.name, {})

@@ -68,24 +68,26 @@ class DrafterError(Exception):
 def draft_model_names(models_dir: Path, vocab: str | None = None) -> list[str]:
     """The manifest name of every built draft: `draft-l2` (ONNX), `draft-l2-tflite` (LiteRT);
     with `vocab`, only the drafts of that vocabulary (a target's `vocab_sha256`)."""
+    from inference.artifacts import with_vocab
     from inference.drafts import list_drafts
 
     return sorted(
         draft.manifest.name
         for draft in list_drafts(models_dir)
-        if vocab is None or draft.manifest.vocab_sha256 == vocab
+        if vocab is None or with_vocab(draft.directory, draft.manifest).vocab_sha256 == vocab
     )
 
 
 def head_names(models_dir: Path, vocab: str | None = None) -> list[str]:
     """The manifest name of every built feature head: `eagle-h1` (ONNX), `eagle-h1-tflite`;
     with `vocab`, only the heads of that vocabulary."""
+    from inference.artifacts import with_vocab
     from inference.feature_head import list_heads
 
     return sorted(
         head.manifest.name
         for head in list_heads(models_dir)
-        if vocab is None or head.manifest.vocab_sha256 == vocab
+        if vocab is None or with_vocab(head.directory, head.manifest).vocab_sha256 == vocab
     )
 
 

@@ -20,6 +20,7 @@ from inference.artifacts import (
     default_models_dir,
     describe_model,
     load_manifest,
+    with_vocab,
     write_manifest,
 )
 
@@ -64,7 +65,7 @@ def load_target_identity(models_dir: Path, name: str | None = None) -> TargetIde
     """The built target's identity from its manifest; ArtifactError where there is none."""
     directory = target_dir(models_dir, name)
     try:
-        return TargetIdentity.from_manifest(load_manifest(directory))
+        return TargetIdentity.from_manifest(with_vocab(directory, load_manifest(directory)))
     except ArtifactError as exc:
         raise ArtifactError(
             f"no target {directory.name!r} in {models_dir} ({exc}); "

@@ -89,7 +89,11 @@ def vocab_sha256(tokenizer: Tokenizer) -> str:
     Two models that agree on it read and write the same ids for the same text, whatever the
     `tokenizers` version that serialised their files; a draft must share its target's.
     """
-    document = json.loads(tokenizer.to_str())
+    return document_vocab_sha256(json.loads(tokenizer.to_str()))
+
+
+def document_vocab_sha256(document: dict[str, Any]) -> str:
+    """`vocab_sha256` of a tokenizer.json document as read from disk (no `Tokenizer` built)."""
     merges = [m if isinstance(m, str) else " ".join(m) for m in document["model"]["merges"]]
     vocab = sorted(document["model"]["vocab"].items(), key=lambda item: item[1])
     added = sorted((t["id"], t["content"], bool(t["special"])) for t in document["added_tokens"])

@@ -388,7 +388,7 @@ def test_a_draft_of_another_vocabulary_is_refused_at_install(
 ) -> None:
     """A device that drafts for another target (its tokenizer's vocabulary hash) refuses the
     release before the swap; one that drafts for this draft's target installs it."""
-    from inference.artifacts import load_manifest
+    from inference.artifacts import load_manifest, with_vocab
 
     server, www = file_server
     release = release_args(coordinator_home, draft_dir, server, www)
@@ -397,5 +397,5 @@ def test_a_draft_of_another_vocabulary_is_refused_at_install(
     assert outcome.state == "refused" and outcome.stage is InstallStage.CHECK
     assert "another vocabulary" in outcome.error and "ffffffffffff" in outcome.error
     assert store.active(release.name) is None
-    store.vocabulary = lambda: load_manifest(draft_dir).vocab_sha256
+    store.vocabulary = lambda: with_vocab(draft_dir, load_manifest(draft_dir)).vocab_sha256
     assert store.install(release).state == "installed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,19 @@ def test_an_unknown_pre_tokenizer_is_refused_by_name() -> None:
 
     with pytest.raises(TokenizerError, match="pre-tokenizer 'deepseek-llm' is not supported"):
         _pre_tokenizer("deepseek-llm")
+
+
+def test_a_manifest_older_than_vocabulary_hashes_gets_its_tokenizers(
+    tiny_models: Path, tmp_path: Path
+) -> None:
+    from inference.artifacts import with_vocab
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_models / "tiny-llama", old)
+    document = json.loads((old / "manifest.json").read_text())
+    del document["vocab_sha256"]
+    (old / "manifest.json").write_text(json.dumps(document))
+    manifest = load_manifest(old)  # listings stay cheap: no tokenizer is parsed
+    assert manifest.vocab_sha256 == ""
+    _, tokenizer = load_target(tiny_models, name="tiny-llama")
+    assert with_vocab(old, manifest).vocab_sha256 == tokenizer.vocab_sha256
