@@ -1,6 +1,6 @@
-"""The systemd units for `specfleet up` and the verifier: systemd itself finds nothing wrong in
-them (`systemd-analyze verify`, with the venv path pointed at this checkout's), and each command
-they run is one the CLI accepts, with secrets kept out of argv."""
+"""The systemd units for `specfleet up`, the verifier and the agent: systemd itself finds nothing
+wrong in them (`systemd-analyze verify`, with the venv path pointed at this checkout's), and each
+command they run is one the CLI accepts, with secrets kept out of argv."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.flash import UNIT_NAME, render_template
 from specfleet.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +55,22 @@ def test_systemd_verifies_the_unit(unit: str, instance: str, tmp_path: Path) -> 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stderr == "", done.stderr  # no key ignored, no command missing
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_systemd_verifies_the_agent_unit_as_flash_renders_it(tmp_path: Path) -> None:
+    root = tmp_path / "specfleet-agent"
+    (root / "current").mkdir(parents=True)
+    (root / "state").mkdir()
+    (root / "current" / "venv").symlink_to(Path(sys.executable).parent.parent)
+    unit = tmp_path / UNIT_NAME
+    unit.write_text(render_template(UNITS / UNIT_NAME, {"ROOT": str(root), "USER": "root"}))
+    done = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
 
 
 @pytest.mark.parametrize(("unit", "instance"), CASES)
