@@ -33,7 +33,6 @@ from inference.artifacts import default_models_dir
 from inference.sampling import SamplingParams
 from inference.speculative import decode_target
 from inference.target_build import load_target
-from inference.tokenizer import ChatTokenizer
 
 # The machine's own Mosquitto (anonymous, loopback), which the coordinator tests share too.
 SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
@@ -74,7 +73,6 @@ async def scenario(
         models_dir=default_models_dir(),
         coordinator_id=f"coordinator-e2e-{secrets.token_hex(4)}",
     )
-    eos_id = ChatTokenizer.load(draft_dir).eos_id
     root = tmp_path / "device" / "specfleet-agent"
     local_api_port = free_port()
     async with local_fleet(
@@ -83,7 +81,6 @@ async def scenario(
         [f"verifier-e2e-{secrets.token_hex(3)}"],
         workdir=tmp_path / "fleet",
         external_broker=SHARED_MOSQUITTO,
-        eos_id=eos_id,
     ) as fleet:
         app = FastAPI()
         app.state.settings = settings
