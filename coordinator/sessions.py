@@ -294,7 +294,12 @@ class SessionBook:
                 device_id, "session_open", request.session_id, None, "session_id must be a UUID"
             )
             return
-        if not self._open_limit.allow(device_id):
+        # A resume of a live session is answered from memory and never refused for the rate:
+        # refusing it would fail a session the device is running. Anything else (a new session,
+        # or one the database must be read for) counts against the device's open rate.
+        resuming = self.live.get(request.session_id)
+        live_resume = resuming is not None and resuming.device_id == device_id
+        if not live_resume and not self._open_limit.allow(device_id):
             limit = self._open_limit
             reason = f"session opens over quota ({limit.rate:g}/s, burst {limit.burst})"
             await self._error(device_id, "session_open", request.session_id, None, reason)

@@ -95,9 +95,10 @@ class Settings(BaseSettings):
     device_max_open_sessions: int = Field(default=32, ge=1)
     # Prompt tokens (chat-templated) a session may open with; the target's context is 8,192.
     device_max_prompt_tokens: int = Field(default=4096, ge=1)
-    # Session opens (resumes included) per second, with a burst for an agent that reconnects
-    # and resumes all its sessions at once.
-    device_session_opens_per_s: float = Field(default=2.0, gt=0, allow_inf_nan=False)
+    # New sessions (and resumes of sessions not live here) per second, with a burst for an agent
+    # that reconnects and resumes all its sessions at once; a resume of a live session is free.
+    # 5/s leaves room for a device that serves a few short sessions at a time, back to back.
+    device_session_opens_per_s: float = Field(default=5.0, gt=0, allow_inf_nan=False)
     device_session_open_burst: int = Field(default=32, ge=1)
     # Telemetry messages per second; an agent sends one every few seconds.
     device_telemetry_per_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)

@@ -136,10 +136,16 @@ def test_session_opens_past_the_rate_are_refused(
     tmp_path: Path, pg_clean_engine: Engine, mosquitto: PrivateMosquitto, caplog: Any
 ) -> None:
     async def body(coordinator: Coordinator, device: Any) -> None:
-        for _ in range(3):
-            assert isinstance(await open_session(device, session_open()), m.SessionState)
+        opened = [session_open() for _ in range(3)]
+        for request in opened:
+            assert isinstance(await open_session(device, request), m.SessionState)
         reply = await open_session(device, session_open())
         assert refused(reply, "session_open", "session opens over quota"), reply
+        # Past the rate, a live session's resume (a reconnect) is still answered: refusing it
+        # would fail a session the device is running.
+        resume = opened[0].model_copy(update={"resume": m.ResumeReason.RECONNECT})
+        state = await open_session(device, resume)
+        assert isinstance(state, m.SessionState) and state.session_id == opened[0].session_id
 
     run(
         tmp_path,
