@@ -10,6 +10,10 @@ for deps in scripts/install-browser-test-deps.sh scripts/install-flash-test-deps
         PYTHON="$repo_root/.venv/bin/python" bash "$deps"
     fi
 done
+# The tests distil small drafts and heads (a draft for a target the test writes, a head's
+# training step), so they need the build extra's torch; only the tests and the model build
+# import it, never a running role.
+.venv/bin/python -m pip install --quiet 'torch==2.13.0'
 # The target and the drafts are built once into the models directory and reused (a second build
 # is instant): the drafts from the committed weights in models/drafts/.
 .venv/bin/specfleet models build-target
