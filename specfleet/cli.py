@@ -34,12 +34,25 @@ class CommandError(Exception):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be: a command cleans up after either alike (its
-    child processes, private brokers and temporary files), then exits 143."""
+    """SIGTERM where no Ctrl-C handler runs (SIGINT ignored or reset)."""
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise Terminated
+class _Termination:
+    """SIGTERM is handled as Ctrl-C is: a command cleans up after either alike (its child
+    processes, private brokers and temporary files), then exits 143.
+
+    The signal is passed on as SIGINT, so that an event loop run by asyncio.run cancels its
+    main task (its handler for SIGINT) rather than having an exception raised inside whichever
+    task happens to run; synchronous code gets KeyboardInterrupt, as from Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+            raise Terminated
+        signal.raise_signal(signal.SIGINT)
 
 
 def add_module_command(
@@ -117,16 +130,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"specfleet: settings: {exc}", file=sys.stderr)
             return 2
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    termination = _Termination()
+    previous = signal.signal(signal.SIGTERM, termination) if main_thread else None
     try:
         result: int | None = args.func(args)
     except CommandError as exc:
         print(f"specfleet {args.command}: {exc}", file=sys.stderr)
         return 2
-    except Terminated:
-        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        return 130
+        return 128 + signal.SIGTERM if termination.received else 130
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
