@@ -12,11 +12,12 @@ Why this shape:
 - One child per draft model, not one per engine: a crash costs the sessions drafting with that
   model, and a model that keeps crashing is told apart from the others (its runtime's build, its
   delegate, its memory).
-- A multiprocessing pipe with compact binary framing, not pickling: requests are int64 words
-  and a reply is a small header plus the logits' float32 bytes, as the runtime produced them, so
-  the logits in the agent are the child's bit for bit. A draft's reply is a few rows of at most a
-  vocabulary of floats (tens of KB); shared memory would spare one copy of that at the price of
-  a second channel to keep in step.
+- A multiprocessing pipe (a socket pair) with compact binary framing of our own, not pickling:
+  requests are int64 words and a reply is a small header plus the logits' float32 bytes, as the
+  runtime produced them, so the logits in the agent are the child's bit for bit. Our framing
+  lets the agent read a reply against a deadline down to its last byte. A draft's reply is a
+  few rows of at most a vocabulary of floats (tens of KB); shared memory would spare one copy
+  of that at the price of a second channel to keep in step.
 - Calls are synchronous: the agent drafts on its drafting thread, which waits on the pipe with
   a deadline. A child that misses it is taken for hung and killed.
 
@@ -30,7 +31,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
+import select
 import signal
+import struct
 import threading
 import time
 import weakref
@@ -187,8 +191,8 @@ def child_main(conn: Connection, spec: DraftChildSpec) -> None:
     caches: dict[int, KVCache] = {}
     while True:
         try:
-            request = np.frombuffer(conn.recv_bytes(), dtype=_WORD)
-        except EOFError:  # the agent is gone; nobody will read what we compute
+            request = np.frombuffer(read_frame(conn.fileno(), None), dtype=_WORD)
+        except (EOFError, OSError):  # the agent is gone; nobody will read what we compute
             return
         if request.shape[0] == 0 or int(request[0]) == OP_STOP:
             return
@@ -200,8 +204,8 @@ def child_main(conn: Connection, spec: DraftChildSpec) -> None:
             reason = f"{type(exc).__name__}: {exc}"
             reply = np.asarray([STATUS_REFUSED], dtype=_WORD).tobytes() + reason.encode()
         try:
-            conn.send_bytes(reply)
-        except (BrokenPipeError, ConnectionResetError):
+            write_frame(conn.fileno(), reply)
+        except OSError:  # the agent is gone
             return
 
 
@@ -226,10 +230,49 @@ def _forward(
     return runtime.forward_batch(batch)
 
 
-def _send_or_exit(conn: Connection, message: object) -> bool:
+_FRAME = struct.Struct("<Q")  # a frame: its payload's length, then the payload
+
+
+def write_frame(fd: int, payload: bytes) -> None:
+    """One frame onto a pipe. Requests are small (8 bytes a token), well inside the socket's
+    buffer, so a child that stopped reading cannot hold the agent here."""
+    view = memoryview(_FRAME.pack(len(payload)) + payload)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def read_frame(fd: int, deadline: float | None) -> bytes:
+    """One whole frame off a pipe by `deadline` (time.monotonic; None: no limit).
+
+    The deadline covers every byte: a child that stops halfway through a reply (a hang, a
+    SIGSTOP) is a TimeoutError here, not a read that waits for ever. EOFError when the other
+    end has gone.
+    """
+    (size,) = _FRAME.unpack(_read_exactly(fd, _FRAME.size, deadline))
+    return bytes(_read_exactly(fd, size, deadline))
+
+
+def _read_exactly(fd: int, size: int, deadline: float | None) -> bytearray:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"{got} of {size} bytes by the deadline")
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError(f"the pipe closed after {got} of {size} bytes")
+        got += n
+    return buffer
+
+
+def _send_or_exit(conn: Connection, message: DraftChildReady | DraftChildFailed) -> bool:
+    # Framed like every reply, so that the agent reads it against its deadline too.
     try:
-        conn.send(message)
-    except (BrokenPipeError, ConnectionResetError):
+        write_frame(conn.fileno(), pickle.dumps(message))
+    except OSError:
         return False
     return True
 
@@ -332,9 +375,12 @@ class IsolatedRuntime:
                     if overdue:
                         self._lost(f"did not load within {START_DEADLINE_S:.0f}s", "start")
                     return False
-                message: object = self._conn.recv()
+                frame = read_frame(self._conn.fileno(), time.monotonic() + CALL_DEADLINE_S)
+            except TimeoutError:
+                self._lost("stopped halfway through its ready message", "start")
             except (EOFError, OSError):
                 self._lost(self._death_reason(), "start")
+            message: object = pickle.loads(frame)  # our own child's, sent at start
             if isinstance(message, DraftChildFailed):
                 self._lost(f"could not load: {message.reason}", "start")
             if not isinstance(message, DraftChildReady):
@@ -389,10 +435,10 @@ class IsolatedRuntime:
     def _call(self, request: bytes, deadline_s: float) -> bytes:
         assert self._conn is not None
         try:
-            self._conn.send_bytes(request)
-            if not self._conn.poll(deadline_s):
-                self._lost(f"hung: no answer within {deadline_s:.1f}s", "hang")
-            return self._conn.recv_bytes()
+            write_frame(self._conn.fileno(), request)
+            return read_frame(self._conn.fileno(), time.monotonic() + deadline_s)
+        except TimeoutError:
+            self._lost(f"hung: no whole answer within {deadline_s:.1f}s", "hang")
         except (EOFError, OSError):
             self._lost(self._death_reason(), "crash")
 
@@ -437,7 +483,7 @@ class IsolatedRuntime:
         with self._lock:
             if self._conn is not None and self._process is not None:
                 try:
-                    self._conn.send_bytes(np.asarray([OP_STOP], dtype=_WORD).tobytes())
+                    write_frame(self._conn.fileno(), np.asarray([OP_STOP], dtype=_WORD).tobytes())
                 except OSError:
                     log.debug("draft %s: its child closed the pipe first", self.name)
                 else:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +27,8 @@ from inference.isolated_runtime import (
     decode_logits,
     encode_forward,
     encode_logits,
+    read_frame,
+    write_frame,
 )
 from inference.proposers import head_token_ids
 
@@ -97,6 +103,25 @@ def test_framing_round_trips() -> None:
     logits = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((1, 3), np.float32)]
     for expected, got in zip(logits, decode_logits(encode_logits(logits), 3), strict=True):
         assert np.array_equal(expected, got)
+
+
+def test_a_frame_is_read_whole_or_not_by_its_deadline() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        # More than a socket's buffer holds at once: written as it is read.
+        writer = threading.Thread(target=write_frame, args=(theirs.fileno(), b"x" * 3_000_000))
+        writer.start()
+        assert read_frame(ours.fileno(), time.monotonic() + 10.0) == b"x" * 3_000_000
+        writer.join()
+        # A writer that stops halfway through a frame (a SIGSTOPped child): the deadline holds.
+        theirs.sendall(struct.pack("<Q", 1000) + b"y" * 10)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="10 of 1000 bytes"):
+            read_frame(ours.fileno(), started + 0.2)
+        assert time.monotonic() - started < 2.0
+        theirs.close()
+        with pytest.raises(EOFError):
+            read_frame(ours.fileno(), None)
 
 
 def test_a_refused_call_leaves_the_child_up(isolated: IsolatedRuntime) -> None:
