@@ -136,18 +136,26 @@ def generate_teacher(
     from tqdm import tqdm
 
     eos = eos_id
-    written = 0
+    written = answers = 0
     slots: list[_Slot] = []
     exhausted = False
     bar = tqdm(total=token_budget, unit="tok", desc="teacher", mininterval=10)
+
+    def expected() -> float:
+        """Tokens written plus those the answers in flight are expected to bring: a prompt is
+        taken only while this is under the budget, so a small budget is not overrun by a whole
+        batch of answers (400 asked for once gave 4,515)."""
+        mean = written / answers if answers else max_new_tokens / 2
+        return written + sum(max(len(s.answer_ids), mean) for s in [*slots, *fresh])
+
     with out_path.open("a") as sink:
         while True:
             out_of_time = deadline is not None and time.monotonic() > deadline
+            fresh: list[_Slot] = []
             if not exhausted and not out_of_time and written < token_budget:
-                fresh: list[_Slot] = []
                 # Refill in groups: a prefill pass for one prompt costs nearly as much as for many.
                 refill = len(slots) <= batch_size - max(1, batch_size // 4)
-                while refill and len(slots) + len(fresh) < batch_size:
+                while refill and len(slots) + len(fresh) < batch_size and expected() < token_budget:
                     item = next(prompts, None)
                     if item is None:
                         exhausted = True
@@ -167,6 +175,7 @@ def generate_teacher(
             for slot in done:
                 sink.write(slot.record().to_json() + "\n")
                 written += len(slot.answer_ids)
+                answers += 1
                 bar.update(len(slot.answer_ids))
             if done:
                 sink.flush()

@@ -72,6 +72,20 @@ def test_teacher_answers_are_the_greedy_decoding_and_a_deadline_stops_new_prompt
     assert read_teacher(late) == []
 
 
+def test_a_small_budget_is_not_overrun_by_a_whole_batch(tmp_path: Path) -> None:
+    model = SyntheticLM.random(vocab_size=16, dim=8, seed=3, sharpness=0.6)
+    prompts = [(i, "chat", [1 + i % 5, 2, 3 + i % 7]) for i in range(64)]
+    out = tmp_path / "teacher.jsonl"
+    budget, longest = 30, 12
+    written = generate_teacher(
+        model, 6, iter(prompts), out, token_budget=budget, batch_size=32, max_new_tokens=longest
+    )
+    # Prompts are taken while the answers in flight are expected to stay under the budget: the
+    # budget is reached, and overrun by less than a few answers, not by a batch of 32.
+    assert budget <= written < budget + 3 * longest
+    assert len(read_teacher(out)) < 32
+
+
 def _record(index: int, prompt_ids: list[int], answer_ids: list[int]) -> TeacherRecord:
     top = [[token, 0, 0, 0] for token in answer_ids]
     return TeacherRecord(index, "chat", prompt_ids, answer_ids, top, [[1.0, 0, 0, 0]] * len(top))
