@@ -698,7 +698,7 @@ def export_draft(
         shutil.rmtree(directory, ignore_errors=True)
         partial.rename(directory)
         built.append(directory)
-        log.info("%s: %.1f MB in %s", model_name, manifest.size_bytes / 1e6, directory)
+        log.debug("%s: %.1f MB in %s", model_name, manifest.size_bytes / 1e6, directory)
     return built
 
 
@@ -925,12 +925,21 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
             (weights_dir / name).mkdir(parents=True, exist_ok=True)
             trained.replace(weights_dir / name / "weights.npz")
+    from tqdm import tqdm
+
+    from inference.artifacts import load_manifest
+
     for name in names:
         weights_path = weights_dir / name / "weights.npz"
         if not weights_path.exists():
             raise CommandError(f"no trained weights at {weights_path}; run without --export-only")
-        for directory in export_draft(models_dir, weights_path, target_dir, args.formats):
-            print(f"built {directory.name} in {directory}")
+    with tqdm(names, desc="export", unit="draft") as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            weights_path = weights_dir / name / "weights.npz"
+            for directory in export_draft(models_dir, weights_path, target_dir, args.formats):
+                size_mb = load_manifest(directory).size_bytes / 1e6
+                bar.write(f"built {directory.name} ({size_mb:.1f} MB) in {directory}")
     if args.evaluate:
         report = evaluate(models_dir, target_dir, args.threads, work)
         (work / "evaluation.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -7,6 +7,8 @@ of the new positions only, so the runtime's cache is a plain array it can cut an
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,17 @@ class TfliteExportError(Exception):
 
 
 def _require_tf() -> Any:
+    # TensorFlow and its converter narrate at start and on every conversion (CPU features, the
+    # converter's options): an operator wants errors only, and the build's own progress.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:
         import tensorflow as tf
     except ImportError as exc:
         raise TfliteExportError(
             "TFLite export needs TensorFlow at build time: pip install tensorflow-cpu"
         ) from exc
+    tf.get_logger().setLevel(logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.WARNING)
     return tf
 
 
