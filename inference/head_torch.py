@@ -12,20 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference.draft_torch import RmsNorm
 from inference.feature_head import F32, HeadConfig, tensor_shapes
-
-
-class RmsNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight.clone())
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 even under autocast, as the exported graphs compute them.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight).to(x.dtype)
 
 
 class HeadModel(nn.Module):
