@@ -7,14 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inference.artifacts import load_manifest
+from inference.artifacts import default_models_dir, load_manifest
 from inference.drafts import list_drafts
 from inference.feature_head import (
     HEAD_KIND,
+    SHIPPED_HEADS,
     FeatureHead,
     FeatureHeadError,
     HeadWeights,
     build_head,
+    ensure_heads,
     find_head,
     list_heads,
     load_head_weights,
@@ -22,6 +24,8 @@ from inference.feature_head import (
     save_head_weights,
     step_reference,
 )
+from inference.onnx_runtime import OnnxRuntime
+from inference.tokenizer import ChatTokenizer
 
 HIDDEN = 64
 VOCAB = 700
@@ -161,3 +165,45 @@ def test_bad_step_input_is_refused(
     head = FeatureHead.load(find_head(built, "eagle-test").directory)
     with pytest.raises(ValueError, match=reason):
         head.step(features, tokens)
+
+
+SHIPPED = sorted(path.parent.name for path in SHIPPED_HEADS.glob("*/weights.npz"))
+# The TFLite build's fp16 matrices and the ONNX build's folded ones differ in the last bits
+# (as the drafts' do): greedy drafts may part only where the two best logits are this close.
+NEAR_TIE = 0.05
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_head_drafts_alike_on_onnx_and_tflite(
+    name: str, target_dir: Path, target: tuple[OnnxRuntime, ChatTokenizer]
+) -> None:
+    models_dir = default_models_dir()
+    assert name in ensure_heads(models_dir, target_dir)
+    record = load_head_weights(SHIPPED_HEADS / name / "weights.npz").record
+    assert record["valid"]["starts"] > 0 and record["curve"], "the record says how it trained"
+    target_sha = load_manifest(target_dir).sha256
+    onnx_head = FeatureHead.load(find_head(models_dir, name, "onnx").directory, threads=1)
+    tflite_head = FeatureHead.load(
+        find_head(models_dir, name, "tflite").directory, threads=1, target_sha256=target_sha
+    )
+    runtime, tokenizer = target
+    prompt = tokenizer.apply_chat_template("Write two sentences about rivers.")
+    ((logits, hidden),) = runtime.forward_batch_hidden([(prompt, runtime.new_cache())])
+    # Start from every prompt position (h_{j-1}, x_j), as verdicts would hand them over.
+    features, tokens = hidden[:-1], np.asarray(prompt[1:])
+    parted = 0
+    for feature, token in zip(features, tokens, strict=True):
+        onnx_chain = onnx_head.draft(feature, int(token), CHAIN)
+        tflite_chain = tflite_head.draft(feature, int(token), CHAIN)
+        if onnx_chain != tflite_chain:
+            parted += 1
+            first = next(
+                i for i, (a, b) in enumerate(zip(onnx_chain, tflite_chain, strict=True)) if a != b
+            )
+            chained = feature.reshape(1, -1)
+            for drafted in [int(token), *onnx_chain[:first]]:
+                chained, step_logits = onnx_head.step(chained, [drafted])
+            best_two = np.sort(step_logits[0])[-2:]
+            assert best_two[1] - best_two[0] < NEAR_TIE
+    assert parted <= len(tokens) // 10
+    assert logits.shape[0] == len(prompt)
