@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from inference.child_process import STOP_TIMEOUT_S, exit_reason, kill_and_reap
 from inference.runtime import KVCache, Logits
 
 if TYPE_CHECKING:
@@ -62,7 +63,6 @@ CALL_DEADLINE_S = 5.0
 CALL_DEADLINE_PER_TOKEN_S = 0.01
 # A first start spawns Python and loads the runtime: about 1-2 s here, several on a Pi.
 START_DEADLINE_S = 60.0
-STOP_TIMEOUT_S = 2.0
 
 # Framing. A request: int64 words [op, n_free, *freed handles, n_rows, *rows], a row being
 # [handle, keep, n, *tokens] (keep: the length the agent's view of that cache has, to which the
@@ -454,29 +454,12 @@ class IsolatedRuntime:
 
     def _death_reason(self) -> str:
         process = self._process
-        if process is None:
-            return "is gone"
-        if process.is_alive():  # its pipe broke but it lingers: it is of no use any more
-            process.kill()
-        process.join(STOP_TIMEOUT_S)
-        code = process.exitcode
-        if code is not None and code < 0:
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            oom = " (the out-of-memory killer sends this)" if -code == signal.SIGKILL else ""
-            return f"was killed by {name}{oom}"
-        return f"exited with status {code}"
+        return "is gone" if process is None else exit_reason(process)
 
     def _kill(self) -> None:
         process, conn = self._process, self._conn
         self._process, self._conn, self.ready = None, None, None
-        if conn is not None:
-            conn.close()
-        if process is not None:
-            if process.is_alive():
-                process.kill()
-            process.join(STOP_TIMEOUT_S)
-            if process.exitcode is not None:
-                process.close()
+        kill_and_reap(process, conn)
 
     def stop(self) -> None:
         """Ask the child to exit; kill it if it does not."""

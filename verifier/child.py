@@ -21,6 +21,7 @@ from pathlib import Path
 
 from broker.compat import timeout
 from broker.messages import VerifyRequest
+from inference.child_process import STOP_TIMEOUT_S, exit_reason, kill_and_reap
 from inference.runtime import Runtime
 from verifier.core import MAX_SESSIONS, CoreStats, Verification
 
@@ -28,7 +29,6 @@ log = logging.getLogger(__name__)
 
 # A first start may build the target from its GGUF, which takes minutes on a small CPU.
 START_TIMEOUT_S = 900.0
-STOP_TIMEOUT_S = 2.0
 MAX_CACHE_MB = 2048
 PRECISION = "fp32"
 
@@ -290,26 +290,13 @@ class InferenceChild:
         process = self._process
         if process is None:
             return "the inference process is gone"
-        if process.is_alive():  # its pipe broke but it lingers: it is of no use any more
-            process.kill()
-        process.join(STOP_TIMEOUT_S)
-        code = process.exitcode
-        if code is not None and code < 0:
-            return f"the inference process {process.pid} was killed by signal {-code}"
-        return f"the inference process {process.pid} exited with status {code}"
+        return f"the inference process {process.pid} {exit_reason(process)}"
 
     def kill(self) -> None:
         """SIGKILL the process (if any) and reap it."""
         process, conn = self._process, self._conn
         self._process, self._conn, self.ready = None, None, None
-        if conn is not None:
-            conn.close()
-        if process is not None:
-            if process.is_alive():
-                process.kill()
-            process.join(STOP_TIMEOUT_S)
-            if process.exitcode is not None:
-                process.close()
+        kill_and_reap(process, conn)
 
     def stop(self) -> None:
         """Ask the process to exit after its current batch; kill it if it does not."""
