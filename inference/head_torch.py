@@ -51,8 +51,8 @@ class HeadModel(nn.Module):
         self.gate = nn.Parameter(normal(i, h, std=h**-0.5))
         self.up = nn.Parameter(normal(i, h, std=h**-0.5))
         self.down = nn.Parameter(normal(h, i, std=0.1 * i**-0.5))
-        self.out_norm = RmsNorm(torch.from_numpy(out_norm), config.rms_eps)
-        self.head = nn.Parameter(torch.from_numpy(head_rows).clone())
+        self.out_norm = RmsNorm(torch.tensor(out_norm), config.rms_eps)
+        self.head = nn.Parameter(torch.tensor(head_rows))
 
     def step(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Predicted next features # [..., H] from features # [..., H] and tokens # [...]."""
