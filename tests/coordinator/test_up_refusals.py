@@ -80,16 +80,25 @@ def test_a_second_stack_on_one_home_is_refused_and_sigterm_stops_the_first(
         assert "Traceback" not in first.communicate()[1]
     finally:
         if first.poll() is None:
-            first.kill()
-            first.wait()
+            first.send_signal(signal.SIGTERM)
+            try:
+                first.wait(30)
+            except subprocess.TimeoutExpired:
+                first.kill()
+                first.wait()
     # The lock goes with its holder: the home serves a new stack.
     again = up(tmp_path)
     try:
         assert again.stdout is not None
         assert any(line.startswith("coordinator  connected") for line in again.stdout)
     finally:
-        again.kill()
-        again.wait()
+        # SIGTERM, so that the stack stops the private broker it may have started.
+        again.send_signal(signal.SIGTERM)
+        try:
+            again.wait(30)
+        except subprocess.TimeoutExpired:
+            again.kill()
+            again.wait()
 
 
 @pytest.mark.parametrize(
