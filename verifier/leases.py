@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.exc import IntegrityError
+
 from broker import messages as m
 from coordinator.db.models import Round, SessionMode, SessionStatus
 from coordinator.db.round_writer import RoundWriter
@@ -264,6 +266,12 @@ class LeaseBook:
                 device_id=held.device_id,
                 downlink_ms=draft.timings.downlink_ms,
             )
+        except IntegrityError:
+            # The round is in the database already: another answerer (the coordinator, or the
+            # verifier that held the lease before a broker outage) persisted it, and this lease
+            # lags behind. The database is the truth: take its state and tell the device.
+            await self._resync(held, draft.round)
+            return
         except Exception as exc:  # nothing persisted: the device re-sends when it hears
             log.error("round %d of %s not persisted: %s", draft.round, held.session_id, exc)
             self._error(held, draft, "the round could not be persisted")
@@ -309,6 +317,30 @@ class LeaseBook:
             )
         )
         if finished:
+            self.sessions.pop(held.session_id, None)
+
+    async def _resync(self, held: LeasedSession, round_index: int) -> None:
+        """Catch up with the database when it holds rounds this lease had not heard of."""
+        try:
+            stored = await asyncio.to_thread(self.writer.stored, uuid.UUID(held.session_id))
+        except Exception as exc:  # the database is away: the device re-sends when it hears
+            log.error("session %s could not be read back: %s", held.session_id, exc)
+            stored = None
+        if stored is not None:
+            context, next_round, status = stored
+            if next_round > held.next_round:
+                held.context, held.next_round = context, next_round
+                held.finished = status is SessionStatus.FINISHED
+                held.last_verdict = None
+        log.warning(
+            "round %d of %s was persisted already; the session resumes from the database at "
+            "round %d",
+            round_index,
+            held.session_id,
+            held.next_round,
+        )
+        self._to_device(held.device_id, held.state())
+        if held.finished:
             self.sessions.pop(held.session_id, None)
 
     def _error(self, held: LeasedSession, draft: m.Draft, reason: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +89,20 @@ class RoundWriter:
         self._queue: asyncio.Queue[_Write] = asyncio.Queue()
         self._connection: Connection | None = None  # used only from the writer's thread
         self.batches = 0
+
+    def stored(self, session_id: uuid.UUID) -> tuple[list[int], int, SessionStatus] | None:
+        """What the database holds of a session: its committed ids (prompt included), the next
+        round and its status; None when there is no such session. Blocking: call it in a
+        thread."""
+        with Session(self._engine) as db:
+            session = db.get(DecodingSession, session_id)
+            if session is None:
+                return None
+            last = db.scalar(
+                sa.select(sa.func.max(Round.round_index)).where(Round.session_id == session_id)
+            )
+            next_round = 0 if last is None else last + 1
+            return [*session.prompt_ids, *session.committed_ids], next_round, session.status
 
     async def write(
         self,
