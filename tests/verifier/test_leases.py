@@ -168,3 +168,75 @@ def test_a_verifier_without_the_database_refuses_leases(mosquitto: PrivateMosqui
         assert isinstance(ack, m.LeaseAck) and "no database" in ack.reason
 
     run_with_worker(mosquitto, body)
+
+
+def _persist_round_elsewhere(engine: Engine, session_id: str, committed: list[int]) -> None:
+    """Round 0 as another answerer stored it (the coordinator, or the lease's last holder)."""
+    sessions = make_sessionmaker(engine)
+    with sessions.begin() as db:
+        row = db.get(DecodingSession, uuid.UUID(session_id))
+        assert row is not None
+        db.add(
+            Round(
+                session_id=row.id,
+                round_index=0,
+                base_len=len(row.prompt_ids),
+                draft_tokens=committed[:-1],
+                draft_model="lookup",
+                k=len(committed) - 1,
+                mode=SessionMode.DISTRIBUTED,
+                n_accepted=len(committed) - 1,
+                next_token=committed[-1],
+                committed_len=len(row.prompt_ids) + len(committed),
+                verifier_id="another",
+            )
+        )
+        row.committed_ids = committed
+        row.committed_len = len(row.prompt_ids) + len(committed)
+
+
+def test_a_lease_behind_the_database_resumes_from_it(
+    mosquitto: PrivateMosquitto, pg_clean_engine: Engine
+) -> None:
+    """A round this lease had not heard of is in the database already: the verifier takes the
+    session's state from there and tells the device, rather than refusing the round forever."""
+    session_id = _open(pg_clean_engine)
+    reference = greedy_reference(PROMPT, 12)
+    url = pg_clean_engine.url.render_as_string(hide_password=False)
+
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        await listener.status(lambda s: s.state == m.DeviceState.ONLINE)
+        await listener.client.publish(worker.work_topic, m.encode(_lease(session_id)))
+        await listener.other(_ack("lease-1", True))
+        stored = list(reference[:3])
+        await asyncio.to_thread(_persist_round_elsewhere, pg_clean_engine, session_id, stored)
+
+        draft = m.Draft(
+            session_id=session_id,
+            round=0,
+            base_len=len(prompt_ids(PROMPT)),
+            tokens=(reference[0], reference[1]),
+            draft_model="lookup",
+        )
+        await listener.client.publish(device_topic(DEVICE, DeviceChannel.DRAFT), m.encode(draft))
+        state = await listener.other(lambda _t, msg: isinstance(msg, m.SessionState))
+        assert isinstance(state, m.SessionState)
+        assert (state.next_round, list(state.generated_ids)) == (1, stored)
+        assert not any(isinstance(msg, m.ErrorReply) for _t, msg in listener.others)
+
+        # The device resynchronised: its next round is answered and persisted.
+        following = draft.model_copy(
+            update={"round": 1, "base_len": draft.base_len + 3, "tokens": (reference[3],)}
+        )
+        await listener.client.publish(
+            device_topic(DEVICE, DeviceChannel.DRAFT), m.encode(following)
+        )
+        verdict = await listener.other(_verdict(1))
+        assert isinstance(verdict, m.Verdict) and verdict.base_len == draft.base_len + 3
+
+    run_with_worker(
+        mosquitto,
+        body,
+        database_url=url,
+        subscriptions=(device_topic(DEVICE, DeviceChannel.VERDICT),),
+    )
