@@ -2,19 +2,67 @@
 
 from __future__ import annotations
 
+import ctypes
+import getpass
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 START_TIMEOUT_S = 10.0
 
 
 class MosquittoError(RuntimeError):
     """Mosquitto is missing, or did not start."""
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# Linux sends a child its parent-death signal when the *thread* that forked it ends, not the
+# process: a broker forked from a worker thread (asyncio.to_thread) would die with that thread.
+# Children tied to us are forked from one thread of ours, which lives as long as the process
+# (one per process: a forked copy of us has not the thread, so it makes its own).
+_forkers: dict[int, ThreadPoolExecutor] = {}
+
+
+def _die_with(parent: int, sig: signal.Signals) -> Callable[[], None] | None:
+    """A preexec_fn (Linux) that has the kernel send the child `sig` once `parent` is gone,
+    SIGKILL included, which no handler of ours would see."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), sig)
+
+    return arm
+
+
+def popen_tied(
+    argv: list[str], *, log: IO[bytes], sig: signal.Signals = signal.SIGTERM
+) -> subprocess.Popen[bytes]:
+    """Start a child that dies with this process, however this process ends (on Linux; elsewhere
+    a plain child): a broker a SIGKILLed `specfleet up` started must not keep its ports."""
+    tie = _die_with(os.getpid(), sig)
+
+    def fork() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(argv, stdout=log, stderr=log, preexec_fn=tie)
+
+    forker = _forkers.get(os.getpid())
+    if forker is None:
+        forker = _forkers[os.getpid()] = ThreadPoolExecutor(1, "tied-child-forker")
+    return forker.submit(fork).result()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,6 +117,10 @@ class PrivateMosquitto:
             f"persistence_location {self.workdir}/",
             extra_config,
         ]
+        if not any(line.split()[:1] == ["user"] for line in extra_config.splitlines()):
+            # Started as root, Mosquitto would switch to its own user, and the kernel forgets a
+            # parent-death signal on a change of user: it would outlive a SIGKILLed owner.
+            lines.append(f"user {getpass.getuser()}")
         self.config_path.write_text("\n".join(lines) + "\n")
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -78,9 +130,7 @@ class PrivateMosquitto:
 
     def start(self) -> None:
         with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [self.binary, "-c", str(self.config_path)], stdout=log, stderr=log
-            )
+            self._process = popen_tied([self.binary, "-c", str(self.config_path)], log=log)
         try:
             wait_for_port(self.host, self.port)
         except MosquittoError:
