@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from device_agent.admission import MemoryAdmission, MemoryRefused, StandInProposer, resident_bytes
 from inference.artifacts import ArtifactError, check_same_vocabulary, load_manifest, with_vocab
 from inference.drafters import (
     BUILTIN_DRAFTERS,
@@ -68,6 +69,10 @@ class DrafterCatalog:
     With `isolate`, every neural draft runs in a supervised child process of its own
     (`device_agent.draft_supervisor`): its sessions draft with the copying hybrid while it is
     down, and `stop` ends the children.
+
+    With `admission`, a neural drafter is loaded only when its estimated resident cost fits the
+    memory available now, with a margin (`device_agent.admission`); `acquire` raises
+    MemoryRefused otherwise, and `stand_in` gives a session the copying fallback meanwhile.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class DrafterCatalog:
         threads: int | None = None,
         ngram_path: Path = DEFAULT_NGRAM_TABLE,
         isolate: bool = False,
+        admission: MemoryAdmission | None = None,
     ) -> None:
         self.models_dir = models_dir
         self.tokenizer_dir = tokenizer_dir
@@ -92,6 +98,7 @@ class DrafterCatalog:
         self._tokenizer: ChatTokenizer | None = None
         self._drafts: list[DraftInfo] | None = None
         self._heads: list[HeadInfo] | None = None
+        self.admission = admission
         self.supervisor: DraftSupervisor | None = None
         if isolate:
             from device_agent.draft_supervisor import DraftSupervisor
@@ -189,6 +196,9 @@ class DrafterCatalog:
             idle = self._idle.get(key)
             if idle:
                 return idle.pop()
+        refusal = self.memory_refusal(name)
+        if refusal is not None:
+            raise MemoryRefused(refusal)
         try:
             if self.supervisor is not None and self._is_draft(key[0]):
                 return self._supervised(key[0], temperature, self.supervisor)
@@ -201,6 +211,83 @@ class DrafterCatalog:
             )
         except (DrafterError, ImportError, OSError, ValueError) as exc:
             raise CatalogError(f"cannot load drafter {name!r}: {exc}") from exc
+
+    def _model(self, name: str) -> DraftInfo | HeadInfo | None:
+        """The built draft or head a drafter name runs; None for the copying drafters."""
+        model = self.resolve(name).removeprefix(HYBRID_PREFIX)
+        return next((d for d in self._built() if d.manifest.name == model), None)
+
+    def memory_needed(self, name: str) -> int:
+        """Bytes that loading drafter `name` for one more session would take (0: copying)."""
+        built = self._model(name)
+        if built is None:
+            return 0
+        isolated = self.supervisor is not None and self._is_draft(built.manifest.name)
+        if isolated and self._child_loaded(built.manifest.name):
+            return resident_bytes(built.manifest, False) - resident_bytes(built.manifest, False, 0)
+        return resident_bytes(built.manifest, isolated)
+
+    def _child_loaded(self, model: str) -> bool:
+        """Whether a draft child holds `model` already (its sessions share it)."""
+        health = self.supervisor.health() if self.supervisor is not None else []
+        return any(h.name == model and h.state in ("up", "starting") for h in health)
+
+    def memory_refusal(self, name: str) -> str | None:
+        """Why drafter `name` cannot be loaded now for want of memory; None when it fits."""
+        if self.admission is None:
+            return None
+        needs = self.memory_needed(name)
+        return None if needs == 0 else self.admission.refusal(name, needs)
+
+    def over_memory(self) -> list[str]:
+        """The neural drafters on this device that would not fit the memory available now."""
+        if self.admission is None:
+            return []
+        reading = self.admission.read()
+        if reading.available_bytes is None:
+            return []
+        room = reading.available_bytes - self.admission.margin_bytes
+        models = sorted({d.manifest.name for d in self._built()})
+        return [name for name in models if self.memory_needed(name) > room]
+
+    def fallback(self, temperature: float = 0.0) -> Proposer:
+        """A drafter that needs no native runtime and nearly no memory: the copying hybrid,
+        or lookup without an n-gram table."""
+        name = HYBRID if self.ngram_path.is_file() else LOOKUP
+        with self._lock:
+            idle = self._idle.get((name, temperature))
+            if idle:
+                return idle.pop()
+        return make_proposer(
+            name, self.models_dir, temperature=temperature, ngram_path=self.ngram_path
+        )
+
+    def stand_in(
+        self,
+        name: str,
+        temperature: float = 0.0,
+        fallback: Proposer | None = None,
+        fetching: bool = False,
+    ) -> StandInProposer:
+        """A drafter for `name` that drafts with `fallback` (default: the copying one) until
+        `name` is on this device and fits its memory, then with `name` itself."""
+
+        def available() -> bool:
+            return self.has(name) and self.memory_refusal(name) is None
+
+        def why() -> str:
+            if not self.has(name):
+                return f"{name} is not on this device" + (" (fetching it)" if fetching else "")
+            return self.memory_refusal(name) or f"{name} is loading"
+
+        return StandInProposer(
+            name,
+            lambda: self.acquire(name, temperature),
+            fallback if fallback is not None else self.fallback(temperature),
+            available,
+            why,
+            errors=(CatalogError,),
+        )
 
     def _is_draft(self, resolved: str) -> bool:
         """Whether a drafter runs a draft model (feature heads stay in this process)."""
@@ -264,6 +351,10 @@ class DrafterCatalog:
 
     def release(self, name: str, temperature: float, proposer: Proposer) -> None:
         """Take a drafter back once its session no longer drafts with it."""
+        if isinstance(proposer, StandInProposer):  # each part goes back under its own name
+            for part in proposer.parts():
+                self.release(part.name, temperature, part)
+            return
         proposer.rollback(0)
         key = (self.resolve(name), temperature)
         with self._lock:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import sqlite3
 import time
 import uuid
@@ -35,10 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker import messages as m
 from broker.topics import DeviceChannel
+from device_agent.admission import MemoryRefused, StandInProposer
 from device_agent.catalog import CatalogError, DrafterCatalog
 from device_agent.drafting import OutOfSync, SessionDrafter, SessionSpec
 from device_agent.journal import JournalEntry, SessionJournal
 from device_agent.settings import LocalSettings
+from inference.drafters import BUILTIN_DRAFTERS, HYBRID_PREFIX
 from inference.proposers import Proposer
 from inference.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
@@ -426,9 +429,11 @@ class AgentSession:
         downlink = self._downlink
         downlink_ms = downlink[1] if downlink and downlink[0] == window.round - 1 else None
         self._sent_at = time.perf_counter()
-        self._published = await self.book.publish(
-            DeviceChannel.DRAFT, window.message(self.session_id, time.time(), downlink_ms)
-        )
+        message = window.message(self.session_id, time.time(), downlink_ms)
+        note = self._drafter_note(window.draft_model)
+        if note:
+            message = message.model_copy(update={"drafter_note": note[:256]})
+        self._published = await self.book.publish(DeviceChannel.DRAFT, message)
         # A window sent again keeps the next one already drafted for it.
         if (
             not self._published
@@ -443,6 +448,13 @@ class AgentSession:
         else:
             self.drafter.speculate()
 
+    def _drafter_note(self, drafted_by: str) -> str | None:
+        """Why a window came from a stand-in's fallback (memory, a draft being fetched)."""
+        proposer = self.drafter.proposer
+        if drafted_by == self.drafter.draft_model or not isinstance(proposer, StandInProposer):
+            return None
+        return proposer.note
+
     async def _next_round(self) -> None:
         await self._drafting(self.drafter.draft)
         self._refusals = 0
@@ -455,6 +467,8 @@ class AgentSession:
         update: dict[str, Any] = {}
         if reason is not None:
             update["resume"] = reason
+        if not self.book.catalog.has(self.spec.draft_model):
+            update["draft_missing"] = True  # drafts on demand: the coordinator may send it
         if self._report_due:
             update["fallback"] = m.Fallback(
                 provisional_tokens=min(self._unreported, m.MAX_DRAFT_TOKENS),
@@ -710,6 +724,9 @@ class SessionBook:
         self.journal = journal
         self._sessions: dict[str, AgentSession] = {}
         self._recent: dict[str, AgentSession] = {}
+        # Whether a session may name a draft this device lacks (drafts on demand: signed
+        # releases can be installed here); the agent sets it.
+        self.on_demand = False
 
     @property
     def bus_up(self) -> bool:
@@ -732,7 +749,7 @@ class SessionBook:
 
     def _spec(self, request: SessionRequest, session_id: str) -> tuple[SessionSpec, int]:
         draft = request.draft or self.settings.default_draft
-        if not self.catalog.has(draft):
+        if not self.catalog.has(draft) and not (self.on_demand and _on_demand_name(draft)):
             raise SessionError(
                 f"unknown drafter {draft!r}; this device has: {', '.join(self.catalog.names())}"
             )
@@ -788,16 +805,17 @@ class SessionBook:
             # A drafter may load from disk: off the loop.
             tokenizer = await loop.run_in_executor(self.executor, self.catalog.tokenizer)
             proposer = await loop.run_in_executor(
-                self.executor, self.catalog.acquire, spec.draft_model, temperature
+                self.executor, self._acquire, spec.draft_model, temperature, None
             )
         except CatalogError as exc:
             raise SessionError(str(exc)) from None
 
         def swap(old: Proposer, name: str) -> Proposer | None:
-            if not self.catalog.has(name):
+            if not self.catalog.has(name) and not self.on_demand:
                 return None
-            new = self.catalog.acquire(name, temperature)
-            self.catalog.release(drafter.draft_model, temperature, old)
+            new = self._acquire(name, temperature, old)
+            if not (isinstance(new, StandInProposer) and new.fallback is old):
+                self.catalog.release(drafter.draft_model, temperature, old)
             return new
 
         drafter = SessionDrafter(
@@ -811,6 +829,19 @@ class SessionBook:
         session = AgentSession(self, spec, drafter, tokenizer)
         self._sessions[spec.session_id] = session
         return session
+
+    def _acquire(self, name: str, temperature: float, current: Proposer | None) -> Proposer:
+        """The drafter `name` for a session; where it cannot run yet (not on this device, or
+        too big for the memory free now), a stand-in that drafts with `current` (or the copying
+        fallback) until it can. Runs on the drafting thread: a load may take a while."""
+        if not self.catalog.has(name):
+            log.info("drafter %s is not on this device: drafting without it until it is", name)
+            return self.catalog.stand_in(name, temperature, current, fetching=True)
+        try:
+            return self.catalog.acquire(name, temperature)
+        except MemoryRefused as exc:
+            log.warning("%s; drafting without it while it does not fit", exc)
+            return self.catalog.stand_in(name, temperature, current)
 
     async def resume_journal(self) -> list[AgentSession]:
         """Resume every session the journal holds: this agent restarted while they ran."""
@@ -902,6 +933,15 @@ class SessionBook:
             self.executor.submit(release)
         except RuntimeError:  # the executor has shut down: no draft can be running
             release()
+
+
+def _on_demand_name(name: str) -> bool:
+    """Whether a drafter name could come as a release: a model name, alone or behind hybrid+."""
+    model = name.removeprefix(HYBRID_PREFIX)
+    return model not in BUILTIN_DRAFTERS and _MODEL_NAME.fullmatch(model) is not None
+
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def _drafter_state(entry: JournalEntry) -> dict[str, Any]:

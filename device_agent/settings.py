@@ -105,6 +105,11 @@ class AgentSettings(LocalSettings):
     battery_floor_percent: float = Field(default=20.0, ge=0, le=100)
     power_saver: bool = False
     sys_root: Path = Path("/sys")
+    # Memory admission: a neural draft is loaded only when its estimated resident cost plus
+    # this margin fits MemAvailable (or the room under the agent's cgroup v2 memory.max).
+    # /proc is read under proc_root, as /sys under sys_root.
+    memory_margin_mb: float = Field(default=64.0, ge=0, le=1024 * 1024)
+    proc_root: Path = Path("/proc")
 
     @field_validator("device_id")
     @classmethod
