@@ -52,7 +52,7 @@ from bench.report import add_json_argument, format_table, write_json
 if TYPE_CHECKING:
     import httpx
 
-    from coordinator.localfleet import LocalFleet
+    from localfleet.fleet import LocalFleet
     from netem import NetworkEmulator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -343,8 +343,8 @@ async def run_phase(
 
 
 def _start_agent(fleet: LocalFleet, config: Config, broker_url: str, runtime: str) -> None:
-    from coordinator.localfleet import AgentSpec
-    from coordinator.registry import DeviceExistsError
+    from coordinator.db.registry import DeviceExistsError
+    from localfleet.fleet import AgentSpec
 
     spec = AgentSpec(config.device_id, "phone", config.draft, runtime)
     registry = fleet.coordinator.registry
@@ -367,10 +367,10 @@ async def run_trace(
     from tqdm import tqdm
 
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.localfleet import START_TIMEOUT_S, local_fleet
     from coordinator.settings import Settings
     from inference.drafters import BUILTIN_DRAFTERS
     from inference.target_build import ensure_target
+    from localfleet.fleet import START_TIMEOUT_S, local_fleet
     from netem import NetworkEmulator
 
     base = Settings()

@@ -90,8 +90,8 @@ if TYPE_CHECKING:
     from bench.plain_serving import PlainServer
     from broker import messages as m
     from coordinator.db.models import Round, SessionStatus
-    from coordinator.localfleet import LocalFleet
-    from coordinator.service import Coordinator
+    from coordinator.runtime.service import Coordinator
+    from localfleet.fleet import LocalFleet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
@@ -658,7 +658,7 @@ async def ask_one(
     timeout_s: float = SESSION_TIMEOUT_S,
 ) -> dict[str, Any]:
     """One session through an agent's local API; an error unless it finished."""
-    from coordinator.demo import ask
+    from localfleet.demo import ask
 
     summary = await asyncio.wait_for(ask(client, port, request, label, False), timeout_s)
     if summary.get("status") != "finished":
@@ -837,10 +837,10 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
 
     from bench.plain_serving import PlainServer
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.localfleet import AgentSpec, local_fleet
     from coordinator.settings import Settings
     from inference.target_build import ensure_target
     from inference.tokenizer import ChatTokenizer
+    from localfleet.fleet import AgentSpec, local_fleet
 
     base = Settings()
     workdir = Path(tempfile.mkdtemp(prefix="specfleet-bench-e2e-"))

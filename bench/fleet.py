@@ -320,7 +320,7 @@ class Coordinators:
 def start_coordinators(fleet: Any, n: int) -> Coordinators:
     """`specfleet up` N times against the fleet's broker and database; N > 1 share the fleet."""
     from broker.mosquitto import free_port
-    from coordinator.localfleet import ChildProcess
+    from localfleet.fleet import ChildProcess
 
     children, ports = [], []
     for i in range(n):
@@ -341,11 +341,12 @@ def start_coordinators(fleet: Any, n: int) -> Coordinators:
 
 
 def shards_settled(database_url: str, n: int) -> bool:
-    """Every shard locked, by N coordinators present (the locks of coordinator/shards.py)."""
+    """Every shard locked, by N coordinators present (the locks of
+    coordinator/runtime/shards.py)."""
     import psycopg
     from sqlalchemy.engine import make_url
 
-    from coordinator.shards import N_SHARDS, PRESENCE_LOCKS, SHARD_LOCKS
+    from coordinator.runtime.shards import N_SHARDS, PRESENCE_LOCKS, SHARD_LOCKS
 
     dsn = make_url(database_url).set(drivername="postgresql").render_as_string(False)
     with psycopg.connect(dsn) as conn:
@@ -364,9 +365,9 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from bench.recorded import DEFAULT_ANSWERS, load_answers
     from bench.soak import count_tracebacks, wait_for_verifier
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.localfleet import FleetProcesses
     from coordinator.settings import Settings
     from coordinator.stack import VERIFIER_USER, prepare_database
+    from localfleet.fleet import FleetProcesses
 
     answers_path = (args.answers or DEFAULT_ANSWERS).resolve()
     answers = load_answers(answers_path)
@@ -430,7 +431,7 @@ def register_devices(engine: Any, device_ids: list[str]) -> None:
     from tqdm import tqdm
 
     from coordinator.db.engine import make_sessionmaker
-    from coordinator.registry import DeviceRegistry
+    from coordinator.db.registry import DeviceRegistry
 
     registry = DeviceRegistry(make_sessionmaker(engine), hash_iterations=1)
     for device_id in tqdm(device_ids, desc="registering", unit="device", file=sys.stderr):
@@ -461,7 +462,7 @@ async def wait_until_ready(http_port: int, coordinator: Any) -> None:
 
 
 def _start_child(fleet: Any, name: str, argv: list[str], registry: dict[str, Any]) -> Any:
-    from coordinator.localfleet import ChildProcess
+    from localfleet.fleet import ChildProcess
 
     child = ChildProcess(name, [sys.executable, *argv], fleet._child_env(),
                          fleet.workdir / f"{name}.log")  # fmt: skip

@@ -189,9 +189,9 @@ async def run_soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from tqdm import tqdm
 
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.localfleet import FleetProcesses
     from coordinator.settings import Settings
     from coordinator.stack import VERIFIER_USER, prepare_database
+    from localfleet.fleet import FleetProcesses
 
     with PrivateMosquitto(workdir=_mkdir(workdir / "mosquitto")) as mosquitto:
         settings = Settings(

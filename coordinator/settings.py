@@ -76,7 +76,8 @@ class Settings(BaseSettings):
     # The coordinator's MQTT client id; its persistent session keeps drafts queued across restarts.
     coordinator_id: str = "coordinator"
     # Several coordinators share this fleet (PostgreSQL only): each owns the devices of the shards
-    # whose advisory locks it holds, and takes a dead peer's within seconds (coordinator/shards.py).
+    # whose advisory locks it holds, and takes a dead peer's within seconds
+    # (coordinator/runtime/shards.py).
     # Each needs its own coordinator_id (and broker account, on the devices' listener).
     shared_fleet: bool = False
     # "auto" tries MQTT 5 first; the embedded broker speaks 3.1.1 only.

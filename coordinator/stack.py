@@ -20,15 +20,15 @@ from sqlalchemy.engine import Engine
 from broker.acl import ServiceRole, ServiceUser, generate_passwords
 from broker.embedded import EmbeddedBroker
 from broker.passwords import hash_credential, new_credential
-from coordinator.api.main import create_app
-from coordinator.control import BrokerRevoke, attach_service
 from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.migrate import upgrade
-from coordinator.provisioning import BrokerReload, BrokerSync
-from coordinator.registry import DeviceRegistry
-from coordinator.service import Coordinator, configured_target
+from coordinator.db.registry import DeviceRegistry
+from coordinator.ops.provisioning import BrokerReload, BrokerSync
+from coordinator.runtime.service import Coordinator, configured_target
 from coordinator.settings import Settings
 from coordinator.stack_broker import StackMosquitto, mosquitto_binary
+from coordinator.web.api.main import create_app
+from coordinator.web.control import BrokerRevoke, attach_service
 
 log = logging.getLogger(__name__)
 

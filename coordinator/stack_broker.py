@@ -21,7 +21,7 @@ from broker import acl
 from broker.acl import ServiceRole, ServiceUser
 from broker.mosquitto import MosquittoError, free_port, wait_for_port
 from broker.passwords import hash_credential, new_credential
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 
 log = logging.getLogger(__name__)
 

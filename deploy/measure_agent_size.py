@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.report import format_table  # noqa: E402
-from coordinator.packaging import (  # noqa: E402
+from coordinator.ops.packaging import (  # noqa: E402
     AGENT_EXTRAS,
     DevicePlatform,
     PackagingError,

@@ -13,7 +13,7 @@ MODEL_COMMANDS = (
     ("distill", "inference.distill", "distil draft models from the target's own outputs"),
     ("train-head", "inference.head_train", "train a feature-conditioned draft head (EAGLE)"),
     ("list", "inference.artifacts", "list built models with their sha256 and sizes"),
-    ("deploy", "coordinator.deploy_command", "roll a draft out to devices in waves (OTA)"),
+    ("deploy", "coordinator.ops.deploy_command", "roll a draft out to devices in waves (OTA)"),
     ("build-ngram", "inference.ngram_build", "build the n-gram drafter's table from target output"),
 )
 

@@ -3,7 +3,8 @@
 Time is in milliseconds of simulated fleet time. What the real code decides runs here as the
 real code: the coordinator's `AdaptivePolicy` chooses each adaptive session's mode, drafter and
 k from the rounds it observes, and each verifier's `GoodputControl` chooses its host streams'
-window pass by pass from the pass costs it observes, exactly as in `coordinator/sessions.py` and
+window pass by pass from the pass costs it observes, exactly as in
+`coordinator/runtime/sessions.py` and
 `verifier/worker.py`. What the real system measures comes from the calibration: what a pass of
 B rows and T positions costs (`PassCost` seeded with the profile, the same class the verifier
 learns with), acceptance per drafted position by drafter and task, draft costs, and the time a
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import messages as m
-from coordinator.policy import (
+from coordinator.runtime.policy import (
     CLOUD_STREAM_ROUNDS,
     STREAM_DECISION_EVERY,
     AdaptivePolicy,

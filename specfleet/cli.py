@@ -20,7 +20,7 @@ from specfleet.logs import configure_logging
 
 # Modules that expose `register(subparsers)`; each adds its subcommands with a `func` default.
 COMMAND_MODULES = (
-    "coordinator.commands",
+    "specfleet.commands",
     "inference.commands",
     "bench.commands",
     "verifier.commands",

@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from coordinator.db.events import append_event
 from coordinator.db.models import DecodingSession, Round, SessionStatus, utcnow
-from coordinator.events import append_event
 
 log = logging.getLogger(__name__)
 

@@ -539,7 +539,7 @@ def test_provisioned_devices_connect_to_a_broker_from_write_config(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`devices add` then `broker write-config`: mosquitto accepts the printed credentials."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
     db = ("--database-url", f"sqlite:///{tmp_path / 'specfleet.db'}")
     device_id = f"pi-{secrets.token_hex(4)}"
     _specfleet(capsys, "db", "upgrade", *db)

@@ -18,7 +18,7 @@ from test_acl import TEST_ITERATIONS, Probe, _free_port, _start_mosquitto, _stop
 from broker import acl, bridge, emqx
 from broker.passwords import hash_credential, new_credential, pbkdf2_parts
 from broker.topics import DeviceChannel, device_topic
-from coordinator.provisioning import parse_acl
+from coordinator.ops.provisioning import parse_acl
 from specfleet import cli
 
 # Quiet time after which a message that was not delivered counts as refused.
@@ -213,7 +213,7 @@ def registry_db(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> tuple[str, str]:
     """A SQLite registry with one device; returns its --database-url and the device id."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
     url = f"sqlite:///{tmp_path / 'specfleet.db'}"
     assert _cli(capsys, "db", "upgrade", "--database-url", url)[0] == 0
     assert _cli(capsys, "devices", "add", "pi-01", "--kind", "pi", "--database-url", url)[0] == 0

@@ -32,7 +32,7 @@ async def _retain(url: str, status: m.VerifierStatus) -> None:
 def _probe(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], url: str, *argv: str
 ) -> tuple[int, str]:
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
     monkeypatch.setenv("SPECFLEET_BROKER_URL", url)
     status = cli.main(["broker", "probe-verifier", *argv])
     out, err = capsys.readouterr()

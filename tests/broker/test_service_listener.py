@@ -62,7 +62,7 @@ def test_every_device_listener_ties_client_ids_to_usernames(tmp_path: Path, tls:
 def test_replicas_share_an_account_on_the_service_listener_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
     db = ("--database-url", f"sqlite:///{tmp_path / 'specfleet.db'}")
     device_id = f"pi-{secrets.token_hex(4)}"
     _specfleet(capsys, "db", "upgrade", *db)
@@ -144,7 +144,7 @@ def test_bad_service_credentials_are_refused_with_the_reason(
     argv: list[str],
     reason: str,
 ) -> None:
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
     db = ("--database-url", f"sqlite:///{tmp_path / 'specfleet.db'}")
     _specfleet(capsys, "db", "upgrade", *db)
     status = cli.main(["broker", "write-config", "--out", str(tmp_path / "b"), *argv, *db])

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Engine
 from broker import messages as m
 from broker.client import BrokerAddress, BusClient, ConnectOptions, Incoming, connect
 from broker.topics import DeviceChannel, device_topic
-from coordinator.service import Coordinator
+from coordinator.runtime.service import Coordinator
 from coordinator.settings import Settings
 
 REPLY_TIMEOUT_S = 10.0

@@ -20,9 +20,9 @@ from coordinator.db.models import (
     SessionMode,
     SessionStatus,
 )
-from coordinator.registry import DeviceRegistry
-from coordinator.releases import store_release
-from coordinator.rollout import Deployments
+from coordinator.db.registry import DeviceRegistry
+from coordinator.ops.releases import store_release
+from coordinator.ops.rollout import Deployments
 from inference.artifacts import default_models_dir
 from inference.target_build import ensure_target
 from inference.tokenizer import ChatTokenizer

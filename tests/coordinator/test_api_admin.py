@@ -17,8 +17,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator.api.main import create_app
-from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import (
     Admin,
@@ -34,6 +32,8 @@ from coordinator.db.models import (
 )
 from coordinator.live import ControlError, SessionStartRequest, VerifierLoad
 from coordinator.settings import Settings
+from coordinator.web.api.main import create_app
+from coordinator.web.auth import AdminStore
 from inference.artifacts import default_models_dir, list_models
 
 SECRET = "a-test-secret-of-32-characters!!"

@@ -17,11 +17,11 @@ from fastapi import FastAPI
 from sqlalchemy.engine import Engine
 
 from broker.mosquitto import free_port
-from coordinator.api.main import create_app
-from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 from coordinator.settings import Settings
+from coordinator.web.api.main import create_app
+from coordinator.web.auth import AdminStore
 
 SECRET = "a-test-secret-of-32-characters!!"
 CHUNK = 64 * 1024

@@ -9,13 +9,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-from coordinator.api.main import create_app
-from coordinator.api.paging import MAX_ROW_ID
-from coordinator.api.routes import events as events_route
-from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 from coordinator.settings import Settings
+from coordinator.web.api.main import create_app
+from coordinator.web.api.paging import MAX_ROW_ID
+from coordinator.web.api.routes import events as events_route
+from coordinator.web.auth import AdminStore
 
 HUGE = str(10**20)  # past bigint: PostgreSQL refuses it as an OFFSET or an id
 

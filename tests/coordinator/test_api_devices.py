@@ -9,11 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-from coordinator.api.main import create_app
-from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 from coordinator.settings import Settings
+from coordinator.web.api.main import create_app
+from coordinator.web.auth import AdminStore
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
 

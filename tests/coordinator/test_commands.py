@@ -22,7 +22,7 @@ Run = Callable[..., tuple[int, str, str]]
 def specfleet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Run:
     """`specfleet ARGS...` in-process -> (exit status, stdout, stderr)."""
     # Only this package's commands: other roles' modules are not under test here.
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
 
     def run(*argv: str) -> tuple[int, str, str]:
         try:

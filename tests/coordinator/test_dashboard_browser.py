@@ -33,12 +33,12 @@ from playwright.sync_api import Browser, Page, Playwright, Route, expect, sync_p
 from sqlalchemy.engine import Engine
 
 from broker.mosquitto import free_port
-from coordinator.api.main import create_app
-from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import AdminRole, DeviceDeploymentState, SessionMode, SessionStatus
-from coordinator.rollout import Deployments
+from coordinator.ops.rollout import Deployments
 from coordinator.settings import Settings
+from coordinator.web.api.main import create_app
+from coordinator.web.auth import AdminStore
 from device_agent import __version__ as AGENT_VERSION
 from inference.artifacts import default_models_dir
 

@@ -15,19 +15,19 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy.engine import Engine
 
-from coordinator.api.main import create_app, signing_key
-from coordinator.auth import (
+from coordinator.db.engine import make_sessionmaker
+from coordinator.db.events import EventLog
+from coordinator.db.models import ApiToken, utcnow
+from coordinator.db.registry import DeviceRegistry
+from coordinator.settings import Settings
+from coordinator.web.api.main import create_app, signing_key
+from coordinator.web.auth import (
     SESSION_COOKIE,
     SESSION_MAX_AGE_S,
     AdminStore,
     CookieSigner,
     LoginThrottle,
 )
-from coordinator.db.engine import make_sessionmaker
-from coordinator.db.models import ApiToken, utcnow
-from coordinator.events import EventLog
-from coordinator.registry import DeviceRegistry
-from coordinator.settings import Settings
 
 SECRET = "a-test-secret-of-32-characters!!"
 

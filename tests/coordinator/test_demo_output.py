@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.demo import TargetAlone, TokenStream, results_table, throughput_line
 from inference.artifacts import default_models_dir
+from localfleet.demo import TargetAlone, TokenStream, results_table, throughput_line
 
 RUN_S = 600.0
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (DEBUG|INFO|WARNING|ERROR) ", re.M)

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel
-from coordinator import verifiers
+from coordinator.runtime import verifiers
 
 DECODE_CASES = 10_000
 BUS_CASES = 1_000

@@ -16,8 +16,8 @@ from sqlalchemy.engine import Engine
 from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel
-from coordinator.registry import DeviceNotFoundError
-from coordinator.service import Coordinator
+from coordinator.db.registry import DeviceNotFoundError
+from coordinator.runtime.service import Coordinator
 
 WAIT_S = 10.0
 

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from coordinator.db.engine import make_sessionmaker
-from coordinator.events import EventLog
+from coordinator.db.events import EventLog
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
 

@@ -11,10 +11,10 @@ from coordinator_rig import rig_settings, running_coordinator
 from sqlalchemy.engine import Engine
 
 from broker.mosquitto import PrivateMosquitto, free_port
-from coordinator.api.main import create_app
-from coordinator.control import attach_service
 from coordinator.db.engine import make_engine
 from coordinator.settings import Settings
+from coordinator.web.api.main import create_app
+from coordinator.web.control import attach_service
 
 DISCONNECT_WAIT_S = 20.0
 

@@ -12,13 +12,13 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 
-from coordinator.api.main import create_app
-from coordinator.auth import AdminStore
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import Round, SessionStatus
 from coordinator.live import VerifierLoad
-from coordinator.metrics import CoordinatorMetrics, RoundLegs
+from coordinator.runtime.metrics import CoordinatorMetrics, RoundLegs
 from coordinator.settings import Settings
+from coordinator.web.api.main import create_app
+from coordinator.web.auth import AdminStore
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -140,7 +140,7 @@ def test_the_wheel_ships_migrations_and_broker_configs(tmp_path: Path) -> None:
         "migrations/versions/0002_admins_and_round_audit.py",
         "broker/config/mosquitto.conf",
         "broker/config/mosquitto-tls.conf",
-        "coordinator/dashboard/templates/session.html",
-        "coordinator/dashboard/static/app.js",
+        "coordinator/web/dashboard/templates/session.html",
+        "coordinator/web/dashboard/static/app.js",
     ):
         assert required in names

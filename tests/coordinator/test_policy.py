@@ -8,7 +8,7 @@ import json
 import pytest
 
 from broker import messages as m
-from coordinator.policy import (
+from coordinator.runtime.policy import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
     MODE_DWELL_ROUNDS,

@@ -17,7 +17,7 @@ import pytest
 
 from broker.mosquitto import free_port
 from coordinator.db.engine import make_engine, make_sessionmaker
-from coordinator.events import EventLog
+from coordinator.db.events import EventLog
 
 SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
 AGENT_KEEPALIVE_S = 2

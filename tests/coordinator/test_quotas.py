@@ -28,9 +28,9 @@ from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel, VerifierChannel, verifier_topic
 from coordinator.db.engine import make_sessionmaker
+from coordinator.db.events import EventKind
 from coordinator.db.models import DecodingSession, Event, SessionStatus
-from coordinator.events import EventKind
-from coordinator.service import Coordinator
+from coordinator.runtime.service import Coordinator
 
 FLOOD = 3000
 # Another device's session open must be answered this fast while one device floods telemetry

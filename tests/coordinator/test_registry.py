@@ -9,9 +9,9 @@ from sqlalchemy.engine import Engine
 
 from broker.passwords import verify_credential
 from coordinator.db.engine import make_sessionmaker
+from coordinator.db.events import EventKind, EventLog
 from coordinator.db.models import DeviceKind, DeviceStatus
-from coordinator.events import EventKind, EventLog
-from coordinator.registry import (
+from coordinator.db.registry import (
     DeviceExistsError,
     DeviceNotFoundError,
     DeviceRegistry,

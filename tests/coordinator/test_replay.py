@@ -37,7 +37,7 @@ Run = Callable[..., tuple[int, str, str]]
 @pytest.fixture
 def specfleet(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Run:
     """`specfleet ARGS...` in-process -> (exit status, stdout, stderr)."""
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
 
     def run(*argv: str) -> tuple[int, str, str]:
         try:

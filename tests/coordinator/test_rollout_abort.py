@@ -23,8 +23,8 @@ from coordinator.db.models import (
     Model,
     ModelRole,
 )
-from coordinator.registry import DeviceRegistry
-from coordinator.rollout import AbortRefused, Deployments, RolloutEvent, plan_waves, run_rollout
+from coordinator.db.registry import DeviceRegistry
+from coordinator.ops.rollout import AbortRefused, Deployments, RolloutEvent, plan_waves, run_rollout
 
 DEVICES = ("dev-a", "dev-b", "dev-c", "dev-d")  # waves of 25%: one device each
 SHA = hashlib.sha256(b"a draft").hexdigest()

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import DecodingSession, Event, Round, SessionMode, SessionStatus
+from coordinator.db.registry import DeviceRegistry
 from coordinator.db.round_writer import RoundWriter
-from coordinator.registry import DeviceRegistry
 
 DEVICE = "writer-pi"
 PROMPT_IDS = [1, 2, 3, 4]

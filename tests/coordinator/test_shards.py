@@ -12,7 +12,7 @@ import pytest
 from coordinator_rig import raw_device, rig_settings, running_coordinator
 
 from broker.topics import DeviceChannel
-from coordinator.shards import N_SHARDS, ShardLeases, ShardsUnavailable, shard_of
+from coordinator.runtime.shards import N_SHARDS, ShardLeases, ShardsUnavailable, shard_of
 
 
 class Holder:

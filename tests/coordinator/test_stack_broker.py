@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 from broker.client import BrokerAddress, BusAuthError, BusConnectionError, ConnectOptions, connect
 from broker.mosquitto import free_port
 from coordinator.db.engine import make_sessionmaker
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 from coordinator.stack_broker import StackMosquitto, mosquitto_binary
 
 pytestmark = pytest.mark.skipif(mosquitto_binary() is None, reason="mosquitto is not installed")

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Engine
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db import migrate
 from coordinator.db.engine import make_engine, make_sessionmaker
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 from inference.artifacts import default_models_dir
 from inference.distill import ensure_drafts
 from inference.drafts import list_drafts
@@ -124,7 +124,7 @@ def secured_mosquitto(broker_dir: Path) -> Iterator[Callable[[], PrivateMosquitt
 @pytest.fixture(scope="session")
 def agent_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The specfleet wheel of this checkout and the agent's dependencies for this machine."""
-    from coordinator.packaging import DevicePlatform, build_wheel, build_wheelhouse
+    from coordinator.ops.packaging import DevicePlatform, build_wheel, build_wheelhouse
 
     root = tmp_path_factory.mktemp("wheelhouse")
     wheel = build_wheel(root / "built")

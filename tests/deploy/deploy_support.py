@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker.mosquitto import PrivateMosquitto
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 from inference.artifacts import load_manifest, sha256_file, write_manifest
 
 
@@ -81,8 +81,8 @@ def run_cli(argv: list[str]) -> int:
     """`specfleet ARGV` through the coordinator's and the models' command modules only."""
     import argparse
 
-    from coordinator import commands as coordinator_commands
     from inference import commands as model_commands
+    from specfleet import commands as coordinator_commands
     from specfleet.cli import CommandError
 
     parser = argparse.ArgumentParser(prog="specfleet")

@@ -16,17 +16,17 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 
-from coordinator.api.routes import artifacts
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import Device, DeviceStatus
-from coordinator.registry import DeviceRegistry
-from coordinator.releases import (
+from coordinator.db.registry import DeviceRegistry
+from coordinator.ops.releases import (
     StoredRelease,
     issue_download_token,
     load_or_create_release_key,
     store_release,
 )
 from coordinator.settings import Settings
+from coordinator.web.api.routes import artifacts
 
 
 @dataclass(frozen=True)

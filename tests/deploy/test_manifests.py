@@ -211,7 +211,7 @@ def test_the_broker_config_command_they_run_is_accepted_by_the_cli(
         secret_files[name.replace("_", "-")] = tmp_path / name
         (tmp_path / name).write_text(f"{name}-value\n")
     argv = _service_command(command, tmp_path / "broker", secret_files)
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
     database = f"sqlite:///{tmp_path / 'specfleet.db'}"
     assert cli.main(["db", "upgrade", "--database-url", database]) == 0
     assert cli.main([*argv, "--database-url", database]) == 0, capsys.readouterr().err
@@ -237,7 +237,7 @@ def test_the_verifier_probe_runs_in_the_verifier_container_environment(
         assert "--unreachable-ok" in liveness
     declared["SPECFLEET_BROKER_URL"] = f"mqtt://127.0.0.1:{free_port()}"
     _container_env(monkeypatch, "verifier.Dockerfile", declared, tmp_path)
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("coordinator.commands",))
+    monkeypatch.setattr(cli, "COMMAND_MODULES", ("specfleet.commands",))
     status = cli.main(["broker", "probe-verifier", "verifier-0", "--unreachable-ok"])
     assert status == 0, capsys.readouterr().err
     assert "broker unreachable, not judged" in capsys.readouterr().out

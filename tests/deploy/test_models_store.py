@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from deploy_support import FileServer, broken_release, copy_release
 
 from broker.model_release import DeployModelArgs, ModelRelease, load_public_key, sign_release
-from coordinator.releases import (
+from coordinator.ops.releases import (
     artifacts_dir,
     release_public_key_pem,
     rollback_release,
@@ -194,7 +194,7 @@ def test_a_signed_artifact_cannot_be_installed_under_another_name(
     genuine = release_args(coordinator_home, draft_dir, server, www)
     renamed = ModelRelease(**{**genuine.release.model_dump(), "name": "draft-other"})
     # Even with the coordinator's own signature over the new name, the content says otherwise.
-    from coordinator.releases import load_or_create_release_key
+    from coordinator.ops.releases import load_or_create_release_key
 
     signature = sign_release(load_or_create_release_key(coordinator_home), renamed)
     args = genuine.model_copy(update={"name": "draft-other", "signature": signature})
@@ -239,7 +239,7 @@ def test_signed_archives_with_unsafe_members_are_refused(
 ) -> None:
     import hashlib
 
-    from coordinator.releases import load_or_create_release_key
+    from coordinator.ops.releases import load_or_create_release_key
 
     server, www = file_server
     sha = hashlib.sha256(archive).hexdigest()

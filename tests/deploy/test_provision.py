@@ -28,16 +28,16 @@ from broker.client import (
 from broker.compat import timeout
 from broker.mosquitto import PrivateMosquitto, free_port
 from broker.topics import DeviceChannel, device_topic
-from coordinator.api.main import create_app
-from coordinator.auth import AdminStore
-from coordinator.control import attach_service
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import DecodingSession, Event, SessionMode, SessionStatus
-from coordinator.provisioning import parse_acl
-from coordinator.registry import DeviceRegistry
-from coordinator.service import Coordinator
+from coordinator.db.registry import DeviceRegistry
+from coordinator.ops.provisioning import parse_acl
+from coordinator.runtime.service import Coordinator
 from coordinator.settings import Settings
 from coordinator.stack import broker_revoke, http_api, quickstart_broker
+from coordinator.web.api.main import create_app
+from coordinator.web.auth import AdminStore
+from coordinator.web.control import attach_service
 from device_agent.settings import load_agent_settings
 
 

@@ -25,12 +25,12 @@ from sqlalchemy.engine import Engine
 
 from broker.mosquitto import PrivateMosquitto, free_port
 from coordinator.db.engine import make_sessionmaker
+from coordinator.db.events import EventLog
 from coordinator.db.models import DeploymentState, DeviceDeploymentState
-from coordinator.events import EventLog
-from coordinator.provisioning import sync_broker_files
-from coordinator.registry import DeviceRegistry
-from coordinator.releases import release_public_key_pem
-from coordinator.rollout import Deployments, RolloutEvent
+from coordinator.db.registry import DeviceRegistry
+from coordinator.ops.provisioning import sync_broker_files
+from coordinator.ops.releases import release_public_key_pem
+from coordinator.ops.rollout import Deployments, RolloutEvent
 from coordinator.settings import Settings
 from device_agent.agent import Agent
 from device_agent.models_store import smoke_draft
@@ -143,7 +143,7 @@ def fleet(
     key_file = tmp_path / "release-key.pub.pem"
     key_file.write_bytes(release_public_key_pem(home))
 
-    from coordinator.api.routes import artifacts
+    from coordinator.web.api.routes import artifacts
 
     app = FastAPI()
     app.state.settings = Settings()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.flash import UNIT_NAME, render_template
+from coordinator.ops.flash import UNIT_NAME, render_template
 from specfleet.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

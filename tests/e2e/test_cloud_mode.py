@@ -23,10 +23,10 @@ from test_dsd_bus import shared_prompts, target_answer
 from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
-from coordinator.demo import ask
-from coordinator.localfleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
-from coordinator.registry import DeviceExistsError
+from coordinator.db.registry import DeviceExistsError
 from coordinator.settings import Settings
+from localfleet.demo import ask
+from localfleet.fleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
 from netem import NetworkEmulator
 
 MAX_TOKENS = 24

@@ -20,9 +20,9 @@ from test_dsd_bus import shared_prompts, target_answer
 
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db.models import Round, SessionMode
-from coordinator.demo import ask
-from coordinator.localfleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
 from coordinator.settings import Settings
+from localfleet.demo import ask
+from localfleet.fleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
 
 MAX_TOKENS = 24
 DEVICE = AgentSpec("warm-phone", "phone", "hybrid", "none")

@@ -28,12 +28,12 @@ from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel, device_topic
-from coordinator.demo import ask
-from coordinator.localfleet import START_TIMEOUT_S, AgentSpec, local_fleet
 from coordinator.settings import Settings
 from inference.feature_head import build_head, random_head_weights
 from inference.features import features_from_wire
 from inference.target_build import ensure_target, load_target
+from localfleet.demo import ask
+from localfleet.fleet import START_TIMEOUT_S, AgentSpec, local_fleet
 
 MAX_TOKENS = 20
 HEAD = "eagle-random"

@@ -20,9 +20,9 @@ from test_dsd_bus import shared_prompts, target_answer
 
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db.models import Event, Round
-from coordinator.localfleet import AgentSpec, LocalFleet, local_fleet
 from coordinator.settings import Settings
 from device_agent.local_api import HOST, ApiError, SseEvent, stream_session, watch_session
+from localfleet.fleet import AgentSpec, LocalFleet, local_fleet
 
 # A neural draft proposes at every position, so the device can generate alone.
 AGENT = AgentSpec("fallback-jetson", "jetson", "draft-l1", "onnx")

@@ -22,10 +22,10 @@ from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round
-from coordinator.demo import ask
-from coordinator.localfleet import VERIFIER_USER, AgentSpec, LocalFleet, local_fleet
-from coordinator.service import Coordinator
+from coordinator.runtime.service import Coordinator
 from coordinator.settings import Settings
+from localfleet.demo import ask
+from localfleet.fleet import VERIFIER_USER, AgentSpec, LocalFleet, local_fleet
 
 AGENT = AgentSpec("legs-pi", "pi", "lookup", "none")
 PROMPTS = ["List the days of the week.", "Count from one to twelve in words."]

@@ -20,10 +20,10 @@ from test_dsd_bus import shared_prompts, target_answer
 
 from bench.fleet import shards_settled
 from broker.mosquitto import PrivateMosquitto, free_port
-from coordinator.demo import ask
-from coordinator.localfleet import AgentSpec, ChildProcess, LocalFleet, local_fleet
+from coordinator.runtime.shards import N_SHARDS, shard_of
 from coordinator.settings import Settings
-from coordinator.shards import N_SHARDS, shard_of
+from localfleet.demo import ask
+from localfleet.fleet import AgentSpec, ChildProcess, LocalFleet, local_fleet
 
 AGENTS = [
     AgentSpec("share-pi", "phone", "ngram", "none"),  # shard 0: the first coordinator's

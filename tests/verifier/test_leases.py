@@ -16,7 +16,7 @@ from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
-from coordinator.registry import DeviceRegistry
+from coordinator.db.registry import DeviceRegistry
 from verifier.worker import VerifierWorker
 
 PROMPT = 5

@@ -1,0 +1,1 @@
+"""Fleet operations: provisioning, flashing, packaging, releases, rollouts and `models deploy`."""

@@ -1,0 +1,345 @@
+"""The coordinator process: one bus connection, its subscriptions, and the handlers behind them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from sqlalchemy.engine import Engine
+
+from broker import messages as m
+from broker.client import (
+    BrokerAddress,
+    BusClient,
+    BusConnectionError,
+    ConnectOptions,
+    run_with_reconnect,
+)
+from broker.compat import task_group
+from broker.topics import (
+    DeviceChannel,
+    VerifierChannel,
+    device_subscription,
+    device_topic,
+    parse_device_topic,
+    parse_verifier_topic,
+    verifier_subscription,
+)
+from coordinator.db.engine import make_sessionmaker
+from coordinator.db.events import EventLog
+from coordinator.db.models import SessionStatus
+from coordinator.db.registry import DeviceRegistry
+from coordinator.runtime.fleet import Fleet
+from coordinator.runtime.quotas import Quotas
+from coordinator.runtime.sessions import LiveSession, SessionBook
+from coordinator.runtime.shards import ShardLeases, shard_of
+from coordinator.runtime.verifiers import VerifierPool
+from coordinator.settings import Settings
+from inference.artifacts import TargetIdentity
+
+log = logging.getLogger(__name__)
+
+DEVICE_CHANNELS = (
+    DeviceChannel.STATUS,
+    DeviceChannel.TELEMETRY,
+    DeviceChannel.ACK,
+    DeviceChannel.SESSION,
+    DeviceChannel.DRAFT,
+)
+VERIFIER_CHANNELS = (VerifierChannel.STATUS, VerifierChannel.RESULT)
+
+# Which message each device channel carries; anything else on it is refused.
+EXPECTED_ON_DEVICE_CHANNEL: dict[DeviceChannel, tuple[type[Any], ...]] = {
+    DeviceChannel.STATUS: (m.Status,),
+    DeviceChannel.TELEMETRY: (m.Telemetry,),
+    DeviceChannel.ACK: (m.CommandAck,),
+    DeviceChannel.SESSION: (m.SessionOpen, m.SessionClose),
+    DeviceChannel.DRAFT: (m.Draft,),
+}
+
+DeviceHandler = Callable[[str, Any], Awaitable[None]]
+
+
+def configured_target(settings: Settings) -> TargetIdentity | None:
+    """The settings' target (SmolLM2 unless `target` names another) from its manifest in the
+    models directory; None where this host has no build of it (verifiers then announce it)."""
+    from inference.artifacts import ArtifactError
+    from inference.target_build import load_target_identity
+
+    try:
+        return load_target_identity(settings.resolved_models_dir, settings.target)
+    except ArtifactError as exc:
+        log.info("no target manifest here (%s); verifiers will announce the target", exc)
+        return None
+
+
+class Coordinator:
+    """Presence, telemetry and commands now; sessions and verifiers plug in through handlers."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Engine,
+        *,
+        client_id: str | None = None,
+        accept_unknown_devices: bool | None = None,
+        target: TargetIdentity | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        """`target`: the target's identity from its manifest (EOS, vocabulary), for when no
+        verifier has announced it yet; `vocab_size` defaults to its vocabulary's."""
+        self.settings = settings
+        self.sessions = make_sessionmaker(engine)
+        self.registry = DeviceRegistry(self.sessions)
+        self.events = EventLog(self.sessions)
+        self.client_id = client_id or settings.coordinator_id
+        self._client: BusClient | None = None
+        self.connected = asyncio.Event()
+        if accept_unknown_devices is None:
+            accept_unknown_devices = settings.environment == "quickstart"
+        quotas = Quotas.from_settings(settings)
+        self.fleet = Fleet(
+            self.registry,
+            self.events,
+            self.publish,
+            accept_unknown_devices=accept_unknown_devices,
+            default_keepalive_s=settings.device_keepalive_s,
+            quotas=quotas,
+            telemetry_queue_size=settings.telemetry_queue_size,
+        )
+        self.verifiers = VerifierPool(self.publish)
+        self.book = SessionBook(
+            self.sessions,
+            self.verifiers,
+            self.publish,
+            target=target,
+            admit=self.fleet.admit,
+            quotas=quotas,
+            idle_timeout_s=settings.session_idle_timeout_s,
+            vocab_size=vocab_size
+            if vocab_size is not None or target is None
+            else target.vocab_size,
+        )
+        self.fleet.rtt_observers.append(self.book.policy.observe_rtt)
+        self.fleet.drafts_observers.append(self.book.policy.set_device_drafts)
+        self.fleet.telemetry_observers.append(self.book.policy.observe_telemetry)
+        self.device_handlers: dict[type[Any], DeviceHandler] = {
+            m.Status: self.fleet.on_status,
+            m.Telemetry: self.fleet.on_telemetry,
+            m.CommandAck: self.fleet.on_ack,
+            m.SessionOpen: self.book.on_session_open,
+            m.SessionClose: self.book.on_session_close,
+            m.Draft: self.book.on_draft,
+        }
+        # Drafts wait for a verifier; they run as tasks so the bus keeps flowing meanwhile.
+        # A close may wait for a verifier to give the session back, whose answer comes here.
+        self.concurrent_handlers: set[type[Any]] = {m.Draft, m.SessionOpen, m.SessionClose}
+        self.verifier_handlers: dict[type[Any], Callable[[str, Any], Awaitable[None]]] = {
+            m.VerifierStatus: self.verifiers.on_status,
+            m.VerifyResult: self.verifiers.on_result,
+            m.LeaseAck: self.verifiers.on_lease_ack,
+            m.RoundDone: self.book.on_round_done,
+        }
+        # A direct round's report may take the session back (a host mode), waiting for an
+        # answer that comes through this same loop: it runs as a task.
+        self.concurrent_verifier_handlers: set[type[Any]] = {m.RoundDone}
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = [
+            self.fleet.run_sweeper,
+            self.verifiers.watch,
+            self.book.run_writer,
+            self.book.run_sweeper,
+            self.fleet.run_telemetry_writer,
+        ]
+        self._handler_tasks: set[asyncio.Task[None]] = set()
+        self._rebuilt: list[LiveSession] = []
+        self._connections = 0
+        # A shared fleet: this coordinator answers only the devices of the shards it holds.
+        self.shards: ShardLeases | None = None
+        if settings.shared_fleet:
+            self.shards = ShardLeases(
+                settings.database_url,
+                on_gained=self._take_shards,
+                on_released=self._hand_back_shards,
+            )
+            self.verifier_handlers[m.RoundDone] = self._on_round_done
+            self.verifiers.shared = True
+            self.background.append(self._run_shards)
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        client = self._client
+        if client is None:
+            raise ConnectionError("the coordinator is not connected to the broker")
+        await client.publish(topic, payload, retain=retain)
+
+    def connect_options(self) -> ConnectOptions:
+        return ConnectOptions(
+            client_id=self.client_id,
+            username=self.settings.broker_username,
+            password=self.settings.broker_password,
+            keepalive_s=10,
+            # Persistent: drafts published while the coordinator restarts wait at the broker.
+            persistent=True,
+            protocol=self.settings.mqtt_protocol,
+        )
+
+    async def run(self) -> None:
+        address = BrokerAddress.from_url(self.settings.broker_url)
+        # A restart: the database holds every session that was running; they resume here. A
+        # shared fleet's sessions come back shard by shard, as their locks are taken.
+        if self.shards is None:
+            self._rebuilt = await self.book.rebuild()
+        if self._rebuilt:
+            await asyncio.to_thread(
+                self.events.append,
+                "coordinator.sessions_rebuilt",
+                detail={
+                    "sessions": len(self._rebuilt),
+                    "session_ids": [live.id for live in self._rebuilt[:100]],
+                },
+            )
+        async with task_group() as tasks:
+            for job in self.background:
+                tasks.create_task(job(), name=f"coordinator-{getattr(job, '__name__', 'job')}")
+            await run_with_reconnect(
+                address,
+                self.connect_options(),
+                self._bus_session,
+                on_disconnect=self._on_disconnect,
+            )
+
+    async def _on_disconnect(self, exc: Exception) -> None:
+        self._client = None
+        self.connected.clear()
+
+    async def _bus_session(self, client: BusClient) -> None:
+        for channel in DEVICE_CHANNELS:
+            await client.subscribe(device_subscription(channel))
+        for vchannel in VERIFIER_CHANNELS:
+            await client.subscribe(verifier_subscription(vchannel))
+        self._client = client
+        self.connected.set()
+        if self._connections:
+            # A reconnect: drafts, opens and results may have been lost while we were away.
+            self.verifiers.reroute_all("the coordinator's bus connection dropped")
+            waiting = [s for s in self.book.live.values() if s.status is SessionStatus.ACTIVE]
+        else:  # the first connection: devices may wait on a verdict lost with the old process
+            waiting, self._rebuilt = self._rebuilt, []
+        self._connections += 1
+        if waiting:
+            task = asyncio.create_task(self.book.announce(waiting), name="announce-sessions")
+            self._handler_tasks.add(task)
+            task.add_done_callback(self._handler_tasks.discard)
+        async for incoming in client.messages():
+            await self.dispatch(incoming.topic, incoming.payload)
+
+    async def dispatch(self, topic: str, payload: bytes) -> None:
+        """Validate one message at the boundary and hand it to its handler; never raise."""
+        try:
+            await self._dispatch(topic, payload)
+        except Exception:
+            log.exception("handler failed for a message on %s", topic)
+
+    async def _dispatch(self, topic: str, payload: bytes) -> None:
+        device = parse_device_topic(topic)
+        if device is not None:
+            await self._dispatch_device(device.device_id, device.channel, payload)
+            return
+        verifier = parse_verifier_topic(topic)
+        if verifier is not None:
+            try:
+                message = m.decode(payload)
+            except m.BusError as exc:
+                log.warning(
+                    "refused a payload from verifier %s: %s", verifier.verifier_id, exc.reason
+                )
+                return
+            handler = self.verifier_handlers.get(type(message))
+            if handler is None:
+                log.warning("unexpected %s from verifier %s", message.type, verifier.verifier_id)
+                return
+            if type(message) in self.concurrent_verifier_handlers:
+                task = asyncio.create_task(
+                    self._guarded(handler, verifier.verifier_id, message),
+                    name=f"{message.type}-{verifier.verifier_id}",
+                )
+                self._handler_tasks.add(task)
+                task.add_done_callback(self._handler_tasks.discard)
+                return
+            await handler(verifier.verifier_id, message)
+            return
+        log.warning("message on an unknown topic %s", topic)
+
+    async def _dispatch_device(
+        self, device_id: str, channel: DeviceChannel, payload: bytes
+    ) -> None:
+        shared_out = self.shards is not None and not self.shards.owns(device_id)
+        if shared_out and channel is not DeviceChannel.ACK:
+            return  # another coordinator's device; acks answer whoever sent the command
+        try:
+            message = m.decode(payload)
+            if not isinstance(message, EXPECTED_ON_DEVICE_CHANNEL[channel]):
+                raise m.BusError(f"{message.type} is not allowed on {channel.value}")
+            claimed = getattr(message, "device_id", device_id)
+            if claimed != device_id:
+                raise m.BusError(f"device {device_id} spoke as {claimed}")
+        except m.BusError as exc:
+            log.warning("refused a payload from %s on %s: %s", device_id, channel.value, exc.reason)
+            await self._refuse(device_id, channel, payload, exc.reason)
+            return
+        handler = self.device_handlers.get(type(message))
+        if handler is None:
+            await self._refuse(device_id, channel, payload, f"{message.type} is not served here")
+            return
+        if type(message) in self.concurrent_handlers:
+            task = asyncio.create_task(
+                self._guarded(handler, device_id, message), name=f"{message.type}-{device_id}"
+            )
+            self._handler_tasks.add(task)
+            task.add_done_callback(self._handler_tasks.discard)
+        else:
+            await handler(device_id, message)
+
+    # --- a shared fleet -------------------------------------------------------------------------
+
+    async def _run_shards(self) -> None:
+        assert self.shards is not None
+        await self.shards.run(ready=self.connected)
+
+    async def _take_shards(self, shards: frozenset[int]) -> None:
+        """Shards just locked: their active sessions come back from the database, and their
+        devices are told where each stands (a draft sent to the old owner is re-sent)."""
+        rebuilt = await self.book.rebuild(lambda device_id: shard_of(device_id) in shards)
+        if rebuilt:
+            log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))
+            await self.book.announce(rebuilt)
+
+    async def _hand_back_shards(self, shards: frozenset[int]) -> None:
+        """Before their locks go: let each session's round in flight finish, then forget it
+        (the database has it; the next owner rebuilds it)."""
+        for live in [s for s in self.book.live.values() if shard_of(s.device_id) in shards]:
+            async with live.lock:
+                self.book.live.pop(live.id, None)
+
+    async def _on_round_done(self, verifier_id: str, done: m.RoundDone) -> None:
+        if done.session_id in self.book.live:  # else another coordinator's session
+            await self.book.on_round_done(verifier_id, done)
+
+    async def _guarded(self, handler: DeviceHandler, device_id: str, message: Any) -> None:
+        try:
+            await handler(device_id, message)
+        except Exception:
+            log.exception("%s from %s failed", message.type, device_id)
+
+    async def _refuse(
+        self, device_id: str, channel: DeviceChannel, payload: bytes, reason: str
+    ) -> None:
+        """Tell the device why, where it has somewhere to hear it; status and acks have none."""
+        if channel in (DeviceChannel.STATUS, DeviceChannel.ACK, DeviceChannel.TELEMETRY):
+            return
+        reply = m.ErrorReply(refused_type=channel.value, reason=reason[:1024])
+        try:
+            await self.publish(device_topic(device_id, DeviceChannel.VERDICT), m.encode(reply))
+        except (ConnectionError, BusConnectionError, m.BusError) as exc:
+            log.warning("could not send an error reply to %s: %s", device_id, exc)
