@@ -95,10 +95,17 @@ class VerifierPool:
             info = self.verifiers[verifier_id] = VerifierInfo(verifier_id, status, time.monotonic())
             log.info("verifier %s joined (%s)", verifier_id, status.state.value)
         was_alive = info.alive
+        previous = info.status
         info.status = status
         info.last_heartbeat = time.monotonic()
         if was_alive and not info.alive:
-            await self._fail_over(info, "went offline")
+            # A verifier that stops cleanly says so itself as it leaves, holding its leases at
+            # that moment; its Will, the broker's word that it vanished, was written when it
+            # connected, so it is older than the heartbeat before it.
+            if status.at >= previous.at:
+                await self._fail_over(info, "left", leased=len(status.leased), orderly=True)
+            else:
+                await self._fail_over(info, "went offline", leased=len(previous.leased))
         self._changed.set()
 
     async def on_result(self, verifier_id: str, result: m.VerifyResult) -> None:
@@ -314,15 +321,27 @@ class VerifierPool:
             for info in list(self.verifiers.values()):
                 silent = now - info.last_heartbeat
                 if info.alive and silent > MISSED_HEARTBEATS * info.status.heartbeat_s:
+                    leased = len(info.status.leased)
                     info.status = info.status.model_copy(update={"state": m.DeviceState.OFFLINE})
-                    await self._fail_over(info, f"missed heartbeats for {silent:.1f}s")
+                    await self._fail_over(
+                        info, f"missed heartbeats for {silent:.1f}s", leased=leased
+                    )
 
-    async def _fail_over(self, info: VerifierInfo, why: str) -> None:
-        log.warning(
-            "verifier %s %s; moving %d requests and %d sessions",
+    async def _fail_over(
+        self, info: VerifierInfo, why: str, *, leased: int, orderly: bool = False
+    ) -> None:
+        """Move a verifier's work elsewhere. A warning, unless it left in order with nothing to
+        move (the end of a normal shutdown): its cached sessions only prefill again elsewhere."""
+        moving = len(info.in_flight) + len(info.streams) + leased
+        log.log(
+            logging.INFO if orderly and not moving else logging.WARNING,
+            "verifier %s %s; moving %d requests, %d streams and %d leased sessions "
+            "(%d sessions cached there prefill again elsewhere)",
             info.verifier_id,
             why,
             len(info.in_flight),
+            len(info.streams),
+            leased,
             len(info.sessions),
         )
         self.failovers += 1
