@@ -19,7 +19,7 @@ from pathlib import Path
 
 from broker import acl
 from broker.acl import ServiceRole, ServiceUser
-from broker.mosquitto import MosquittoError, free_port, wait_for_port
+from broker.mosquitto import MosquittoError, free_port, popen_tied, wait_for_port
 from broker.passwords import hash_credential, new_credential
 from coordinator.db.registry import DeviceRegistry
 
@@ -84,8 +84,10 @@ class StackMosquitto:
             service_passwords_text=acl.generate_passwords([], self._services),
         )
         with self.log_path.open("ab") as out:
-            self._process = subprocess.Popen(
-                [self.binary, "-c", str(self.directory / acl.CONFIG_FILE)], stdout=out, stderr=out
+            # Tied to this process: a SIGKILLed `up` (no handler of ours runs) must not leave
+            # its broker holding the ports.
+            self._process = popen_tied(
+                [self.binary, "-c", str(self.directory / acl.CONFIG_FILE)], log=out
             )
         try:
             for port in (self.port, self.service_port):
