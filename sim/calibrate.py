@@ -88,6 +88,8 @@ class RecordedRound:
     n_accepted: int
     window: int
     t_draft_ms: float | None
+    t_verify_ms: float | None = None
+    pass_rows: int | None = None  # the rows of its pass, where the round records them
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,8 @@ def read_database(
                         row.n_accepted,
                         max(int(window), drafted),
                         row.t_draft_ms,
+                        row.t_verify_ms,
+                        _pass_rows(policy),
                     )
                 )
             passes = [
@@ -169,6 +173,13 @@ def read_database(
     finally:
         engine.dispose()
     return sessions, rounds, passes
+
+
+def _pass_rows(policy: Any) -> int | None:
+    if isinstance(policy, dict) and isinstance(policy.get("pass"), dict):
+        rows = policy["pass"].get("rows")
+        return int(rows) if isinstance(rows, int) else None
+    return None
 
 
 def fit_acceptance(
@@ -223,6 +234,7 @@ def fit_lengths(
 @dataclass(frozen=True)
 class BenchTimings:
     round_service_ms: list[float]  # overhead of each device-drafted round, less two broker hops
+    round_cpu_ms: float | None  # the part of it that holds the control plane's CPU
     agent_turn_ms: float | None
     open_ms: float | None
 
@@ -243,8 +255,25 @@ def fit_bench(document: dict[str, Any], device_draft_ms: float, hop_ms: float) -
         for s in _bus_sessions(document)
         if levels.get(str(s.get("run"))) == 1
     ]
+    # The share of that service that queues: rounds verified in one pass are served one after
+    # another on the control plane's CPU (the agents' and the verifier's bus side), so the
+    # median round of a pass of B waits for (B - 1) / 2 others; the slope of the overhead over
+    # B, twice, is what one round holds that CPU for.
+    pairs = [
+        (r["batch_size"] - 1, r["wait_ms"] - r["verify_ms"] - r["queue_ms"])
+        for r in rounds
+        if isinstance(r.get("batch_size"), int) and r["batch_size"] >= 1
+    ]
+    cpu_ms = None
+    if len({x for x, _ in pairs}) >= 3:
+        mean_x = statistics.fmean(x for x, _ in pairs)
+        mean_y = statistics.fmean(y for _, y in pairs)
+        var = sum((x - mean_x) ** 2 for x, _ in pairs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in pairs) / var
+        cpu_ms = min(max(0.0, 2.0 * slope), statistics.median(service)) if service else None
     return BenchTimings(
         round_service_ms=service,
+        round_cpu_ms=cpu_ms,
         agent_turn_ms=max(0.0, statistics.median(turns) - device_draft_ms) if turns else None,
         open_ms=statistics.median(outside) if outside else None,
     )
@@ -272,7 +301,7 @@ def measure_profile(
     the target named `target` (default: SmolLM2) on the execution provider `provider`."""
     from tqdm import tqdm
 
-    from inference.target_build import load_target
+    from modelbuild.target_build import load_target
     from verifier.child import profile_passes
 
     runtime, _ = load_target(
@@ -332,17 +361,133 @@ def fit_scale(
     return [(rows, statistics.median(v)) for rows, v in sorted(ratios.items()) if len(v) >= 5]
 
 
+def run_keys(document: dict[str, Any]) -> dict[str, str]:
+    """Session id (hex) -> the run of a benchmark JSON it ran in, as `sim validate` names the
+    run's host speed: `e2e LABEL` (an arm at a level of bench e2e, e.g. `e2e hybrid x4`) or
+    `adaptive PHASE CONFIG`."""
+    keys: dict[str, str] = {}
+    for s in document.get("sessions", []):
+        sid = str(s.get("session_id") or "").replace("-", "")
+        if not sid:
+            continue
+        if document.get("benchmark") == "adaptive":
+            keys[sid] = f"adaptive {s.get('phase')} {s.get('config')}"
+        elif s.get("run") is not None:
+            keys[sid] = f"e2e {s.get('run')}"
+    return keys
+
+
+def plain_passes(documents: Sequence[dict[str, Any]]) -> list[tuple[str | None, int, int, float]]:
+    """bench e2e's plain-serving decode passes: (`e2e LABEL`, rows, 1, ms)."""
+    out: list[tuple[str | None, int, int, float]] = []
+    for document in documents:
+        for run in document.get("runs", []):
+            sizes, times = run.get("batch_sizes") or [], run.get("pass_ms") or []
+            if run.get("arm") == "plain" and len(sizes) == len(times):
+                key = f"e2e {run.get('label')}"
+                out += [(key, int(b), 1, float(ms)) for b, ms in zip(sizes, times, strict=True)]
+    return out
+
+
+RUN_COST_MIN_PASSES = 30  # fewer timed passes than this: the profile's figures stay
+
+
+def run_passes(
+    rounds: Iterable[RecordedRound], documents: Sequence[dict[str, Any]]
+) -> list[tuple[str | None, int, int, float]]:
+    """Every timed pass of a run: (its benchmark run's key, rows, positions, ms). The rows come
+    from the round (host streams record them) or from bench e2e's JSON; positions are the
+    widest row's drafted tokens + 1; a pass with a session's first round (a prefill) is left
+    out."""
+    keys: dict[str, str] = {}
+    rows_of: dict[tuple[str, int], int] = {}
+    for document in documents:
+        keys.update(run_keys(document))
+        for r in document.get("rounds", []):
+            sid = str(r.get("session_id") or "").replace("-", "")
+            if isinstance(r.get("batch_size"), int) and isinstance(r.get("round"), int):
+                rows_of[sid, r["round"]] = r["batch_size"]
+    # The rounds of one pass record the same time and rows: one pass, as wide as its widest.
+    found: dict[tuple[int, float], tuple[str | None, int, int, float]] = {}
+    for r in rounds:
+        sid = r.session_id.replace("-", "")
+        rows = r.pass_rows or rows_of.get((sid, r.round_index))
+        if not (r.t_verify_ms and r.round_index and rows):
+            continue
+        seen = found.get((rows, r.t_verify_ms))
+        positions = max(r.drafted + 1, seen[2] if seen else 1)
+        found[rows, r.t_verify_ms] = (keys.get(sid), rows, positions, r.t_verify_ms)
+    return list(found.values())
+
+
+def fit_run_cost(passes: Sequence[tuple[str | None, int, int, float]]) -> tuple[float, ...] | None:
+    """ms = a + b rows + c rows (positions - 1), fitted (least squares, coefficients >= 0) on
+    the medians of the run's passes by shape, each weighted by its count: the target's pass
+    cost as the run paid it, with its contexts and its host's load, smoothed over shapes."""
+    import numpy as np
+
+    groups: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for _, rows, positions, ms in passes:
+        groups[rows, positions].append(ms)
+    if sum(len(v) for v in groups.values()) < RUN_COST_MIN_PASSES:
+        return None
+    shapes = sorted(groups)
+    x = np.array([[1.0, b, b * (t - 1)] for b, t in shapes])
+    y = np.array([statistics.median(groups[s]) for s in shapes])
+    w = np.sqrt(np.array([len(groups[s]) for s in shapes], dtype=float))
+    active = [0, 1, 2]
+    while True:  # drop a coefficient that comes out negative and fit the rest again
+        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            break
+        active.pop(int(np.argmin(coef)))
+    full = [0.0, 0.0, 0.0]
+    for i, value in zip(active, coef, strict=True):
+        full[i] = max(0.0, float(value))
+    return tuple(full)
+
+
+def fit_host_speed(
+    profile: VerifierProfile, passes: Sequence[tuple[str | None, int, int, float]]
+) -> dict[str, float]:
+    """Per benchmark run (an arm at a level of bench e2e, a configuration in a phase of bench
+    adaptive): the median of its target passes' measured cost over the calibrated one. A shared
+    host's speed drifts from minute to minute; this is how fast the target's passes ran while
+    that run was measured (plain serving's passes, in a process of their own, count for its
+    own runs)."""
+    from sim.engine import ProfileCost
+
+    cost = ProfileCost(profile)
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for key, rows, positions, ms in passes:
+        if key is not None:
+            ratios[key].append(ms / cost.predict(rows, positions))
+    return {key: statistics.median(v) for key, v in sorted(ratios.items()) if len(v) >= 5}
+
+
 # -- everything together -----------------------------------------------------------------------
 
 
 def calibrate(
-    database_url: str,
+    database_url: str | Sequence[str],
     profile: VerifierProfile,
-    bench_document: dict[str, Any] | None = None,
+    bench_document: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
     device_class: str = "bench",
     broker_hop_ms: float | None = None,
 ) -> Calibration:
-    sessions, rounds, passes = read_database(database_url)
+    """`bench_document`: `bench e2e` JSON (service times, and each level's host speed), and
+    `bench adaptive` JSON (each phase's host speed), one or several."""
+    documents = [bench_document] if isinstance(bench_document, dict) else [*(bench_document or [])]
+    e2e = [d for d in documents if d.get("benchmark") != "adaptive"]
+    bench_document = e2e[0] if e2e else None
+    sessions: list[RecordedSession] = []
+    rounds: list[RecordedRound] = []
+    passes: list[tuple[int, int, float]] = []
+    for url in [database_url] if isinstance(database_url, str) else database_url:
+        more = read_database(url)
+        sessions += more[0]
+        rounds += more[1]
+        passes += more[2]
     unfit: list[str] = []
     acceptance = fit_acceptance(sessions, rounds)
     if not acceptance:
@@ -366,6 +511,10 @@ def calibrate(
         service = timings.round_service_ms or [1.0]
         if not timings.round_service_ms:
             unfit.append("direct round service time: the JSON has no device-drafted rounds")
+        if timings.round_cpu_ms is not None:
+            values["round_cpu_ms"] = timings.round_cpu_ms
+        else:
+            unfit.append("direct round CPU share: too few pass sizes in the JSON (all of it)")
         if timings.agent_turn_ms is not None:
             values["agent_turn_ms"] = timings.agent_turn_ms
         if timings.open_ms is not None:
@@ -373,10 +522,30 @@ def calibrate(
         else:
             unfit.append("session open time: no single-session level in the JSON")
     unfit.append("coordinator time per streamed round: not separable here (0.5 ms used)")
-    if passes:
+    timed = run_passes(rounds, documents)
+    model = fit_run_cost(timed)
+    if model is not None:
+        a, b, c = model
+        profile = profile.model_copy(
+            update={
+                "passes": [
+                    (rows, t, a + b * rows + c * rows * (t - 1))
+                    for rows in PROFILE_ROWS
+                    for t in PROFILE_POSITIONS
+                ],
+                "scale": [],
+                "source": f"the run's {len(timed)} timed passes: ms = {a:.2f} + {b:.3f} rows "
+                f"+ {c:.3f} rows (positions - 1); prefill from {profile.source}",
+            }
+        )
+    elif passes:
         profile = profile.model_copy(update={"scale": fit_scale(profile, passes)})
+        unfit.append(f"pass cost: under {RUN_COST_MIN_PASSES} timed passes (profile, scaled)")
     else:
         unfit.append("the run's own pass costs: no host-stream round recorded one (profile as is)")
+    host_speed = fit_host_speed(profile, [*timed, *plain_passes(documents)])
+    if documents and not host_speed:
+        unfit.append("host speed per run: no run of the JSON had 5 passes to time (1.0 used)")
     return Calibration(
         verifiers={"cpu": profile},
         acceptance=acceptance,
@@ -385,6 +554,7 @@ def calibrate(
         answer_tokens=answers,
         prompt_tokens=prompts,
         round_service_ms=sorted(service),
+        host_speed=host_speed,
         broker_hop_ms=hop,
         unfit=unfit,
         sources=[f"rounds: {len(rounds)}, sessions: {len(sessions)}"],

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import format_table, write_json
-from specfleet.cli import CommandError
+from core.errors import CommandError
+from core.report import format_table, write_json
 
 DEFAULT_CALIBRATION = Path("bench-results/sim-calibration.json")
 ERROR_GOAL = 0.10
@@ -35,9 +35,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=_profile)
 
     c = sub.add_parser("calibrate", help="fit the simulator's parameters from measured runs")
-    c.add_argument("--database-url", required=True, metavar="URL", help="the run's database")
+    c.add_argument("--database-url", required=True, action="append", metavar="URL",
+                   help="a run's database (repeatable: their rounds are pooled)")  # fmt: skip
     c.add_argument("--profile", type=Path, required=True, metavar="FILE", help="from sim profile")
-    c.add_argument("--bench-json", type=Path, default=None, metavar="FILE", help="bench e2e JSON")
+    c.add_argument("--bench-json", type=Path, action="append", default=[], metavar="FILE",
+                   help="bench e2e or bench adaptive JSON (repeatable)")  # fmt: skip
     c.add_argument("--gpu-profile", type=Path, action="append", default=[], metavar="KIND=FILE",
                    help="another verifier kind's profile, as data (repeatable)")  # fmt: skip
     c.add_argument("--broker-hop-ms", type=float, default=None, help="e.g. bench bus p50 / 2")
@@ -45,10 +47,22 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help=f"default {DEFAULT_CALIBRATION}")  # fmt: skip
     c.set_defaults(func=_calibrate)
 
-    v = sub.add_parser("validate", help="replay a measured bench e2e run; predicted vs measured")
+    v = sub.add_parser(
+        "validate", help="replay measured bench e2e and bench adaptive runs; predicted vs measured"
+    )
     v.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION, metavar="FILE",
                    help=f"from sim calibrate (default {DEFAULT_CALIBRATION})")  # fmt: skip
-    v.add_argument("--e2e", type=Path, required=True, metavar="FILE", help="bench e2e JSON")
+    v.add_argument("--e2e", type=Path, default=None, metavar="FILE", help="bench e2e JSON")
+    v.add_argument("--adaptive", type=Path, default=None, metavar="FILE",
+                   help="bench adaptive JSON")  # fmt: skip
+    v.add_argument(
+        "--measure",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="measure first, in this invocation: bench e2e (levels 1 4 16 32), sim profile and "
+        "bench adaptive into DIR, calibrate on them, then replay both",
+    )
     v.add_argument("--seed", type=int, default=0, help="the simulation's seed")
     v.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the report")
     v.set_defaults(func=_validate)
@@ -126,15 +140,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     from sim.inputs import Calibration, VerifierProfile
 
     profile = _load(args.profile, VerifierProfile)
-    document = None
-    if args.bench_json is not None:
+    documents = []
+    for path in args.bench_json:
         try:
-            document = json.loads(args.bench_json.read_text())
+            documents.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as exc:
-            raise CommandError(f"cannot read {args.bench_json}: {exc}") from None
+            raise CommandError(f"cannot read {path}: {exc}") from None
     try:
         calibration = calibrate(
-            args.database_url, profile, document, broker_hop_ms=args.broker_hop_ms
+            args.database_url, profile, documents, broker_hop_ms=args.broker_hop_ms
         )
     except ValueError as exc:
         raise CommandError(str(exc)) from None
@@ -166,21 +180,32 @@ def _calibration(path: Path) -> Any:
 
 def _validate(args: argparse.Namespace) -> int:
     from sim.inputs import SimInputError
-    from sim.validate import replay_e2e
+    from sim.validate import replay_adaptive, replay_e2e
 
+    if args.measure is not None:
+        if args.e2e is not None or args.adaptive is not None:
+            raise CommandError("--measure writes its own runs: give it without --e2e/--adaptive")
+        args.e2e, args.adaptive, args.calibration = _measure(args.measure)
+    if args.e2e is None and args.adaptive is None:
+        raise CommandError("give --e2e FILE, --adaptive FILE (or both), or --measure DIR")
     calibration = _calibration(args.calibration)
-    try:
-        document = json.loads(args.e2e.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CommandError(f"cannot read {args.e2e}: {exc}") from None
     started = time.perf_counter()
-    try:
-        comparisons = replay_e2e(calibration, document, seed=args.seed)
-    except SimInputError as exc:
-        raise CommandError(str(exc)) from None
+    comparisons = []
+    for path, replay in ((args.e2e, replay_e2e), (args.adaptive, replay_adaptive)):
+        if path is None:
+            continue
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CommandError(f"cannot read {path}: {exc}") from None
+        try:
+            comparisons += replay(calibration, document, seed=args.seed)
+        except SimInputError as exc:
+            raise CommandError(f"{path.name}: {exc}") from None
     wall = time.perf_counter() - started
     rows = [
         [
+            c.benchmark,
             c.label,
             c.measured_tokens_per_s,
             c.simulated_tokens_per_s,
@@ -190,7 +215,7 @@ def _validate(args: argparse.Namespace) -> int:
         ]
         for c in comparisons
     ]
-    headers = ["configuration", "measured tok/s", "simulated tok/s", "error",
+    headers = ["bench", "configuration", "measured tok/s", "simulated tok/s", "error",
                "measured wait p50/p99 ms", "simulated wait p50/p99 ms"]  # fmt: skip
     print(format_table(headers, rows))
     worst = max(abs(c.error) for c in comparisons) if comparisons else float("nan")
@@ -199,13 +224,55 @@ def _validate(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_json(args.json, {
             "benchmark": "sim-validate",
-            "source": str(args.e2e),
+            "sources": [str(p) for p in (args.e2e, args.adaptive) if p is not None],
+            "calibration": str(args.calibration),
             "comparisons": [c.document() for c in comparisons],
+            "within_goal": within,
             "worst_error": worst,
             "goal": ERROR_GOAL,
         })  # fmt: skip
         print(f"wrote {args.json}")
     return 0
+
+
+def _measure(directory: Path) -> tuple[Path, Path, Path]:
+    """The measured runs and the calibration, all made now: bench e2e (with its database),
+    the target's passes profiled, bench adaptive (its database stays in its workdir); then
+    calibrated on both databases and e2e's JSON. Each step is a child `specfleet` process, so
+    that a run is measured as its own command measures it."""
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+    e2e, adaptive = directory / "e2e.json", directory / "adaptive.json"
+    profile, calibration = directory / "cpu-profile.json", directory / "calibration.json"
+    database = directory / "e2e.db"
+    for stale in (database, e2e, adaptive):
+        stale.unlink(missing_ok=True)
+    e2e_url = f"sqlite:///{database}"
+    steps = [
+        ["bench", "e2e", "--sessions", "1", "4", "16", "32", "--database-url", e2e_url,
+         "--json", str(e2e)],
+        ["sim", "profile", "--out", str(profile)],
+        ["bench", "adaptive", "--json", str(adaptive)],
+    ]  # fmt: skip
+    for step in steps:
+        print(f"measuring: specfleet {' '.join(step)}", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, "-m", "specfleet", *step], check=False)
+        if done.returncode != 0:
+            raise CommandError(f"specfleet {' '.join(step[:2])} failed (exit {done.returncode})")
+    try:
+        workdir = Path(json.loads(adaptive.read_text())["settings"]["workdir"])
+    except (OSError, KeyError, json.JSONDecodeError) as exc:
+        raise CommandError(f"cannot read {adaptive}: {exc}") from None
+    urls = [e2e_url, f"sqlite:///{workdir / 'home' / 'specfleet.db'}"]
+    step = ["sim", "calibrate", "--profile", str(profile), "--bench-json", str(e2e),
+            "--bench-json", str(adaptive), "--out", str(calibration)]  # fmt: skip
+    for url in urls:
+        step += ["--database-url", url]
+    print(f"calibrating: specfleet {' '.join(step)}", file=sys.stderr, flush=True)
+    if subprocess.run([sys.executable, "-m", "specfleet", *step], check=False).returncode:
+        raise CommandError("specfleet sim calibrate failed")
+    return e2e, adaptive, calibration
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:

@@ -26,6 +26,7 @@ import heapq
 import itertools
 import math
 import random
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class Loop:
         self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
         self._seq = itertools.count()
         self.events = 0
+        self.halted = False  # set by an action to stop run() after it
 
     def at(self, when: float, action: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._heap, (max(when, self.now), next(self._seq), action, args))
@@ -64,14 +66,16 @@ class Loop:
         self.at(self.now + delay_ms, action, *args)
 
     def run(self, until: float = math.inf) -> None:
-        while self._heap and self._heap[0][0] <= until:
+        self.halted = False
+        while self._heap and self._heap[0][0] <= until and not self.halted:
             when, _, action, args = heapq.heappop(self._heap)
             self.now = when
             self.events += 1
             if self.events > TIMELINE_LIMIT:
                 raise RuntimeError("the simulation ran past its event limit")
             action(*args)
-        self.now = max(self.now, until) if until != math.inf else self.now
+        if not self.halted:
+            self.now = max(self.now, until) if until != math.inf else self.now
 
 
 @dataclass
@@ -98,20 +102,30 @@ class Link:
         else:
             self.up, self.down = PROFILES[spec.profile].up, PROFILES[spec.profile].down
         self.rng = rng
+        self._outage_ms = spec.outage_s * 1e3
         self._outage_start = self._next_outage(0.0)
+        self.reconnect_ms = 0.0  # after an outage, until messages flow again
 
     def _next_outage(self, after_ms: float) -> float:
         if self.spec.outage_every_s is None or self.spec.outage_s <= 0:
             return math.inf
         return after_ms + self.rng.expovariate(1.0 / (self.spec.outage_every_s * 1e3))
 
+    def cut(self, at_ms: float, for_ms: float, reconnect_ms: float = 0.0) -> None:
+        """One outage of `for_ms` from `at_ms` (a blip), after which the client takes
+        `reconnect_ms` to reconnect; the link's own outages, if any, resume after it."""
+        self._outage_start, self._outage_ms = at_ms, for_ms
+        self.reconnect_ms = reconnect_ms
+
     def delay(self, now: float, upstream: bool) -> float:
         """When a message sent now arrives on the other side."""
         shape = self.up if upstream else self.down
-        while now >= self._outage_start + self.spec.outage_s * 1e3:
-            self._outage_start = self._next_outage(self._outage_start + self.spec.outage_s * 1e3)
-        if now >= self._outage_start:  # cut: it goes when the link comes back
-            now = self._outage_start + self.spec.outage_s * 1e3
+        while now >= self._outage_start + self._outage_ms + self.reconnect_ms:
+            self._outage_start = self._next_outage(self._outage_start + self._outage_ms)
+            self._outage_ms = self.spec.outage_s * 1e3
+            self.reconnect_ms = 0.0
+        if now >= self._outage_start:  # cut: it goes when the link is back and reconnected
+            now = self._outage_start + self._outage_ms + self.reconnect_ms
         ms = shape.latency_ms + self.rng.uniform(-shape.jitter_ms, shape.jitter_ms)
         if shape.rate_kbit_s:
             ms += MESSAGE_BYTES * 8 / shape.rate_kbit_s
@@ -130,7 +144,12 @@ class Broker:
         self.messages = 0
 
     def hop(self, now: float) -> float:
+        """When a message handed to the broker at `now` (now or later) leaves it. Without a
+        throughput limit it is a pure delay: a message hopped ahead of time must not hold back
+        the ones hopped after it for an earlier time."""
         self.messages += 1
+        if not self.service_ms:
+            return now + self.hop_ms
         return self.server.serve(now, self.service_ms) + self.hop_ms
 
 
@@ -161,10 +180,14 @@ class ProfileCost:
         for rows, positions, ms in profile.passes:
             self.table.setdefault(rows, {})[positions] = ms
         self.scale_at = profile.scale_at
+        self._known: dict[tuple[int, int], float] = {}  # a pure function of the shape
 
     def predict(self, rows: int, positions: int) -> float:
-        along = {b: _interpolate(by_t, positions) for b, by_t in self.table.items()}
-        return _interpolate(along, rows) * self.scale_at(rows)
+        known = self._known.get((rows, positions))
+        if known is None:
+            along = {b: _interpolate(by_t, positions) for b, by_t in self.table.items()}
+            known = self._known[rows, positions] = _interpolate(along, rows) * self.scale_at(rows)
+        return known
 
 
 class Acceptance:
@@ -278,6 +301,7 @@ class Verifier:
         self.name = name
         self.profile = profile
         self.truth = ProfileCost(profile)
+        self.speed = 1.0  # its host's slowdown now: every pass and prefill costs this times more
         # Seeded as the real worker seeds it, with the passes its child times at start.
         self.control = GoodputControl()
         for rows, positions in PROFILE_SHAPES:
@@ -353,10 +377,10 @@ class Verifier:
             drafted, accepted = self.fleet.acceptance.draw(drafter, session.task, window)
             batch.append(_Row(session, window, drafted, accepted, loop.now, stream=True))
         positions = max(row.drafted for row in batch) + 1
-        prefill = sum(self._prefill_ms(row.session) for row in batch)
-        verify_ms = self.truth.predict(len(batch), positions)
+        prefill = sum(self._prefill_ms(row.session) for row in batch) * self.speed
+        verify_ms = self.truth.predict(len(batch), positions) * self.speed
         verify_ms *= max(0.2, rng.gauss(1.0, self.profile.pass_cv))
-        drafting = sum(
+        drafting = self.speed * sum(
             self.fleet.host_draft_ms(row.session.policy.draft_model) * row.window
             for row in batch
             if row.stream and row.window
@@ -415,7 +439,7 @@ class Coordinator:
 
     def cpu(self, session: Session) -> Server:
         """The CPU of the coordinator that owns the session."""
-        return self.cpus[hash(session.id) % len(self.cpus)]
+        return self.cpus[zlib.crc32(session.id.encode()) % len(self.cpus)]
 
     def _load(self) -> float:
         return self.fleet.mean_load()
@@ -467,7 +491,7 @@ class Coordinator:
             self._observe(session, row, verify_ms, mode, prefill=session.round == 1)
             if not session.finished and session.round % STREAM_DECISION_EVERY == 0:
                 self._decide(session)
-        fleet.loop.at(done, fleet.send_down, session, fleet.verdict_arrived, session, True, kept)
+        fleet.loop.at(fleet.down_at(session, done), fleet.verdict_arrived, session, True, kept)
         next_stream = not session.finished and session.round % CLOUD_STREAM_ROUNDS == 0
         if next_stream and session.policy.mode in m.HOST_MODES:  # the agent asks again
             fleet.loop.at(done + 2 * fleet.link_ms(session), verifier.open_stream, session)
@@ -573,6 +597,7 @@ class Fleet:
             for verifier in self.verifiers:
                 verifier.worker_cpu = host_cpu
         self._service = sorted(calibration.round_service_ms)
+        self._round_cpu_ms = calibration.round_cpu_ms
         self._load_at, self._load = -1.0, 0.0
 
     def mean_load(self) -> float:
@@ -607,6 +632,11 @@ class Fleet:
         """Coordinator or verifier -> broker -> the device's link -> the device."""
         arrive = session.device.link.delay(self.broker.hop(self.loop.now), upstream=False)
         self.loop.at(arrive, then, *args)
+
+    def down_at(self, session: Session, sent: float) -> float:
+        """When a message the control plane sends at `sent` (now or later) reaches the device:
+        its legs computed at once, rather than as an event per leg."""
+        return session.device.link.delay(self.broker.hop(sent), upstream=False)
 
     def send_up(self, session: Session, then: Callable[..., None], *args: Any) -> None:
         arrive = self.broker.hop(session.device.link.delay(self.loop.now, upstream=True))
@@ -646,8 +676,10 @@ class Fleet:
         kept = session.commit(row.accepted)
         key = m.Mode.DISTRIBUTED.value
         session.rounds_by_mode[key] = session.rounds_by_mode.get(key, 0) + 1
-        persisted = verifier.worker_cpu.serve(self.loop.now, self.service_ms())
-        self.loop.at(persisted, self.send_down, session, self.verdict_arrived, session, False, kept)
+        service = self.service_ms()
+        held = service if self._round_cpu_ms is None else min(service, self._round_cpu_ms)
+        persisted = verifier.worker_cpu.serve(self.loop.now, held) + service - held
+        self.loop.at(self.down_at(session, persisted), self.verdict_arrived, session, False, kept)
         self.loop.at(persisted, self.coordinator.round_done, session, row, verify_ms)
 
     def verdict_arrived(self, session: Session, streamed: bool, kept: int) -> None:

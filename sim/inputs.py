@@ -92,11 +92,20 @@ class Calibration(_Strict):
     prompt_tokens: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(min_length=1)
     # A direct round's time beyond drafting, links and compute, as measured (samples).
     round_service_ms: list[Ms] = Field(min_length=1)
+    # Of that, what holds the CPU that serves it (one round after another); the rest is a delay
+    # (None: all of it).
+    round_cpu_ms: Ms | None = None
     agent_turn_ms: Ms = 0.5  # the agent's own time between a verdict and its next draft
     coordinator_round_ms: Ms = 0.5  # the coordinator's work on one streamed round
     open_ms: Ms = 20.0  # a session's open beyond the modelled legs (API, database, policy)
     close_ms: Ms = 0.0  # after the last verdict, until the session reports done
     broker_hop_ms: Ms = 0.1  # one publish through the broker on loopback
+    # After a cut link comes back, until the agent's MQTT client is connected again (its
+    # reconnect back-off starts at broker/client.py's RECONNECT_MIN_S).
+    reconnect_ms: Ms = 200.0
+    # Per benchmark run (`e2e xN`, `adaptive PHASE`): its verifier passes' cost over the
+    # calibrated one, the shared host's speed while it ran; `sim validate` replays with it.
+    host_speed: dict[str, PositiveMs] = Field(default_factory=dict)
     unfit: list[str] = Field(default_factory=list)  # what calibration could not fit, and why
     sources: list[str] = Field(default_factory=list)
 

@@ -15,8 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report import percentile
 from broker import messages as m
+from core.report import percentile
 from sim.engine import Device, Fleet, Link, Session
 from sim.inputs import Calibration, FleetSpec, SimInputError, SloSpec, WorkloadSpec
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report import percentile
 from broker import messages as m
+from core.report import percentile
 from sim.engine import Device, Fleet, Link, Server, Session
 from sim.inputs import Calibration, LinkSpec, SimInputError
 
@@ -98,53 +98,64 @@ def _measured_waits(sessions: list[dict[str, Any]]) -> tuple[float, float]:
 def _bus_wave(
     fleet: Fleet, devices: list[Device], arm: str, drafter: str, k: int, work: list[_Work]
 ) -> tuple[float, list[float]]:
-    """One wave on the fleet: its wall time and every round's wait at the agents."""
+    """One wave of a `bench e2e` bus arm: its sessions spread over the agents in turn."""
+    adaptive = arm == "adaptive"
+    policy = m.Policy(mode=m.Mode.DISTRIBUTED, draft_model=drafter, k=0 if adaptive else k)
+    items = [(devices[i % len(devices)], item, adaptive, policy) for i, item in enumerate(work)]
+    return _wave(fleet, items)
+
+
+def _wave(
+    fleet: Fleet, items: Sequence[tuple[Device, _Work, bool, m.Policy]]
+) -> tuple[float, list[float]]:
+    """Sessions opened at once, run until the last ends: the wall time, first open to last
+    end, and every round's wait at the agents."""
     loop = fleet.loop
     start = loop.now
     ended: list[Session] = []
-    sessions = []
-    for i, item in enumerate(work):
-        adaptive = arm == "adaptive"
-        policy = m.Policy(
-            mode=m.Mode.DISTRIBUTED,
-            draft_model=drafter,
-            k=0 if adaptive else k,
-        )
+    sessions: list[Session] = []
+
+    def on_end(session: Session) -> None:
+        ended.append(session)
+        if len(ended) == len(items):
+            loop.halted = True  # the wave is over: the next one starts now
+
+    for device, item, adaptive, policy in items:
         session = Session(
             id=f"s{fleet.rng.getrandbits(48):012x}",
-            device=devices[i % len(devices)],
+            device=device,
             task=item.task,
             prompt_tokens=item.prompt_tokens,
             length=item.tokens,
             adaptive=adaptive,
             policy=policy,
             opened_at=start,
-            on_end=ended.append,
+            on_end=on_end,
         )
         sessions.append(session)
         fleet.open_session(session)
     while len(ended) < len(sessions):
         before = loop.events
-        loop.run(until=loop.now + 60_000.0)
+        loop.run(until=loop.now + 600_000.0)
         if loop.events == before:
-            raise RuntimeError(f"a simulated {arm} wave stalled with {len(ended)} sessions ended")
+            raise RuntimeError(f"a simulated wave stalled with {len(ended)} sessions ended")
     wall = max(s.ended_at or start for s in sessions) - start
     return wall, [w for s in sessions for w in s.waits_ms]
 
 
 def _plain_wave(fleet: Fleet, work: list[_Work]) -> float:
     """Plain serving of one wave: prefill each prompt in turn, then decode the batch."""
-    profile = fleet.verifiers[0].profile
-    truth = fleet.verifiers[0].truth
+    verifier = fleet.verifiers[0]  # plain serving runs on the CPU the verifier's target has
+    profile, truth, speed = verifier.profile, verifier.truth, verifier.speed
     rng = fleet.rng
-    elapsed = sum(
+    elapsed = speed * sum(
         profile.prefill_fixed_ms + profile.prefill_ms_per_token * w.prompt_tokens for w in work
     )
     left = [w.tokens - 1 for w in work if w.tokens > 1]  # each prefill made the first token
     while left:
         rows = len(left)
         noise = max(0.2, rng.gauss(1.0, profile.pass_cv))
-        elapsed += truth.predict(rows, 1) * noise
+        elapsed += truth.predict(rows, 1) * speed * noise
         left = [n - 1 for n in left if n > 1]
     return elapsed
 
@@ -184,6 +195,7 @@ def replay_e2e(
                 if w >= len(waves[label]):
                     continue
                 run, work = runs[label], waves[label][w]
+                fleet.verifiers[0].speed = calibration.host_speed.get(f"e2e {label}", 1.0)
                 tokens = sum(item.tokens for item in work)
                 if run["arm"] == "plain":
                     outcomes[label].add(tokens, _plain_wave(fleet, work), [])
@@ -204,4 +216,110 @@ def replay_e2e(
                     (percentile(waits, 50), percentile(waits, 99)),
                 )
             )
+    return comparisons
+
+
+# -- bench adaptive ------------------------------------------------------------------------------
+
+ADAPTIVE = "adaptive"
+TELEMETRY_INTERVAL_MS = 1000.0  # bench adaptive's agents probe their RTT once a second
+WARMUP_TOKENS = 8  # bench adaptive's warm-up sessions, on the LAN, all configurations at once
+
+
+def _config_policy(name: str) -> tuple[bool, m.Policy]:
+    """`adaptive` (opens with k = 0 and the hybrid drafter) or MODE:DRAFT:K."""
+    if name == ADAPTIVE:
+        return True, m.Policy(mode=m.Mode.DISTRIBUTED, draft_model="hybrid", k=0)
+    try:
+        mode, draft, k = name.split(":")
+        return False, m.Policy(mode=m.Mode(mode), draft_model=draft, k=int(k))
+    except ValueError:
+        raise SimInputError(f"bench adaptive: configuration {name!r} is not MODE:DRAFT:K") from None
+
+
+def _probe_rtt(fleet: Fleet, devices: Sequence[Device]) -> None:
+    """Each agent's telemetry: an RTT probe to the coordinator, as the policy hears it."""
+    now = fleet.loop.now
+    for device in devices:
+        up = device.link.delay(now, upstream=True) - now
+        down = device.link.delay(now + up, upstream=False) - now - up
+        if up + down < TELEMETRY_INTERVAL_MS:  # a probe across a cut link never returns
+            fleet.policy.observe_rtt(device.id, up + down + 2 * fleet.broker.hop_ms)
+    fleet.loop.after(TELEMETRY_INTERVAL_MS, _probe_rtt, fleet, devices)
+
+
+def replay_adaptive(
+    calibration: Calibration, document: dict[str, Any], seed: int = 0
+) -> list[Comparison]:
+    """Every (phase, configuration) run of a `bench adaptive` JSON, measured and simulated:
+    one agent per configuration behind its own link shaped by the phase's profile (a blip cuts
+    it --blip-s, --blip-after-s into the run, back as its blip profile), the runs in the order
+    they ran, each with the phase's prompts at once; one verifier, and one policy that keeps
+    what it learns from phase to phase."""
+    try:
+        settings = document["settings"]
+        runs = list(document["runs"])
+        blip_s = float(settings.get("blip_s", 1.5))
+        blip_after_s = float(settings.get("blip_after_s", 0.3))
+        blip_profile = str(settings.get("blip_profile", "wifi"))
+        configs = list(dict.fromkeys(str(r["config"]) for r in runs))
+        work: dict[tuple[str, str], list[_Work]] = {}
+        for s in document["sessions"]:
+            key = (str(s["phase"]), str(s["config"]))
+            item = _Work(str(s["task"]), int(s.get("prompt_len") or 32), max(1, int(s["tokens"])))
+            work.setdefault(key, []).append(item)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SimInputError(f"not a bench adaptive document: missing or bad {exc}") from None
+    host_cpu = Server()
+    fleet = Fleet(calibration, ["cpu"], seed=seed, host_cpu=host_cpu)
+    device_costs = next(iter(calibration.device_draft_ms_per_token.values()), {})
+    devices = {
+        name: Device(f"bench-{name}", "bench", Link(LOOPBACK, fleet.rng), dict(device_costs))
+        for name in configs
+    }
+    for device in devices.values():
+        device.cpu = host_cpu
+    fleet.loop.after(0.0, _probe_rtt, fleet, list(devices.values()))
+    # The warm-up: every configuration at once on the LAN, a few tokens of the first prompt.
+    first = next(iter(work.values()))[0]
+    for device in devices.values():
+        device.link = Link(LinkSpec(profile="lan"), fleet.rng)
+    warm = _Work(first.task, first.prompt_tokens, WARMUP_TOKENS)
+    _wave(fleet, [(devices[name], warm, *_config_policy(name)) for name in configs])
+    comparisons = []
+    phase_now = None
+    for run in runs:
+        phase, config = str(run["phase"]), str(run["config"])
+        if phase != phase_now:  # every link is shaped for the phase
+            phase_now = phase
+            for device in devices.values():
+                profile = blip_profile if phase == "blip" else phase
+                device.link = Link(LinkSpec(profile=profile), fleet.rng)
+        device = devices[config]
+        speed = calibration.host_speed.get(f"adaptive {phase} {config}", 1.0)
+        fleet.verifiers[0].speed = speed
+        if phase == "blip":
+            device.link.cut(
+                fleet.loop.now + blip_after_s * 1e3, blip_s * 1e3, calibration.reconnect_ms
+            )
+        adaptive, policy = _config_policy(config)
+        items = work.get((phase, config), [])
+        wall, waits = _wave(fleet, [(device, item, adaptive, policy) for item in items])
+        tokens = sum(item.tokens for item in items)
+        measured_waits = [
+            w
+            for s in document["sessions"]
+            if s["phase"] == phase and s["config"] == config
+            for w in s.get("wait_ms", [])
+        ]
+        comparisons.append(
+            Comparison(
+                "adaptive",
+                f"{phase} {config}",
+                float(run["tokens_per_s"]),
+                tokens / wall * 1e3 if wall > 0 else math.nan,
+                (percentile(measured_waits, 50), percentile(measured_waits, 99)),
+                (percentile(waits, 50), percentile(waits, 99)),
+            )
+        )
     return comparisons

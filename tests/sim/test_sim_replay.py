@@ -1,0 +1,127 @@
+"""Replays of measured benchmarks, and the parts of calibration they lean on: the run's own pass
+cost, each run's host speed, the broker as a pure delay, a cut link."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from sim.calibrate import fit_host_speed, fit_run_cost, plain_passes, run_keys
+from sim.engine import Broker, Link
+from sim.inputs import LinkSpec
+from sim.validate import replay_adaptive, replay_e2e
+from tests.sim.conftest import PASS_MS, flat_profile, make_calibration
+
+
+def test_a_broker_without_a_limit_is_a_pure_delay_whatever_the_order_of_hops() -> None:
+    broker = Broker(hop_ms=0.5, max_messages_per_s=None)
+    assert broker.hop(100.0) == 100.5  # a message hopped ahead of time...
+    assert broker.hop(1.0) == 1.5  # ...holds back none hopped after it for an earlier time
+    limited = Broker(hop_ms=0.0, max_messages_per_s=1000.0)
+    assert limited.hop(0.0) == 1.0
+    assert limited.hop(0.0) == 2.0  # behind a throughput limit they queue
+
+
+def test_a_cut_link_delivers_when_it_is_back_and_reconnected() -> None:
+    link = Link(LinkSpec(profile="loopback"), random.Random(0))
+    link.cut(at_ms=100.0, for_ms=1500.0, reconnect_ms=200.0)
+    assert link.delay(50.0, upstream=True) == 50.0
+    assert link.delay(120.0, upstream=True) == 1800.0
+    assert link.delay(2000.0, upstream=False) == 2000.0
+
+
+def test_the_run_cost_fit_recovers_a_linear_cost_from_its_passes() -> None:
+    a, b, c = 20.0, 3.0, 1.5
+    passes = [
+        (None, rows, t, a + b * rows + c * rows * (t - 1))
+        for rows in (1, 2, 4, 8, 16)
+        for t in (1, 2, 5)
+        for _ in range(3)
+    ]
+    fitted = fit_run_cost(passes)
+    assert fitted is not None
+    assert fitted == pytest.approx((a, b, c), rel=1e-6)
+    assert fit_run_cost(passes[:5]) is None  # too few passes to trust: the profile stays
+
+
+def test_each_run_gets_its_host_speed_from_its_own_passes() -> None:
+    profile = flat_profile()
+    passes = [("e2e hybrid x4", 4, 2, PASS_MS * 1.5)] * 5 + [("e2e adaptive x4", 4, 2, PASS_MS)] * 5
+    passes += [("e2e adaptive x16", 16, 2, PASS_MS)] * 4  # under 5 passes: no figure
+    assert fit_host_speed(profile, passes) == {"e2e hybrid x4": 1.5, "e2e adaptive x4": 1.0}
+
+
+def test_plain_serving_passes_and_run_keys_come_from_the_json() -> None:
+    document = {
+        "runs": [
+            {"arm": "plain", "label": "plain serving x4", "batch_sizes": [4, 3], "pass_ms": [9, 8]}
+        ],
+        "sessions": [{"session_id": "ab-cd", "run": "hybrid x4"}],
+    }
+    assert plain_passes([document]) == [
+        ("e2e plain serving x4", 4, 1, 9.0),
+        ("e2e plain serving x4", 3, 1, 8.0),
+    ]
+    assert run_keys(document) == {"abcd": "e2e hybrid x4"}
+    adaptive = {"benchmark": "adaptive", "sessions": [{"session_id": "ef", "phase": "4g",
+                                                      "config": "adaptive"}]}  # fmt: skip
+    assert run_keys(adaptive) == {"ef": "adaptive 4g adaptive"}
+
+
+def _sessions(n: int, tokens: int, **fields: object) -> list[dict[str, object]]:
+    return [{"task": "chat", "prompt_len": 30, "tokens": tokens, **fields} for _ in range(n)]
+
+
+def test_an_e2e_replay_compares_every_arm_of_every_level() -> None:
+    calibration = make_calibration()
+    runs = []
+    sessions: list[dict[str, object]] = []
+    for level in (1, 2):
+        for arm, label in (
+            ("plain", "plain serving"),
+            ("fixed", "hybrid"),
+            ("adaptive", "adaptive"),
+        ):
+            name = f"{label} x{level}"
+            runs.append({"label": name, "arm": arm, "sessions": level,
+                         "throughput_tokens_per_s": 50.0})  # fmt: skip
+            sessions += _sessions(2, 10, run=name, k=4, wait_ms=[20.0, 30.0])
+    document = {"settings": {"sessions": [1, 2], "drafter": "hybrid", "agents": 2},
+                "runs": runs, "sessions": sessions}  # fmt: skip
+    comparisons = replay_e2e(calibration, document)
+    assert [c.label for c in comparisons] == [r["label"] for r in runs]
+    # Plain serving, hand-counted: 2 waves x 9 decode passes of PASS_MS (prefills are free).
+    plain = comparisons[0]
+    assert plain.simulated_tokens_per_s == pytest.approx(20 / (2 * 9 * PASS_MS) * 1e3)
+    assert all(c.simulated_tokens_per_s > 0 for c in comparisons)
+    assert all(math.isfinite(c.error) for c in comparisons)
+
+
+def test_an_adaptive_replay_compares_every_configuration_in_every_phase() -> None:
+    calibration = make_calibration()
+    phases = ["lan", "4g", "blip"]
+    configs = ["adaptive", "distributed:hybrid:4", "cloud:hybrid:4"]
+    runs = [
+        {"phase": p, "config": c, "tokens_per_s": 40.0, "wall_s": 1.0, "tokens": 40}
+        for p in phases
+        for c in configs
+    ]
+    sessions = [
+        {"phase": p, "config": c, **s} for p in phases for c in configs for s in _sessions(2, 12)
+    ]
+    document = {
+        "benchmark": "adaptive",
+        "settings": {"phases": phases, "blip_s": 1.5, "blip_after_s": 0.0},
+        "runs": runs,
+        "sessions": sessions,
+    }
+    comparisons = replay_adaptive(calibration, document)
+    assert [c.label for c in comparisons] == [f"{r['phase']} {r['config']}" for r in runs]
+    by = {c.label: c.simulated_tokens_per_s for c in comparisons}
+    # A distributed session pays its link's RTT every round: slower on 4G than on the LAN, and
+    # slower still when its link is cut for 1.5 s at the start of the run.
+    assert by["4g distributed:hybrid:4"] < by["lan distributed:hybrid:4"]
+    assert by["blip distributed:hybrid:4"] < by["4g distributed:hybrid:4"]
+    assert by["blip distributed:hybrid:4"] < 24 / 1.5
