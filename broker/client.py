@@ -261,9 +261,14 @@ async def connect(address: BrokerAddress, options: ConnectOptions) -> AsyncItera
         client.timeout = CONNECT_TIMEOUT_S  # the short MQTT 5 probe timeout was for CONNECT only
         if protocol == "3.1.1" and options.protocol == "auto":
             _V311_ONLY.add((address.host, address.port))
+        bus = BusClient(client, protocol)
         try:
-            yield BusClient(client, protocol)
+            yield bus
         finally:
+            # The wait behind every publish ends with the connection: left pending, it was
+            # destroyed with the loop, logging 'Task was destroyed but it is pending!'.
+            if bus._lost_waiter is not None:
+                bus._lost_waiter.cancel()
             with contextlib.suppress(aiomqtt.MqttError):
                 await client.__aexit__(None, None, None)
         return
