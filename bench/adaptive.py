@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.e2e import ask_one
-from bench.models import BenchPrompt, read_prompts
-from bench.report import add_json_argument, format_table, write_json
+from core.report import add_json_argument, format_table, write_json
+from localfleet.prompts import BenchPrompt, read_prompts
 
 if TYPE_CHECKING:
     import httpx
@@ -195,8 +195,8 @@ def phase_prompts(
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad arguments with a one-line reason, before anything starts; fill the defaults."""
+    from core.errors import CommandError
     from netem.profiles import PROFILES
-    from specfleet.cli import CommandError
 
     if args.prompts_per_phase is None:
         args.prompts_per_phase = 1 if args.quick else 3
@@ -226,8 +226,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def resolve_grid(args: argparse.Namespace, models_dir: Path) -> tuple[list[Config], list[str]]:
     """The fixed configurations whose drafter exists, and the names left out."""
+    from core.errors import CommandError
     from inference.drafters import drafter_names
-    from specfleet.cli import CommandError
 
     known = set(drafter_names(models_dir))
     grid = parse_grid(args.grid)
@@ -367,10 +367,10 @@ async def run_trace(
     from tqdm import tqdm
 
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.settings import Settings
+    from core.settings import Settings
     from inference.drafters import BUILTIN_DRAFTERS
-    from inference.target_build import ensure_target
     from localfleet.fleet import START_TIMEOUT_S, local_fleet
+    from modelbuild.target_build import ensure_target
     from netem import NetworkEmulator
 
     base = Settings()
@@ -595,8 +595,8 @@ def report(trace: Trace, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from bench.e2e import _QuietLoggers
-    from coordinator.settings import Settings
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
+    from core.settings import Settings
 
     check_arguments(args)
     grid, left_out = resolve_grid(args, Settings().resolved_models_dir)

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.report import add_json_argument, format_table, median, percentile, write_json
 from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.mosquitto import MosquittoError, PrivateMosquitto
 from broker.topics import DeviceChannel, device_topic
+from core.report import add_json_argument, format_table, median, percentile, write_json
 from inference.features import features_to_wire
 
 K = 8
@@ -146,10 +146,11 @@ async def measure(
         rtts: list[float] = []
         payload_bytes = verdict_bytes = 0
         try:
+            # One bar per configuration, kept when done: the run's progress reads down the list.
             for i in tqdm(
                 range(warmup + count),
-                desc=f"{label} nodelay={tcp_nodelay} features={features}",
-                leave=False,
+                desc=f"{label}, TCP_NODELAY {'on' if tcp_nodelay else 'off'}, features {features}",
+                unit="round",
             ):
                 payload = m.encode(sample_draft(i, want_features=features > 0))
                 payload_bytes = len(payload)
@@ -223,7 +224,7 @@ async def _measure_embedded(args: argparse.Namespace) -> list[Result]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if args.count < 1 or args.warmup < 0:
         raise CommandError("--count must be >= 1 and --warmup >= 0")

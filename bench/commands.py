@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specfleet.cli import add_module_command
+from core.cli_help import add_module_command
 
 # (name, module, help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 BENCHMARKS = (

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import add_json_argument, format_table, median, percentile, write_json
+from core.report import add_json_argument, format_table, median, percentile, write_json
 
 DEFAULT_JSON = Path("bench-results/draft-boundary.json")
 PROMPT = (
@@ -41,12 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from core.errors import CommandError
     from inference.artifacts import default_models_dir
     from inference.drafts import list_drafts
     from inference.isolated_runtime import DraftChildSpec, IsolatedRuntime
     from inference.proposers import NeuralProposer
     from inference.tokenizer import ChatTokenizer
-    from specfleet.cli import CommandError
 
     models_dir = args.models_dir or default_models_dir()
     drafts = list_drafts(models_dir)

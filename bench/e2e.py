@@ -81,8 +81,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from bench.models import BenchPrompt, read_prompts
-from bench.report import add_json_argument, format_table, median, percentile, write_json
+from core.report import add_json_argument, format_table, median, percentile, write_json
+from localfleet.prompts import BenchPrompt, read_prompts
 
 if TYPE_CHECKING:
     import httpx
@@ -265,7 +265,7 @@ def plan(
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad arguments with a one-line reason, before anything starts."""
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if args.limit < 1:
         raise CommandError(f"--limit must be >= 1, got {args.limit}")
@@ -296,8 +296,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 def resolve_drafters(args: argparse.Namespace, models_dir: Path) -> list[str]:
     """Check the drafters named; return those of part 4 (none when part 4 does not run)."""
+    from core.errors import CommandError
     from inference.drafters import drafter_names
-    from specfleet.cli import CommandError
 
     known = drafter_names(models_dir)
     named = args.proactive_drafters
@@ -837,10 +837,10 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
 
     from bench.plain_serving import PlainServer
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.settings import Settings
-    from inference.target_build import ensure_target
+    from core.settings import Settings
     from inference.tokenizer import ChatTokenizer
     from localfleet.fleet import AgentSpec, local_fleet
+    from modelbuild.target_build import ensure_target
 
     base = Settings()
     workdir = Path(tempfile.mkdtemp(prefix="specfleet-bench-e2e-"))
@@ -1320,8 +1320,8 @@ class _QuietLoggers:
 
 def run(args: argparse.Namespace) -> int:
     from bench.plain_serving import PlainServingError
-    from coordinator.settings import Settings
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
+    from core.settings import Settings
 
     check_arguments(args)
     args.proactive_drafters = resolve_drafters(args, Settings().resolved_models_dir)

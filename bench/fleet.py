@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import add_json_argument, format_table, percentile, write_json
+from core.report import add_json_argument, format_table, percentile, write_json
 
 DEFAULT_JSON = Path("bench-results/fleet.json")
 START_TIMEOUT_S = 120.0
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad input with a one-line reason (CommandError: exit status 2)."""
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if not 1 <= args.coordinators <= 8:
         raise CommandError("--coordinators must be in 1..8")
@@ -365,8 +365,8 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from bench.recorded import DEFAULT_ANSWERS, load_answers
     from bench.soak import count_tracebacks, wait_for_verifier
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.settings import Settings
     from coordinator.stack import VERIFIER_USER, prepare_database
+    from core.settings import Settings
     from localfleet.fleet import FleetProcesses
 
     answers_path = (args.answers or DEFAULT_ANSWERS).resolve()
@@ -572,7 +572,7 @@ async def _sample_rss(
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     from bench.recorded import RecordingError, load_answers
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if args.answers is not None:
         try:

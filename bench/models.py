@@ -17,7 +17,6 @@ In one run, on the same prompts and the same process:
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -27,44 +26,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from bench.report import add_json_argument, format_table, median, write_json
+from core.report import add_json_argument, format_table, median, write_json
 from inference.runtime import KVCache, Logits, Runtime
+from localfleet.prompts import DEFAULT_PROMPTS, BenchPrompt, read_prompts
 
 if TYPE_CHECKING:
     from inference.proposers import FeatureHeadStep
     from inference.speculative import DecodeResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
 DEFAULT_JSON = Path("bench-results/models.json")
 VERIFY_KS = tuple(range(1, 9))
 BATCHES = (1, 4, 16)
 COST_REPEATS = 12
 COST_CONTEXT = 64  # positions already in the cache when a cost is measured
-
-
-@dataclass(frozen=True)
-class BenchPrompt:
-    id: str
-    task: str
-    prompt: str
-
-
-def read_prompts(path: Path) -> list[BenchPrompt]:
-    prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            fields = json.loads(line)
-            prompts.append(
-                BenchPrompt(str(fields["id"]), str(fields["task"]), str(fields["prompt"]))
-            )
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{number}: not a prompt record ({exc})") from exc
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
 
 
 def leviathan_expected_tokens(alpha: float, k: float) -> float:
@@ -228,9 +203,9 @@ class DrafterRun(NamedTuple):
 def drafter_run(args: argparse.Namespace) -> DrafterRun:
     """Prompts, models directory, drafter names and windows from `add_drafter_run_arguments`,
     each checked; a bad one is a CommandError."""
+    from core.errors import CommandError
     from inference.artifacts import default_models_dir
     from inference.drafters import drafter_names
-    from specfleet.cli import CommandError
 
     if args.max_tokens < 1:
         raise CommandError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -251,7 +226,7 @@ def drafter_run(args: argparse.Namespace) -> DrafterRun:
 
 
 def _int_list(text: str, option: str) -> list[int]:
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
@@ -265,6 +240,7 @@ def _int_list(text: str, option: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from core.errors import CommandError
     from inference.drafters import (
         DrafterError,
         default_k,
@@ -277,8 +253,7 @@ def run(args: argparse.Namespace) -> int:
     from inference.proposers import wants_features
     from inference.sampling import SamplingParams
     from inference.speculative import decode_speculative, decode_target, greedy_acceptance
-    from inference.target_build import load_target
-    from specfleet.cli import CommandError
+    from modelbuild.target_build import load_target
 
     prompts, models_dir, names, windows = drafter_run(args)
 

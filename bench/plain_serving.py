@@ -29,7 +29,7 @@ from inference.runtime import KVCache, Runtime
 from inference.speculative import apply_stop_rules
 
 if TYPE_CHECKING:
-    from inference.target_build import TargetPrecision
+    from modelbuild.target_build import TargetPrecision
 
 # The verifier's inference process runs the fp32 target (verifier.child.PRECISION), and the
 # benchmark's verifier runs with one intra-op thread: the baseline gets the same.
@@ -125,7 +125,7 @@ def _serve_main(conn: Connection, models_dir: Path | None, threads: int) -> None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.perf_counter()
     try:
-        from inference.target_build import load_target
+        from modelbuild.target_build import load_target
 
         runtime, _ = load_target(
             models_dir, precision=PRECISION, threads=threads, allow_spinning=False

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.models import RunTotals, add_drafter_run_arguments, drafter_run, solve_alpha
-from bench.report import add_json_argument, format_table, write_json
+from core.report import add_json_argument, format_table, write_json
 
 DEFAULT_JSON = Path("bench-results/replay.json")
 
@@ -30,11 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from core.errors import CommandError
     from inference.drafters import DrafterError, default_k, make_proposer
     from inference.sampling import SamplingParams
     from inference.speculative import decode_target, replay_greedy
-    from inference.target_build import load_target
-    from specfleet.cli import CommandError
+    from modelbuild.target_build import load_target
 
     prompts, models_dir, names, windows = drafter_run(args)
 

@@ -34,8 +34,8 @@ from broker.client import (
     Will,
     run_with_reconnect,
 )
-from broker.compat import task_group
 from broker.topics import VerifierChannel, verifier_topic
+from core.aio import task_group
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.report import add_json_argument, format_table, write_json
+from core.report import add_json_argument, format_table, write_json
 
 DEFAULT_JSON = Path("bench-results/soak.json")
 REPLY_TIMEOUT_S = 30.0
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad input with a one-line reason (CommandError: exit status 2)."""
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if not 0 < args.minutes <= 24 * 60:
         raise CommandError("--minutes must be in (0, 1440]")
@@ -189,8 +189,8 @@ async def run_soak(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from tqdm import tqdm
 
     from broker.mosquitto import PrivateMosquitto
-    from coordinator.settings import Settings
     from coordinator.stack import VERIFIER_USER, prepare_database
+    from core.settings import Settings
     from localfleet.fleet import FleetProcesses
 
     with PrivateMosquitto(workdir=_mkdir(workdir / "mosquitto")) as mosquitto:
@@ -421,10 +421,10 @@ class _SessionRunner:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     if not (Settings().resolved_models_dir).exists():
-        from specfleet.cli import CommandError
+        from core.errors import CommandError
 
         raise CommandError("no models directory: run `specfleet models build-target` first")
     with tempfile.TemporaryDirectory(prefix="specfleet-soak-") as tmp:

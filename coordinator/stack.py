@@ -25,10 +25,10 @@ from coordinator.db.migrate import upgrade
 from coordinator.db.registry import DeviceRegistry
 from coordinator.ops.provisioning import BrokerReload, BrokerSync
 from coordinator.runtime.service import Coordinator, configured_target
-from coordinator.settings import Settings
 from coordinator.stack_broker import StackMosquitto, mosquitto_binary
 from coordinator.web.api.main import create_app
 from coordinator.web.control import BrokerRevoke, attach_service
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 

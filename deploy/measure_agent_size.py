@@ -24,7 +24,6 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.report import format_table  # noqa: E402
 from coordinator.ops.packaging import (  # noqa: E402
     AGENT_EXTRAS,
     DevicePlatform,
@@ -33,6 +32,7 @@ from coordinator.ops.packaging import (  # noqa: E402
     build_wheel,
     build_wheelhouse,
 )
+from core.report import format_table  # noqa: E402
 
 SIZES = (
     "import importlib.metadata as m, json, os, sys; "

@@ -20,8 +20,8 @@ from broker.client import (
     Will,
     run_with_reconnect,
 )
-from broker.compat import task_group
 from broker.topics import DeviceChannel, device_topic
+from core.aio import task_group
 from device_agent import __version__
 from device_agent.catalog import DrafterCatalog
 from device_agent.health import HealthReader

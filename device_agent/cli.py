@@ -14,6 +14,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from broker.secrets import RefuseSecretInArgv
+from core.cli_help import finish_parsers
+from core.completion import add_completion_command
+from core.logs import configure_logging
 from device_agent import __version__
 from device_agent.settings import (
     AgentSettings,
@@ -21,9 +24,6 @@ from device_agent.settings import (
     load_agent_settings,
     load_local_settings,
 )
-from specfleet.cli_help import finish_parsers
-from specfleet.completion import add_completion_command
-from specfleet.logs import configure_logging
 
 log = logging.getLogger("device_agent")
 
@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ask.add_argument("--json", action="store_true", help="print the session summary as JSON")
     _add_device_arguments(ask)
-    add_completion_command(sub, "specfleet-agent")
+    add_completion_command(sub, build_parser)
     finish_parsers(parser, EXAMPLES)
     return parser
 

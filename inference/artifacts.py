@@ -11,9 +11,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bench.report import format_table
+import numpy as np
+import numpy.typing as npt
+
+from core.report import format_table
 
 MANIFEST_FILE = "manifest.json"
+OUTPUT_IDS_FILE = "output_ids.json"  # vocabulary id of each logit column of a trimmed head
 Role = Literal["target", "draft"]
 ModelFormat = Literal["onnx", "tflite"]
 ROLES: tuple[Role, ...] = ("target", "draft")
@@ -216,8 +220,15 @@ def list_models(models_dir: Path) -> list[tuple[Path, ModelManifest]]:
     return sorted(found, key=lambda item: (item[1].role != "target", item[1].name))
 
 
+def read_output_ids(directory: Path) -> npt.NDArray[np.int64] | None:
+    path = directory / OUTPUT_IDS_FILE
+    if not path.exists():
+        return None
+    return np.asarray(json.loads(path.read_text()), dtype=np.int64)
+
+
 def default_models_dir() -> Path:
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     return Settings().resolved_models_dir
 
@@ -230,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     models_dir: Path = args.models_dir or default_models_dir()
     if args.models_dir is not None and not models_dir.is_dir():

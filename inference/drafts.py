@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-import numpy.typing as npt
-
-from inference.artifacts import DECODER, ModelManifest, list_models
-from inference.gguf_source import LlamaConfig
+from inference.artifacts import DECODER, ModelManifest, list_models, read_output_ids
+from inference.model_config import LlamaConfig
 from inference.runtime import Runtime
 
 DraftRuntimeKind = Literal["onnx", "tflite"]
-OUTPUT_IDS_FILE = "output_ids.json"  # vocabulary id of each logit column of a trimmed head
 TFLITE_SUFFIX = "-tflite"  # manifest name of a draft's TFLite build: "<draft>-tflite"
 
 
@@ -66,13 +61,6 @@ def find_draft(models_dir: Path, name: str, runtime: DraftRuntimeKind = "onnx") 
         f"no {runtime} draft {name!r} in {models_dir}; known: {', '.join(known) or 'none'}"
         " (build them with `specfleet models distill`)"
     )
-
-
-def read_output_ids(directory: Path) -> npt.NDArray[np.int64] | None:
-    path = directory / OUTPUT_IDS_FILE
-    if not path.exists():
-        return None
-    return np.asarray(json.loads(path.read_text()), dtype=np.int64)
 
 
 def load_draft(

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from inference.gguf_source import F32, LlamaConfig
+from inference.model_config import F32, LlamaConfig
 from inference.runtime import KVCache, Logits
-from inference.tflite_export import (
+from inference.tflite_io import (
     INPUT_IDS,
     LOGITS,
     NEW_KV,
@@ -74,7 +74,7 @@ def _own_cache(cache: KVCache) -> LiteRtKVCache:
 
 
 class LiteRtRuntime:
-    """A draft exported by `inference.tflite_export`, one sequence per interpreter call.
+    """A draft exported by `modelbuild.tflite_export`, one sequence per interpreter call.
 
     The graph's input shapes change with every call (new tokens, cache length), so each call
     resizes the inputs and re-plans the interpreter's memory (well under a millisecond with the
@@ -118,7 +118,7 @@ class LiteRtRuntime:
             len(d["shape_signature"]): d["index"] for d in self.interpreter.get_output_details()
         }
         if sorted(by_rank) != [2, 5]:
-            raise ValueError(f"not a draft exported by inference.tflite_export: {sorted(by_rank)}")
+            raise ValueError(f"not a draft exported by modelbuild.tflite_export: {sorted(by_rank)}")
         return {LOGITS: by_rank[2], NEW_KV: by_rank[5]}
 
     def new_cache(self) -> LiteRtKVCache:
@@ -170,8 +170,7 @@ def _short(tensor_name: str) -> str:
 
 
 def _described_beside(model_path: Path) -> tuple[LlamaConfig, npt.NDArray[np.int64] | None]:
-    from inference.artifacts import load_manifest
-    from inference.drafts import read_output_ids
+    from inference.artifacts import load_manifest, read_output_ids
 
     manifest = load_manifest(model_path.parent)
     return LlamaConfig.from_json(manifest.config), read_output_ids(model_path.parent)

@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
-from inference.gguf_source import F32, LlamaConfig
-from inference.onnx_graph import (
+from inference.model_config import F32, LlamaConfig
+from inference.onnx_io import (
     ATTENTION_MASK,
     HIDDEN,
     INPUT_IDS,
@@ -89,7 +89,7 @@ class StepOutput:
 
 
 class OnnxRuntime:
-    """A decoder exported by `inference.onnx_graph`, run by one execution provider (CPU default)."""
+    """A decoder built by `modelbuild.onnx_graph`, run by one execution provider (CPU default)."""
 
     def __init__(
         self,

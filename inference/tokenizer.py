@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from inference.model_config import LlamaConfig
+
 if TYPE_CHECKING:
     from jinja2 import Template
-
-    from inference.gguf_source import GgufModel
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_FORMAT_FILE = "chat_format.json"
@@ -222,6 +222,17 @@ class IncrementalDetokenizer:
         return after[len(before) :]
 
 
+class GgufFields(Protocol):
+    """What `ChatTokenizer.from_gguf` reads of a GGUF (modelbuild.gguf_source.GgufModel)."""
+
+    @property
+    def config(self) -> LlamaConfig: ...
+
+    def field(self, key: str) -> Any: ...
+
+    def has_field(self, key: str) -> bool: ...
+
+
 class ChatTokenizer:
     """Encode, decode and chat-format for one model family."""
 
@@ -303,7 +314,7 @@ class ChatTokenizer:
         return cls(tokenizer, ChatFormat.from_json(document), int(document["eos_id"]))
 
     @classmethod
-    def from_gguf(cls, model: GgufModel) -> ChatTokenizer:
+    def from_gguf(cls, model: GgufFields) -> ChatTokenizer:
         kind = model.field("tokenizer.ggml.model")
         if kind != "gpt2":
             raise TokenizerError(

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
 
-from bench.models import DEFAULT_PROMPTS, BenchPrompt, read_prompts
-from bench.report import format_table, write_json
+from core.report import format_table, write_json
 from localfleet.fleet import AgentSpec, LocalFleet, local_fleet
+from localfleet.prompts import DEFAULT_PROMPTS, BenchPrompt, read_prompts
 
 if TYPE_CHECKING:
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
 # Three devices, three drafters: prompt lookup and a 4-gram table in front of the distilled
 # 1-layer draft on LiteRT; that draft alone on ONNX Runtime; lookup and the table alone.
@@ -123,7 +123,7 @@ async def ask(
 
 
 def demo_settings(args: argparse.Namespace) -> Settings:
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     settings = Settings()
     if args.database_url:
@@ -134,7 +134,7 @@ def demo_settings(args: argparse.Namespace) -> Settings:
 def log_to_file(path: Path, log_format: str) -> None:
     """This process's log goes to `path`, not between the streamed answers (`-v` keeps it on
     the terminal); the fleet's other processes log beside it."""
-    from specfleet.logs import TEXT_FORMAT, JsonFormatter
+    from core.logs import TEXT_FORMAT, JsonFormatter
 
     root = logging.getLogger()
     for handler in list(root.handlers):
@@ -150,8 +150,8 @@ async def run_demo(
 ) -> tuple[list[dict[str, Any]], float]:
     """The sessions' results, and the seconds the fleet spent answering (start-up excluded)."""
     from coordinator.stack import home_lock
-    from inference.distill import ensure_drafts
-    from inference.target_build import ensure_target
+    from modelbuild.distill import ensure_drafts
+    from modelbuild.target_build import ensure_target
 
     target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
     # The drafts are built from the weights committed in models/drafts/ (once; then cached).
@@ -261,7 +261,7 @@ def target_alone(
 
     from inference.sampling import SamplingParams
     from inference.speculative import decode_target
-    from inference.target_build import load_target
+    from modelbuild.target_build import load_target
 
     target, tokenizer = load_target(settings.resolved_models_dir, threads=1)
     params = SamplingParams(temperature=args.temperature, seed=args.seed)
@@ -333,7 +333,7 @@ def _prompts_path(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if args.max_tokens < 1 or (args.k is not None and args.k < 1) or args.temperature < 0:
         raise CommandError("--max-tokens and --k must be >= 1, --temperature >= 0")

@@ -22,7 +22,6 @@ from broker.client import BrokerAddress
 from broker.mosquitto import MosquittoError, free_port, wait_for_port
 from coordinator.db.registry import DeviceExistsError, DeviceRegistry
 from coordinator.runtime.service import Coordinator, configured_target
-from coordinator.settings import Settings
 from coordinator.stack import (
     COORDINATOR_USER,
     NOISY_LOGGERS,
@@ -31,6 +30,7 @@ from coordinator.stack import (
     prepare_database,
     quickstart_broker,
 )
+from core.settings import Settings
 from netem.emulator import NetworkEmulator
 
 log = logging.getLogger(__name__)

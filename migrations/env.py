@@ -24,7 +24,7 @@ def _database_url() -> str:
     )
     if url:
         return str(url)
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     return Settings().database_url
 

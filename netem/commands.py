@@ -83,15 +83,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve())
     except OSError as exc:
-        from specfleet.cli import CommandError
+        from core.errors import CommandError
 
         raise CommandError(str(exc)) from None
     return 0
 
 
 def run_ctl(args: argparse.Namespace) -> int:
+    from core.errors import CommandError
     from netem.control import send_command
-    from specfleet.cli import CommandError
 
     try:
         reply = asyncio.run(send_command("127.0.0.1", args.control, " ".join(args.words)))

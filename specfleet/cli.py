@@ -13,24 +13,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from specfleet.cli_help import finish_parsers, walk
-from specfleet.completion import add_completion_command
+from core.cli_help import finish_parsers, walk
+from core.completion import add_completion_command
+from core.errors import CommandError
+from core.logs import configure_logging
 from specfleet.examples import EXAMPLES
-from specfleet.logs import configure_logging
 
 # Modules that expose `register(subparsers)`; each adds its subcommands with a `func` default.
 COMMAND_MODULES = (
     "specfleet.commands",
-    "inference.commands",
+    "modelbuild.commands",
     "bench.commands",
     "verifier.commands",
     "netem.commands",
     "sim.commands",
 )
-
-
-class CommandError(Exception):
-    """A bad argument or a failed precondition: printed as one line, exit status 2."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -55,23 +52,6 @@ class _Termination:
         signal.raise_signal(signal.SIGINT)
 
 
-def add_module_command(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-    name: str,
-    module_name: str,
-    help_text: str,
-) -> None:
-    """Add a command implemented by a module with `add_arguments(parser)` and `run(args)`.
-
-    Such modules keep their top-level imports cheap (no torch, no onnxruntime), so `--help`
-    stays fast.
-    """
-    module = importlib.import_module(module_name)
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
-    module.add_arguments(parser)
-    parser.set_defaults(func=module.run)
-
-
 def _version() -> str:
     """The installed distribution's version; the agent's own when run from a checkout."""
     try:
@@ -93,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
-    add_completion_command(subparsers, "specfleet")
+    add_completion_command(subparsers, build_parser)
     finish_parsers(parser, EXAMPLES)
     for _, command in walk(parser, "specfleet"):
         if command is not parser:
@@ -122,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     if args.command != "completion":
-        from coordinator.settings import ConfigFileError, use_config_file
+        from core.settings import ConfigFileError, use_config_file
 
         try:
             use_config_file(args.settings_file)

@@ -1,4 +1,4 @@
-"""The examples each `specfleet ... --help` ends with, by command path (see specfleet.cli_help).
+"""The examples each `specfleet ... --help` ends with, by command path (see core.cli_help).
 
 One command line a line, optionally followed by `# what it does`. A command added without an
 entry here fails the CLI's tests (tests/specfleet/test_help.py) and `specfleet --help` itself.

@@ -24,11 +24,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.report import format_table, median, percentile, write_json
 from broker.client import BrokerAddress, BusClient, ConnectOptions, connect
-from broker.compat import task_group, timeout
 from broker.messages import DeviceState, VerifierStatus, VerifyRequest, VerifyResult, decode, encode
 from broker.mosquitto import PrivateMosquitto
+from core.aio import task_group, timeout
+from core.report import format_table, median, percentile, write_json
 from verifier.child import ChildConfig, InferenceChild
 from verifier.worker import BATCH_WINDOW_MS, BatchTiming, VerifierWorker, WorkerConfig
 
@@ -101,7 +101,7 @@ def measure_core(
 ) -> tuple[list[float], list[float]]:
     """Milliseconds of `verify_batch` per round, all sessions in one call, caches warm: plain
     rounds, and the same rounds asking for features (each on caches of its own)."""
-    from inference.target_build import load_target
+    from modelbuild.target_build import load_target
     from verifier.core import VerifierCore
 
     runtime, _ = load_target(models_dir, threads=threads)
@@ -211,8 +211,8 @@ async def measure_pipe(config: ChildConfig, count: int) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference.target_build import ensure_target
     from inference.tokenizer import ChatTokenizer
+    from modelbuild.target_build import ensure_target
 
     tokenizer = ChatTokenizer.load(ensure_target(args.models_dir))
     rows: list[dict[str, Any]] = []

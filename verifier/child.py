@@ -19,8 +19,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from broker.compat import timeout
 from broker.messages import VerifyRequest
+from core.aio import timeout
 from inference.child_process import STOP_TIMEOUT_S, exit_reason, kill_and_reap
 from inference.runtime import Runtime
 from verifier.core import MAX_SESSIONS, CoreStats, Verification
@@ -90,7 +90,7 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
     )
     started = time.perf_counter()
     try:
-        from inference.target_build import PRECISIONS, load_target, load_target_identity
+        from modelbuild.target_build import PRECISIONS, load_target, load_target_identity
         from verifier.core import VerifierCore, kv_bytes_per_position
 
         precision = next(p for p in PRECISIONS if p == config.precision)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 from broker.secrets import RefuseSecretInArgv
 
 if TYPE_CHECKING:
-    from coordinator.settings import Settings
+    from core.settings import Settings
     from verifier.worker import VerifierWorker
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "q4")  # inference.target_build.PRECISIONS, without importing the builder
+PRECISIONS = ("fp32", "q4")  # modelbuild.target_build.PRECISIONS, without importing the builder
 PROVIDERS = ("cpu", "cuda")  # inference.onnx_runtime.PROVIDERS, without importing onnxruntime
 
 
@@ -139,10 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_target(args: argparse.Namespace, settings: Settings) -> None:
     """Refuse, before any process starts, a provider this machine lacks or an unbuilt target."""
+    from core.errors import CommandError
     from inference.artifacts import ArtifactError
     from inference.onnx_runtime import ProviderError, check_provider
-    from inference.target_build import load_target_identity
-    from specfleet.cli import CommandError
+    from modelbuild.target_build import load_target_identity
 
     try:
         check_provider(args.provider)
@@ -157,7 +157,7 @@ def _check_target(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def _password(path: Path | None) -> str | None:
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if path is None:
         return None
@@ -169,8 +169,8 @@ def _password(path: Path | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from broker.client import BrokerAddress
-    from coordinator.settings import Settings
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
+    from core.settings import Settings
     from verifier.child import ChildConfig
     from verifier.worker import VerifierError, VerifierWorker, WorkerConfig
 

@@ -28,7 +28,6 @@ from broker.client import (
     Will,
     run_with_reconnect,
 )
-from broker.compat import task_group, timeout
 from broker.messages import (
     BusError,
     DeviceState,
@@ -57,6 +56,7 @@ from broker.topics import (
 )
 from coordinator.db.engine import make_engine
 from coordinator.db.round_writer import RoundWriter
+from core.aio import task_group, timeout
 from verifier.child import ChildConfig, ChildDied, ChildReady, ChildStartError, InferenceChild
 from verifier.core import Verification
 from verifier.goodput import GoodputControl

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specfleet.cli import CommandError
+from core.errors import CommandError
 
 if TYPE_CHECKING:
     from broker.model_release import DeployModelArgs, ModelRelease
     from coordinator.ops.rollout import Deployments, DeviceOutcome, RolloutSummary
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
 PREFLIGHT_TIMEOUT_S = 5.0
 # A device's download token outlives its whole attempt by this much (clock skew, a slow start).
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> Settings:
     from pydantic import ValidationError
 
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     try:
         settings = Settings()
@@ -233,10 +233,10 @@ async def _rollout_over_bus(
 
     from broker import messages as m
     from broker.client import BrokerAddress, BusConnectionError, ConnectOptions, connect
-    from broker.compat import task_group
     from broker.topics import DeviceChannel, device_subscription
     from coordinator.db.models import DeploymentState
     from coordinator.ops.rollout import AckWaiter, run_rollout
+    from core.aio import task_group
 
     options = ConnectOptions(
         client_id=f"deploy-{secrets.token_hex(6)}",

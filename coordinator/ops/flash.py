@@ -32,7 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from specfleet.cli import CommandError
+from core.errors import CommandError
 
 if TYPE_CHECKING:
     from coordinator.ops.packaging import DevicePlatform, Runtime
@@ -525,8 +525,8 @@ class Flash:
     async def _restart_and_wait(self) -> None:
         from broker import messages as m
         from broker.client import BrokerAddress, ConnectOptions, connect
-        from broker.compat import timeout
         from broker.topics import DeviceChannel, device_topic
+        from core.aio import timeout
 
         options = ConnectOptions(
             client_id=f"flash-{self.options.device_id}-{os.getpid()}"[:64],

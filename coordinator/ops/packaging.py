@@ -19,6 +19,10 @@ from typing import Literal
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # What goes into the wheel: pyproject's package list plus the files setuptools reads.
 SOURCE_FILES = ("pyproject.toml", "README.md")
+# The device agent's wheel: its build config, and the packages it carries (the layers a device
+# runs: pyproject.toml's [tool.importlinter] keeps the agent's imports inside them).
+AGENT_WHEEL_CONFIG = Path("deploy") / "agent-wheel" / "pyproject.toml"
+AGENT_PACKAGES = ("core", "broker", "inference", "device_agent")
 SOURCE_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
 PIP_TIMEOUT_S = 900.0
 # The oldest manylinux (glibc 2.17, manylinux2014) that current wheels of the agent's libraries
@@ -76,28 +80,41 @@ def _run(command: Sequence[str], what: str, cwd: Path | None = None) -> str:
 
 
 def build_wheel(out_dir: Path, root: Path | None = None) -> Path:
-    """Build the specfleet wheel from a copy of the packages (a build in the checkout would
-    leave build/ and *.egg-info beside other people's work)."""
+    """Build the specfleet wheel (every package) from a copy of the packages (a build in the
+    checkout would leave build/ and *.egg-info beside other people's work)."""
     root = root or source_root()
+    files = {name: root / name for name in SOURCE_FILES if (root / name).is_file()}
+    return _build(out_dir, files, [root / p for p in _packages(root)], "specfleet")
+
+
+def build_agent_wheel(out_dir: Path, root: Path | None = None) -> Path:
+    """Build the device agent's wheel, `specfleet-agent`: the device packages alone, with the
+    build config in deploy/agent-wheel/ (the agent's dependencies, the `onnx` and `litert`
+    extras, the `specfleet-agent` command)."""
+    root = root or source_root()
+    files = {"pyproject.toml": root / AGENT_WHEEL_CONFIG}
+    return _build(out_dir, files, [root / p for p in AGENT_PACKAGES], "specfleet_agent")
+
+
+def _build(out_dir: Path, files: dict[str, Path], packages: list[Path], dist: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specfleet-wheel-") as tmp:
-        source = Path(tmp) / "specfleet"
+        source = Path(tmp) / "source"
         source.mkdir()
-        for name in SOURCE_FILES:
-            if (root / name).is_file():
-                shutil.copy2(root / name, source / name)
-        for package in _packages(root):
-            shutil.copytree(root / package, source / package, ignore=SOURCE_IGNORE)
+        for name, path in files.items():
+            shutil.copy2(path, source / name)
+        for package in packages:
+            shutil.copytree(package, source / package.name, ignore=SOURCE_IGNORE)
         wheels = Path(tmp) / "wheels"
         _run(
             [
                 sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                 "--quiet", "--wheel-dir", str(wheels), str(source),
             ],
-            "building the specfleet wheel",
+            f"building the {dist} wheel",
             cwd=Path(tmp),
         )  # fmt: skip
-        (built,) = wheels.glob("specfleet-*.whl")
+        (built,) = wheels.glob(f"{dist}-*.whl")
         target = out_dir / built.name
         shutil.copy2(built, target)
     return target

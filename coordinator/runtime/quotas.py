@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
 # Rate limiters keep one bucket per device they heard from; a full bucket idle this long is
 # forgotten (it would be full again anyway), and past this many devices the stalest goes first.

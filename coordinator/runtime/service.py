@@ -17,7 +17,6 @@ from broker.client import (
     ConnectOptions,
     run_with_reconnect,
 )
-from broker.compat import task_group
 from broker.topics import (
     DeviceChannel,
     VerifierChannel,
@@ -36,7 +35,8 @@ from coordinator.runtime.quotas import Quotas
 from coordinator.runtime.sessions import LiveSession, SessionBook
 from coordinator.runtime.shards import ShardLeases, shard_of
 from coordinator.runtime.verifiers import VerifierPool
-from coordinator.settings import Settings
+from core.aio import task_group
+from core.settings import Settings
 from inference.artifacts import TargetIdentity
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def configured_target(settings: Settings) -> TargetIdentity | None:
     """The settings' target (SmolLM2 unless `target` names another) from its manifest in the
     models directory; None where this host has no build of it (verifiers then announce it)."""
     from inference.artifacts import ArtifactError
-    from inference.target_build import load_target_identity
+    from modelbuild.target_build import load_target_identity
 
     try:
         return load_target_identity(settings.resolved_models_dir, settings.target)

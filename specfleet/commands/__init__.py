@@ -11,7 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from specfleet.cli import CommandError, add_module_command
+from core.cli_help import add_module_command
+from core.errors import CommandError
 
 # Heavy imports (SQLAlchemy, Alembic) happen inside the handlers, so `specfleet --help` stays fast.
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def _database_url(args: argparse.Namespace) -> str:
         return str(args.database_url)
     from pydantic import ValidationError
 
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     try:
         return Settings().database_url
@@ -359,9 +360,9 @@ def _devices_add(args: argparse.Namespace) -> int:
 
 
 def _devices_list(args: argparse.Namespace) -> int:
-    from bench.report import format_table
     from coordinator.db.models import DeviceKind, DeviceStatus
     from coordinator.web.api.schemas import DevicePublic
+    from core.report import format_table
 
     status = _choice(DeviceStatus, args.status, "--status") if args.status else None
     kind = _choice(DeviceKind, args.kind, "--kind") if args.kind else None
@@ -419,7 +420,7 @@ def _devices_provision(args: argparse.Namespace) -> int:
     from coordinator.db.registry import DeviceExistsError, RegistryError, validate_tags
     from coordinator.ops import provisioning
     from coordinator.ops.releases import release_public_key_pem
-    from coordinator.settings import Settings
+    from core.settings import Settings
     from inference.artifacts import ArtifactError, load_manifest
 
     if args.kind is None and not args.rotate:
@@ -671,7 +672,7 @@ def _broker_probe_verifier(args: argparse.Namespace) -> int:
     from broker.client import BrokerAddress
     from broker.probe import DEFAULT_MAX_AGE_S, BrokerUnreachable, judge_heartbeat, read_heartbeat
     from broker.topics import validate_device_id
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     try:
         settings = Settings()
@@ -938,8 +939,8 @@ def _up(args: argparse.Namespace) -> int:
 
     from broker.client import BrokerAddress
     from broker.embedded import DEFAULT_PORT
-    from coordinator.settings import Settings
     from coordinator.stack import run_up
+    from core.settings import Settings
 
     overrides: dict[str, Any] = {}
     if args.database_url:
@@ -1047,7 +1048,7 @@ def _admin_create(args: argparse.Namespace) -> int:
 
 
 def _admin_list(args: argparse.Namespace) -> int:
-    from bench.report import format_table
+    from core.report import format_table
 
     with _engine(args) as engine:
         admins = _admin_store(engine).list()
@@ -1177,7 +1178,7 @@ def _replay(args: argparse.Namespace) -> int:
 def _settings_models_dir() -> Path:
     from pydantic import ValidationError
 
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     try:
         return Settings().resolved_models_dir
@@ -1195,8 +1196,8 @@ def _replay_verify(
 
     from coordinator import replay
     from inference.artifacts import ArtifactError
-    from inference.gguf_source import GgufError
-    from inference.target_build import load_target
+    from modelbuild.gguf_source import GgufError
+    from modelbuild.target_build import load_target
 
     try:
         target, tokenizer = load_target(models_dir, precision=args.precision)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.adaptive import ADAPTIVE, PHASES, Config, parse_grid, phase_prompts
-from bench.models import BenchPrompt
+from localfleet.prompts import BenchPrompt
 from specfleet.cli import main
 
 

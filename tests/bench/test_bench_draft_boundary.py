@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from inference.artifacts import default_models_dir
-from inference.distill import ensure_drafts
-from inference.target_build import DEFAULT_PRECISION, ensure_target
+from modelbuild.distill import ensure_drafts
+from modelbuild.target_build import DEFAULT_PRECISION, ensure_target
 from specfleet.cli import main
 
 

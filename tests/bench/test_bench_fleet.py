@@ -22,8 +22,8 @@ from bench.recorded import (
     draft_along,
     load_answers,
 )
+from core.errors import CommandError
 from specfleet import cli
-from specfleet.cli import CommandError
 
 ANSWER = RecordedAnswer(prompt_ids=(1, 5, 9), answer_ids=(11, 12, 13, 14, 2))
 

@@ -11,7 +11,7 @@ from inference.artifacts import default_models_dir
 from inference.drafters import make_proposer
 from inference.sampling import SamplingParams
 from inference.speculative import decode_speculative
-from inference.target_build import load_target
+from modelbuild.target_build import load_target
 from specfleet.cli import main
 
 TUNE_PROMPTS = Path(__file__).resolve().parents[2] / "bench" / "prompts" / "tune.jsonl"

@@ -17,7 +17,7 @@ from broker import messages as m
 from broker.client import BrokerAddress, BusClient, ConnectOptions, Incoming, connect
 from broker.topics import DeviceChannel, device_topic
 from coordinator.runtime.service import Coordinator
-from coordinator.settings import Settings
+from core.settings import Settings
 
 REPLY_TIMEOUT_S = 10.0
 

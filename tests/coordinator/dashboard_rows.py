@@ -24,8 +24,8 @@ from coordinator.db.registry import DeviceRegistry
 from coordinator.ops.releases import store_release
 from coordinator.ops.rollout import Deployments
 from inference.artifacts import default_models_dir
-from inference.target_build import ensure_target
 from inference.tokenizer import ChatTokenizer
+from modelbuild.target_build import ensure_target
 
 PROMPT = "Why is the sky blue?"
 ANSWER = (

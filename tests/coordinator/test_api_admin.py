@@ -31,9 +31,9 @@ from coordinator.db.models import (
     utcnow,
 )
 from coordinator.live import ControlError, SessionStartRequest, VerifierLoad
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
+from core.settings import Settings
 from inference.artifacts import default_models_dir, list_models
 
 SECRET = "a-test-secret-of-32-characters!!"

@@ -19,9 +19,9 @@ from sqlalchemy.engine import Engine
 from broker.mosquitto import free_port
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.registry import DeviceRegistry
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
+from core.settings import Settings
 
 SECRET = "a-test-secret-of-32-characters!!"
 CHUNK = 64 * 1024

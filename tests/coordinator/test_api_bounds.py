@@ -11,11 +11,11 @@ from sqlalchemy.engine import Engine
 
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.registry import DeviceRegistry
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app
 from coordinator.web.api.paging import MAX_ROW_ID
 from coordinator.web.api.routes import events as events_route
 from coordinator.web.auth import AdminStore
+from core.settings import Settings
 
 HUGE = str(10**20)  # past bigint: PostgreSQL refuses it as an OFFSET or an id
 

@@ -11,9 +11,9 @@ from sqlalchemy.engine import Engine
 
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.registry import DeviceRegistry
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
+from core.settings import Settings
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
 

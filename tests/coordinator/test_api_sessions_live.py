@@ -24,16 +24,16 @@ from broker.mosquitto import free_port
 from coordinator import replay
 from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.events import EventLog
-from coordinator.settings import Settings
 from coordinator.stack import http_api
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
 from coordinator.web.control import attach_service
+from core.settings import Settings
 from inference.artifacts import default_models_dir
 from inference.sampling import SamplingParams
 from inference.speculative import decode_target
-from inference.target_build import load_target
 from localfleet.fleet import AgentSpec, local_fleet
+from modelbuild.target_build import load_target
 
 SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
 PROMPT = "Name the four seasons of the year."

@@ -36,9 +36,9 @@ from broker.mosquitto import free_port
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import AdminRole, DeviceDeploymentState, SessionMode, SessionStatus
 from coordinator.ops.rollout import Deployments
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
+from core.settings import Settings
 from device_agent import __version__ as AGENT_VERSION
 from inference.artifacts import default_models_dir
 

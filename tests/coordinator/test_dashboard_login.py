@@ -19,7 +19,6 @@ from coordinator.db.engine import make_sessionmaker
 from coordinator.db.events import EventLog
 from coordinator.db.models import ApiToken, utcnow
 from coordinator.db.registry import DeviceRegistry
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app, signing_key
 from coordinator.web.auth import (
     SESSION_COOKIE,
@@ -28,6 +27,7 @@ from coordinator.web.auth import (
     CookieSigner,
     LoginThrottle,
 )
+from core.settings import Settings
 
 SECRET = "a-test-secret-of-32-characters!!"
 

@@ -12,9 +12,9 @@ from sqlalchemy.engine import Engine
 
 from broker.mosquitto import PrivateMosquitto, free_port
 from coordinator.db.engine import make_engine
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app
 from coordinator.web.control import attach_service
+from core.settings import Settings
 
 DISCONNECT_WAIT_S = 20.0
 

@@ -18,9 +18,9 @@ from cryptography.x509.oid import NameOID
 from sqlalchemy.engine import Engine
 
 from broker.mosquitto import free_port
-from coordinator.settings import Settings
 from coordinator.stack import http_api
 from coordinator.web.api.main import create_app
+from core.settings import Settings
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:

@@ -16,9 +16,9 @@ from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import Round, SessionStatus
 from coordinator.live import VerifierLoad
 from coordinator.runtime.metrics import CoordinatorMetrics, RoundLegs
-from coordinator.settings import Settings
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
+from core.settings import Settings
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -28,7 +28,7 @@ from inference.onnx_runtime import OnnxRuntime
 from inference.proposers import Candidates, Proposer
 from inference.sampling import SamplingParams
 from inference.speculative import decode_speculative
-from inference.target_build import load_target
+from modelbuild.target_build import load_target
 from specfleet import cli
 
 Run = Callable[..., tuple[int, str, str]]

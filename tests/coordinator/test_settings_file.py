@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.settings import CONFIG_ENV, ConfigFileError, Settings, check_config_file
+from core.settings import CONFIG_ENV, ConfigFileError, Settings, check_config_file
 
 
 def _write(path: Path, text: str) -> Path:

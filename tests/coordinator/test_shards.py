@@ -83,7 +83,7 @@ def test_sqlite_cannot_share_a_fleet(sqlite_url: str) -> None:
 def test_settings_refuse_a_shared_fleet_without_postgresql(sqlite_url: str) -> None:
     from pydantic import ValidationError
 
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     with pytest.raises(ValidationError, match="shared_fleet needs PostgreSQL"):
         Settings(shared_fleet=True, database_url=sqlite_url)

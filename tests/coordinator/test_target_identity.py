@@ -22,9 +22,9 @@ from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel, VerifierChannel, verifier_topic
 from coordinator.runtime.service import Coordinator, configured_target
 from coordinator.runtime.sessions import UnknownTarget
-from coordinator.settings import Settings
+from core.settings import Settings
 from inference.artifacts import TargetIdentity
-from inference.target_build import ensure_target, load_target_identity
+from modelbuild.target_build import ensure_target, load_target_identity
 
 MANIFEST_VOCAB = "a" * 64
 ANNOUNCED_VOCAB = "b" * 64

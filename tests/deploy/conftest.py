@@ -20,9 +20,9 @@ from coordinator.db import migrate
 from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.registry import DeviceRegistry
 from inference.artifacts import default_models_dir
-from inference.distill import ensure_drafts
 from inference.drafts import list_drafts
-from inference.target_build import ensure_target
+from modelbuild.distill import ensure_drafts
+from modelbuild.target_build import ensure_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PG_HOST, PG_PORT, PG_USER, PG_ADMIN_DATABASE = "127.0.0.1", 5432, "postgres", "test"

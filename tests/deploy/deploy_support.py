@@ -81,9 +81,9 @@ def run_cli(argv: list[str]) -> int:
     """`specfleet ARGV` through the coordinator's and the models' command modules only."""
     import argparse
 
-    from inference import commands as model_commands
+    from core.errors import CommandError
+    from modelbuild import commands as model_commands
     from specfleet import commands as coordinator_commands
-    from specfleet.cli import CommandError
 
     parser = argparse.ArgumentParser(prog="specfleet")
     subparsers = parser.add_subparsers(dest="command", required=True)

@@ -25,14 +25,14 @@ from sqlalchemy.engine import Engine
 from broker.mosquitto import free_port
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import DeviceStatus
-from coordinator.settings import Settings
 from coordinator.stack import http_api
 from coordinator.web.api.routes import artifacts
+from core.settings import Settings
 from inference.artifacts import default_models_dir
 from inference.sampling import SamplingParams
 from inference.speculative import decode_target
-from inference.target_build import load_target
 from localfleet.fleet import local_fleet
+from modelbuild.target_build import load_target
 
 # The machine's own Mosquitto (anonymous, loopback), which the coordinator tests share too.
 SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"

@@ -25,8 +25,8 @@ from coordinator.ops.releases import (
     load_or_create_release_key,
     store_release,
 )
-from coordinator.settings import Settings
 from coordinator.web.api.routes import artifacts
+from core.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from broker.client import (
     ConnectOptions,
     connect,
 )
-from broker.compat import timeout
 from broker.mosquitto import PrivateMosquitto, free_port
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.engine import make_sessionmaker
@@ -33,11 +32,12 @@ from coordinator.db.models import DecodingSession, Event, SessionMode, SessionSt
 from coordinator.db.registry import DeviceRegistry
 from coordinator.ops.provisioning import parse_acl
 from coordinator.runtime.service import Coordinator
-from coordinator.settings import Settings
 from coordinator.stack import broker_revoke, http_api, quickstart_broker
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
 from coordinator.web.control import attach_service
+from core.aio import timeout
+from core.settings import Settings
 from device_agent.settings import load_agent_settings
 
 

@@ -31,7 +31,7 @@ from coordinator.db.registry import DeviceRegistry
 from coordinator.ops.provisioning import sync_broker_files
 from coordinator.ops.releases import release_public_key_pem
 from coordinator.ops.rollout import Deployments, RolloutEvent
-from coordinator.settings import Settings
+from core.settings import Settings
 from device_agent.agent import Agent
 from device_agent.models_store import smoke_draft
 from device_agent.settings import load_agent_settings

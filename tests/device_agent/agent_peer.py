@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from broker import messages as m
 from broker.client import BrokerAddress, BusClient, ConnectOptions, run_with_reconnect
-from broker.compat import task_group
 from broker.topics import DeviceChannel, device_subscription, device_topic, parse_device_topic
+from core.aio import task_group
 from device_agent.settings import load_agent_settings
 from inference.onnx_runtime import OnnxRuntime
 from inference.runtime import KVCache, Runtime

@@ -11,8 +11,8 @@ from broker.mosquitto import PrivateMosquitto
 from device_agent.catalog import DrafterCatalog
 from inference.artifacts import default_models_dir
 from inference.onnx_runtime import OnnxRuntime
-from inference.target_build import DEFAULT_PRECISION, ensure_target, load_target
 from inference.tokenizer import ChatTokenizer
+from modelbuild.target_build import DEFAULT_PRECISION, ensure_target, load_target
 
 
 @pytest.fixture(scope="session")

@@ -15,10 +15,10 @@ from broker import messages as m
 from broker.client import BrokerAddress, BusClient, ConnectOptions, Incoming, connect
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import Round
-from coordinator.settings import Settings
-from inference.target_build import ensure_target
+from core.settings import Settings
 from inference.tokenizer import ChatTokenizer
 from localfleet.fleet import local_fleet
+from modelbuild.target_build import ensure_target
 
 DEVICE = "adaptive-device"
 REPLY_TIMEOUT_S = 60.0

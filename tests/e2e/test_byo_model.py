@@ -16,14 +16,14 @@ import httpx
 import pytest
 from rounds_check import assert_rounds_rebuild
 
-from coordinator.settings import Settings
+from core.settings import Settings
 from inference.artifacts import default_models_dir, load_manifest
-from inference.distill import ensure_drafts
 from inference.sampling import SamplingParams
 from inference.speculative import decode_target
-from inference.target_build import ensure_target, load_target
 from localfleet.demo import ask
 from localfleet.fleet import AgentSpec, LocalFleet, local_fleet
+from modelbuild.distill import ensure_drafts
+from modelbuild.target_build import ensure_target, load_target
 from tests.inference.tiny_gguf import EOS, TinyShape, write_tiny_gguf
 
 SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"

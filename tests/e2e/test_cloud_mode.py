@@ -24,7 +24,7 @@ from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
 from coordinator.db.registry import DeviceExistsError
-from coordinator.settings import Settings
+from core.settings import Settings
 from localfleet.demo import ask
 from localfleet.fleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
 from netem import NetworkEmulator

@@ -20,7 +20,7 @@ from test_dsd_bus import shared_prompts, target_answer
 
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db.models import Round, SessionMode
-from coordinator.settings import Settings
+from core.settings import Settings
 from localfleet.demo import ask
 from localfleet.fleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
 

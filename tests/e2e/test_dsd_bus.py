@@ -15,12 +15,12 @@ import pytest
 from rounds_check import assert_rounds_rebuild
 
 from broker.mosquitto import PrivateMosquitto
-from coordinator.settings import Settings
+from core.settings import Settings
 from inference.sampling import SamplingParams
 from inference.speculative import decode_target
-from inference.target_build import load_target
 from localfleet.demo import ask
 from localfleet.fleet import AgentSpec, LocalFleet, local_fleet
+from modelbuild.target_build import load_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"

@@ -39,8 +39,8 @@ from test_dsd_bus import shared_prompts, target_answer
 from broker.mosquitto import PrivateMosquitto, free_port, wait_for_port
 from coordinator.db.models import DecodingSession, Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
-from coordinator.settings import Settings
 from coordinator.stack import VERIFIER_USER, prepare_database
+from core.settings import Settings
 from device_agent.local_api import HOST, ApiError, SseEvent, request_json, stream_session
 from localfleet.fleet import AgentSpec, ChildProcess, FleetProcesses, _provision
 from netem.control import send_command

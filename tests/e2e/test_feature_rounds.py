@@ -28,12 +28,13 @@ from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel, device_topic
-from coordinator.settings import Settings
-from inference.feature_head import build_head, random_head_weights
+from core.settings import Settings
+from inference.feature_head import random_head_weights
 from inference.features import features_from_wire
-from inference.target_build import ensure_target, load_target
 from localfleet.demo import ask
 from localfleet.fleet import START_TIMEOUT_S, AgentSpec, local_fleet
+from modelbuild.head_build import build_head
+from modelbuild.target_build import ensure_target, load_target
 
 MAX_TOKENS = 20
 HEAD = "eagle-random"

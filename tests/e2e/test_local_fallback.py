@@ -20,7 +20,7 @@ from test_dsd_bus import shared_prompts, target_answer
 
 from broker.mosquitto import PrivateMosquitto
 from coordinator.db.models import Event, Round
-from coordinator.settings import Settings
+from core.settings import Settings
 from device_agent.local_api import HOST, ApiError, SseEvent, stream_session, watch_session
 from localfleet.fleet import AgentSpec, LocalFleet, local_fleet
 

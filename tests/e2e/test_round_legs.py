@@ -23,7 +23,7 @@ from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import DecodingSession, Round
 from coordinator.runtime.service import Coordinator
-from coordinator.settings import Settings
+from core.settings import Settings
 from localfleet.demo import ask
 from localfleet.fleet import VERIFIER_USER, AgentSpec, LocalFleet, local_fleet
 

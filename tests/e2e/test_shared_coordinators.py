@@ -21,7 +21,7 @@ from test_dsd_bus import shared_prompts, target_answer
 from bench.fleet import shards_settled
 from broker.mosquitto import PrivateMosquitto, free_port
 from coordinator.runtime.shards import N_SHARDS, shard_of
-from coordinator.settings import Settings
+from core.settings import Settings
 from localfleet.demo import ask
 from localfleet.fleet import AgentSpec, ChildProcess, LocalFleet, local_fleet
 

@@ -8,8 +8,8 @@ import pytest
 
 from inference.artifacts import default_models_dir
 from inference.onnx_runtime import OnnxRuntime
-from inference.target_build import DEFAULT_PRECISION, TargetPrecision, ensure_target, load_target
 from inference.tokenizer import ChatTokenizer
+from modelbuild.target_build import DEFAULT_PRECISION, TargetPrecision, ensure_target, load_target
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ from pathlib import Path
 from inference.onnx_runtime import OnnxRuntime
 from inference.sampling import SamplingParams
 from inference.speculative import decode_target
-from inference.target_build import load_target
 from inference.tokenizer import ChatTokenizer
+from modelbuild.target_build import load_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"

@@ -13,9 +13,9 @@ import numpy.typing as npt
 import pytest
 
 from inference.artifacts import ArtifactError, load_manifest
-from inference.gguf_source import GgufError, GgufModel
-from inference.target_build import build_target, load_target
 from inference.tokenizer import ChatTokenizer, TokenizerError
+from modelbuild.gguf_source import GgufError, GgufModel
+from modelbuild.target_build import build_target, load_target
 from tests.inference.tiny_gguf import (
     CHAT_TEMPLATE,
     CONTROL_TOKENS,
@@ -192,8 +192,8 @@ def test_draft_training_model_keeps_qwen2_biases(tiny_models: Path) -> None:
     block and the whole head: biases included, its logits are the exported graph's."""
     import torch
 
-    from inference.draft_torch import DraftModel
-    from inference.gguf_source import EMBED, HEAD
+    from modelbuild.draft_torch import DraftModel
+    from modelbuild.gguf_source import EMBED, HEAD
 
     source = GgufModel(tiny_models.parent / "tiny-qwen2.gguf")
     weights = source.weights()

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from inference.artifacts import default_models_dir, sha256_file
-from inference.distill import SHARED_PROMPTS, SHIPPED_DRAFTS, ensure_drafts
 from inference.drafts import DraftInfo, list_drafts, load_draft
 from inference.litert_runtime import LiteRtKVCache
 from inference.proposers import head_token_ids
 from inference.runtime import Runtime
 from inference.tokenizer import ChatTokenizer
+from modelbuild.distill import SHARED_PROMPTS, SHIPPED_DRAFTS, ensure_drafts
 
 DRAFT_STEPS = 16
 # The TFLite build stores matrices through the converter's float16 mode and the ONNX build folds

@@ -11,12 +11,9 @@ from inference.artifacts import default_models_dir, load_manifest
 from inference.drafts import list_drafts
 from inference.feature_head import (
     HEAD_KIND,
-    SHIPPED_HEADS,
     FeatureHead,
     FeatureHeadError,
     HeadWeights,
-    build_head,
-    ensure_heads,
     find_head,
     list_heads,
     load_head_weights,
@@ -26,6 +23,7 @@ from inference.feature_head import (
 )
 from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
+from modelbuild.head_build import SHIPPED_HEADS, build_head, ensure_heads
 
 HIDDEN = 64
 VOCAB = 700

@@ -7,10 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inference.distill import TeacherRecord
 from inference.feature_head import HeadWeights, step_reference
-from inference.gguf_source import EMBED, GgufModel
-from inference.head_train import (
+from inference.onnx_runtime import OnnxRuntime
+from inference.tokenizer import ChatTokenizer
+from modelbuild.distill import TeacherRecord
+from modelbuild.gguf_source import EMBED, GgufModel
+from modelbuild.head_train import (
     MAX_K,
     FeatureSet,
     acceptance,
@@ -21,8 +23,6 @@ from inference.head_train import (
     rank_vocabulary,
     read_features,
 )
-from inference.onnx_runtime import OnnxRuntime
-from inference.tokenizer import ChatTokenizer
 
 VOCAB_IDS = np.arange(100, 120, dtype=np.int64)
 NEAR_TIE = 0.1  # fp16 features move logits of magnitude ~40 by up to ~0.03 (measured)
@@ -148,7 +148,7 @@ def test_features_are_cached_and_resumed(
 def test_torch_head_exports_the_step_it_trained() -> None:
     torch = pytest.importorskip("torch")
     from inference.feature_head import HeadConfig
-    from inference.head_torch import HeadModel
+    from modelbuild.head_torch import HeadModel
 
     config = HeadConfig("eagle-test", hidden_size=32, intermediate_size=48, vocab_size=90)
     rng = np.random.default_rng(3)

@@ -16,7 +16,6 @@ import pytest
 
 from inference import isolated_runtime
 from inference.artifacts import default_models_dir
-from inference.distill import ensure_drafts
 from inference.drafts import DraftRuntimeKind, load_draft
 from inference.isolated_runtime import (
     DraftChildSpec,
@@ -31,6 +30,7 @@ from inference.isolated_runtime import (
     write_frame,
 )
 from inference.proposers import head_token_ids
+from modelbuild.distill import ensure_drafts
 
 DRAFTS: list[tuple[str, DraftRuntimeKind]] = [("draft-l1", "onnx"), ("draft-l1-tflite", "tflite")]
 PROMPT = list(range(200, 248))

@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from inference.gguf_source import GgufModel, unpermute_order
-from inference.onnx_graph import DecoderSpec, build_decoder
 from inference.onnx_runtime import OnnxRuntime
+from modelbuild.gguf_source import GgufModel, unpermute_order
+from modelbuild.onnx_graph import DecoderSpec, build_decoder
 
 N_LAYERS = 2
 HEAD_IDS = (2, 13, 330, 578, 4649, 6303, 49151)

@@ -298,7 +298,7 @@ def test_concat_candidates_pads_one_hot_rows() -> None:
 def test_build_prompts_are_distinct_reproducible_and_not_the_benchmark() -> None:
     import json
 
-    from inference.ngram_build import TASKS, build_prompts
+    from modelbuild.ngram_build import TASKS, build_prompts
 
     shared = Path(__file__).resolve().parents[3] / "shared" / "bench" / "prompts.jsonl"
     benchmark = {json.loads(line)["prompt"] for line in shared.read_text().splitlines() if line}
@@ -311,9 +311,9 @@ def test_build_prompts_are_distinct_reproducible_and_not_the_benchmark() -> None
 
 
 def test_batched_greedy_answers_match_the_target_alone() -> None:
-    from inference.ngram_build import greedy_answers
     from inference.sampling import SamplingParams
     from inference.speculative import decode_target
+    from modelbuild.ngram_build import greedy_answers
 
     model = SyntheticLM.random(vocab_size=16, dim=8, seed=0, sharpness=0.6)
     prompts = [[1, 4, 9], [2], [7, 7, 7, 3, 5]]

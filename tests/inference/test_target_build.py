@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from inference import artifacts, target_build
+from core.errors import CommandError
+from inference import artifacts
 from inference.artifacts import (
     ArtifactError,
     ModelManifest,
@@ -17,9 +18,9 @@ from inference.artifacts import (
     sha256_file,
     write_manifest,
 )
-from inference.commands import MODEL_COMMANDS
-from inference.target_build import DEFAULT_PRECISION
-from specfleet.cli import CommandError
+from modelbuild import target_build
+from modelbuild.commands import MODEL_COMMANDS
+from modelbuild.target_build import DEFAULT_PRECISION
 
 COMMANDS = {"build-target": target_build, "list": artifacts}
 
@@ -80,7 +81,7 @@ def test_models_list_of_missing_dir_fails(
 
 def test_stale_manifest_triggers_rebuild_check(target_dir: Path, tmp_path: Path) -> None:
     """A manifest whose builder version differs is not up to date (checked without rebuilding)."""
-    from inference.target_build import _up_to_date
+    from modelbuild.target_build import _up_to_date
 
     manifest = load_manifest(target_dir)
     assert _up_to_date(target_dir, manifest.source_sha256, DEFAULT_PRECISION)

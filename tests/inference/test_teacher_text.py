@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 from synthetic_lm import SyntheticLM
 
-from inference.distill import (
+from inference.proposers import NGramTable
+from inference.sampling import SamplingParams
+from inference.speculative import decode_target
+from inference.tokenizer import ChatTokenizer
+from modelbuild.distill import (
     TeacherRecord,
     generate_teacher,
     read_teacher,
     unseen_prompts,
     without_benchmark,
 )
-from inference.proposers import NGramTable
-from inference.sampling import SamplingParams
-from inference.speculative import decode_target
-from inference.teacher_prompts import BENCHMARK_PROMPT_FILES, benchmark_prompts, teacher_prompt
-from inference.tokenizer import ChatTokenizer
+from modelbuild.teacher_prompts import BENCHMARK_PROMPT_FILES, benchmark_prompts, teacher_prompt
 from specfleet.cli import main
 
 

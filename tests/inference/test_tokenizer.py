@@ -115,7 +115,7 @@ def test_smollm2_turns_from_the_gguf_template_are_unchanged(
 ) -> None:
     """The GGUF's Jinja template, rendered in the sandbox, gives SmolLM2's ChatML turns id for id
     (from the GGUF itself, and from the files a build wrote, older ones included)."""
-    from inference.gguf_source import GgufModel
+    from modelbuild.gguf_source import GgufModel
 
     tokenizer = ChatTokenizer.from_gguf(GgufModel()) if source == "gguf" else chat_tokenizer
     for conversation in _smollm_conversations():

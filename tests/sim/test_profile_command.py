@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.target_build import build_target
+from modelbuild.target_build import build_target
 from specfleet.cli import main
 from tests.inference.tiny_gguf import write_tiny_gguf
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from core.cli_help import BROKER_SPELLINGS, walk
 from device_agent.cli import build_parser as agent_parser
 from specfleet.cli import build_parser as specfleet_parser
-from specfleet.cli_help import BROKER_SPELLINGS, walk
 
 ROOTS = {"specfleet": specfleet_parser, "specfleet-agent": agent_parser}
 MODULES = {"specfleet": "specfleet", "specfleet-agent": "device_agent.cli"}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from broker.mosquitto import free_port
-from specfleet.logs import JsonFormatter
+from core.logs import JsonFormatter
 
 
 def _record(**extra: object) -> logging.LogRecord:

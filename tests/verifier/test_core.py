@@ -18,11 +18,11 @@ from verifier_helpers import (
 from broker.messages import SamplingSpec, VerifyRequest
 from inference.artifacts import default_models_dir
 from inference.features import features_from_wire
-from inference.gguf_source import GgufModel
-from inference.onnx_graph import DecoderSpec, build_decoder
 from inference.onnx_runtime import OnnxRuntime
 from inference.sampling import SamplingParams, SparseDraftProbs, rejection_sample, round_rng
 from inference.tokenizer import ChatTokenizer
+from modelbuild.gguf_source import GgufModel
+from modelbuild.onnx_graph import DecoderSpec, build_decoder
 from verifier.core import INLINE_PREFILL_MAX, Verification, VerifierCore, sparse_q
 from verifier.drafting import HostDrafters
 

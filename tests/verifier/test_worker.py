@@ -25,13 +25,13 @@ from verifier_helpers import (
 )
 
 from broker.client import BrokerAddress, ConnectOptions, connect
-from broker.compat import task_group, timeout
 from broker.messages import DeviceState, VerifierStatus, VerifyRequest, decode_as, encode
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import VerifierChannel, verifier_topic
+from core.aio import task_group, timeout
 from inference.artifacts import default_models_dir
 from inference.features import features_from_wire
-from inference.target_build import load_target_identity
+from modelbuild.target_build import load_target_identity
 from verifier.child import ChildConfig
 from verifier.worker import VerifierWorker, WorkerConfig
 

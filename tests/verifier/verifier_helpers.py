@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from broker.client import BusClient
-from broker.compat import timeout
 from broker.messages import (
     Message,
     SamplingSpec,
@@ -20,11 +19,12 @@ from broker.messages import (
     VerifyResult,
     decode,
 )
+from core.aio import timeout
 from inference.onnx_runtime import OnnxRuntime
 from inference.sampling import SamplingParams
 from inference.speculative import decode_target
-from inference.target_build import load_target
 from inference.tokenizer import ChatTokenizer
+from modelbuild.target_build import load_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from coordinator.live import CoordinatorControl
 from coordinator.replay import TokenDecoder, target_tokenizer
 from coordinator.runtime.metrics import CoordinatorMetrics
-from coordinator.settings import Settings
 from coordinator.web.auth import SESSION_COOKIE, AdminStore, CookieSigner, Principal
+from core.settings import Settings
 
 log = logging.getLogger(__name__)
 

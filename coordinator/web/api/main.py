@@ -16,7 +16,6 @@ from starlette.types import Scope
 from coordinator.db.engine import make_sessionmaker
 from coordinator.live import CoordinatorControl, VerifierLoad
 from coordinator.runtime.metrics import CoordinatorMetrics
-from coordinator.settings import Settings
 from coordinator.web.api.deps import get_current_user
 from coordinator.web.api.docs import mount_api_docs
 from coordinator.web.api.limits import BodyLimits, Refusal, RequestBodyGuard
@@ -34,6 +33,7 @@ from coordinator.web.api.routes import (
     verifiers,
 )
 from coordinator.web.auth import AdminStore, CookieSigner, LoginThrottle
+from core.settings import Settings
 
 API_PREFIX = "/api/v1"
 # Model releases are the only bodies the API is meant to take in bulk; every other body is a

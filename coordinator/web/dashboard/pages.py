@@ -16,7 +16,6 @@ from fastapi.templating import Jinja2Templates
 
 from broker.topics import DEVICE_ID_PATTERN
 from coordinator.db.events import EventLog
-from coordinator.settings import Settings
 from coordinator.web.api.deps import get_admins, get_signer, principal_from_cookie
 from coordinator.web.api.paging import MAX_ROW_ID
 from coordinator.web.auth import (
@@ -26,6 +25,7 @@ from coordinator.web.auth import (
     LoginThrottle,
     Principal,
 )
+from core.settings import Settings
 
 HERE = FsPath(__file__).resolve().parent
 templates = Jinja2Templates(directory=HERE / "templates")

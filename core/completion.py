@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import re
 import shlex
+from collections.abc import Callable
 
-from specfleet.cli_help import walk
+from core.cli_help import walk
 
 SHELLS = ("bash",)
 
@@ -92,20 +93,18 @@ def bash_script(root: argparse.ArgumentParser) -> str:
 
 
 def add_completion_command(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], prog: str
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    build_parser: Callable[[], argparse.ArgumentParser],
 ) -> None:
-    """`PROG completion bash`: print the completion script (the handler rebuilds the parser,
-    so the script covers every command, this one included)."""
+    """`PROG completion bash`: print the completion script. The handler builds the whole parser
+    again with `build_parser` (the program's own), so the script covers every command, this one
+    included."""
     help_text = "print a shell completion script for this program"
     parser = subparsers.add_parser("completion", help=help_text, description=help_text)
     parser.add_argument("shell", choices=SHELLS, help="the shell to complete for")
-    parser.set_defaults(func=_print_script, completion_prog=prog)
+    parser.set_defaults(func=_print_script, completion_parser=build_parser)
 
 
 def _print_script(args: argparse.Namespace) -> int:
-    if args.completion_prog == "specfleet-agent":
-        from device_agent.cli import build_parser
-    else:
-        from specfleet.cli import build_parser
-    print(bash_script(build_parser()), end="")
+    print(bash_script(args.completion_parser()), end="")
     return 0

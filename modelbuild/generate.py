@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from core.errors import CommandError
     from inference.artifacts import default_models_dir
     from inference.drafters import (
         DEFAULT_NGRAM_TABLE,
@@ -56,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
         make_proposer,
     )
     from inference.sampling import SamplingParams
-    from specfleet.cli import CommandError
 
     if args.max_tokens < 1:
         raise CommandError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     k = args.k if args.k is not None else default_k(args.draft)
 
     from inference.speculative import decode_speculative, decode_target
-    from inference.target_build import load_target
+    from modelbuild.target_build import load_target
 
     target, tokenizer = load_target(models_dir, threads=args.threads)
     proposer = None

@@ -247,7 +247,7 @@ def build_prompts(count: int, seed: int = BUILD_SEED) -> list[BuildPrompt]:
 
     A task whose templates run out of new combinations drops out, so it may get fewer.
     """
-    from inference.teacher_prompts import benchmark_prompts
+    from modelbuild.teacher_prompts import benchmark_prompts
 
     rng = random.Random(seed)
     prompts: list[BuildPrompt] = []
@@ -367,14 +367,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from core.errors import CommandError
     from inference.artifacts import ArtifactError, default_models_dir, sha256_file
-    from inference.distill import read_teacher, without_benchmark
     from inference.drafters import DEFAULT_NGRAM_TABLE
     from inference.proposers import NGramTable
-    from inference.target_build import DEFAULT_PRECISION, ensure_target, load_target
-    from inference.target_build import target_name as default_target_name
     from inference.tokenizer import ChatTokenizer
-    from specfleet.cli import CommandError
+    from modelbuild.distill import read_teacher, without_benchmark
+    from modelbuild.target_build import DEFAULT_PRECISION, ensure_target, load_target
+    from modelbuild.target_build import target_name as default_target_name
 
     if args.prompts < 0 or args.max_new_tokens < 1:
         raise CommandError("--prompts must be >= 0 and --max-new-tokens >= 1")

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.gguf_source import F32, HEAD, NORM, LlamaConfig
+from inference.model_config import F32, LlamaConfig
+from modelbuild.gguf_source import HEAD, NORM
 
 
 class RmsNorm(nn.Module):

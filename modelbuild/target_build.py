@@ -123,7 +123,7 @@ def build_target(
     `gguf` is any llama-family GGUF (default: SmolLM2's); `name` defaults to SmolLM2's name for
     its GGUF, and to the GGUF's file name for another, with the precision after it.
     """
-    from inference.gguf_source import file_sha256, find_gguf
+    from modelbuild.gguf_source import file_sha256, find_gguf
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -153,9 +153,9 @@ def _build(
     import onnx
     from tqdm import tqdm
 
-    from inference.gguf_source import GgufModel, QuantizedMatrix
-    from inference.onnx_graph import DecoderSpec, build_decoder
     from inference.tokenizer import TOKENIZER_FILE, ChatTokenizer
+    from modelbuild.gguf_source import GgufModel, QuantizedMatrix
+    from modelbuild.onnx_graph import DecoderSpec, build_decoder
 
     source = GgufModel(gguf_path)  # refuses what it cannot export before any work starts
     source.check_exportable()
@@ -308,9 +308,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference.gguf_source import GgufError
+    from core.errors import CommandError
     from inference.tokenizer import TokenizerError
-    from specfleet.cli import CommandError
+    from modelbuild.gguf_source import GgufError
 
     models_dir: Path = args.models_dir or default_models_dir()
     if args.gguf is not None and not args.gguf.is_file():

@@ -9,10 +9,11 @@ Kept to the standard library, so that `specfleet-agent` (on a device) imports it
 from __future__ import annotations
 
 import argparse
+import importlib
 import textwrap
 from collections.abc import Iterator, Mapping
 
-from specfleet.logs import LOG_FORMATS
+from core.logs import LOG_FORMATS
 
 # The broker's address was spelled `--broker` by some commands and `--broker-url` by others. Both
 # are accepted everywhere; each command's help names the spelling it was written with.
@@ -21,6 +22,23 @@ VERBOSE_HELP = "log at DEBUG level (also accepted before the command)"
 # RawDescriptionHelpFormatter keeps the examples' lines as written, and so does it descriptions:
 # a one-line description is wrapped here instead.
 DESCRIPTION_WIDTH = 88
+
+
+def add_module_command(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    module_name: str,
+    help_text: str,
+) -> None:
+    """Add a command implemented by a module with `add_arguments(parser)` and `run(args)`.
+
+    Such modules keep their top-level imports cheap (no torch, no onnxruntime), so `--help`
+    stays fast.
+    """
+    module = importlib.import_module(module_name)
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
 
 
 class MissingExamples(Exception):

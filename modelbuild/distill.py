@@ -16,9 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from inference.gguf_source import GgufModel, QuantizedMatrix
     from inference.runtime import Runtime
     from inference.tokenizer import ChatTokenizer
+    from modelbuild.gguf_source import GgufModel, QuantizedMatrix
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def without_benchmark(
     Teacher files written before the stream skipped benchmark prompts hold answers to some of
     them; training or counting on those would inflate the acceptance measured on them.
     """
-    from inference.teacher_prompts import benchmark_prompts
+    from modelbuild.teacher_prompts import benchmark_prompts
 
     banned = {tuple(tokenizer.apply_chat_template(text)) for text in benchmark_prompts()}
     kept = [record for record in records if tuple(record.prompt_ids) not in banned]
@@ -194,7 +194,7 @@ def unseen_prompts(
 ) -> Iterator[tuple[int, str, list[int]]]:
     """Generated prompts from index `start` whose text is not in `seen` (templates repeat) and
     is not a benchmark prompt."""
-    from inference.teacher_prompts import benchmark_prompts, teacher_prompt
+    from modelbuild.teacher_prompts import benchmark_prompts, teacher_prompt
 
     seen |= benchmark_prompts()
     index = start
@@ -355,8 +355,8 @@ def train_draft(
     import torch
     from tqdm import tqdm
 
-    from inference.draft_torch import DraftModel, cosine_lr, distill_loss
-    from inference.gguf_source import EMBED, HEAD, NORM, GgufModel
+    from modelbuild.draft_torch import DraftModel, cosine_lr, distill_loss
+    from modelbuild.gguf_source import EMBED, HEAD, NORM, GgufModel
 
     source = source or GgufModel()
     torch.set_num_threads(2)
@@ -570,8 +570,8 @@ def export_onnx(
     """The draft through the project's ONNX builder: q8_0 embedding, fp16 matrices, trimmed head."""
     import onnx
 
-    from inference.gguf_source import EMBED
-    from inference.onnx_graph import DecoderSpec, build_decoder
+    from modelbuild.gguf_source import EMBED
+    from modelbuild.onnx_graph import DecoderSpec, build_decoder
 
     spec = DecoderSpec(n_layers=config.n_layers, head_ids=tuple(int(i) for i in head_ids))
     table = embed_q8.dequantize()
@@ -601,7 +601,7 @@ def load_draft_weights(
 def target_source(target_dir: Path) -> GgufModel:
     """The GGUF a built target came from (its manifest records where), to cut drafts from."""
     from inference.artifacts import load_manifest
-    from inference.gguf_source import GgufError, GgufModel
+    from modelbuild.gguf_source import GgufError, GgufModel
 
     manifest = load_manifest(target_dir)
     recorded = manifest.extra.get("source_path")
@@ -621,7 +621,7 @@ def embedding_q8(source: GgufModel) -> QuantizedMatrix:
     here from the fp32 table (gguf's reference quantiser)."""
     import gguf
 
-    from inference.gguf_source import EMBED, QuantizedMatrix
+    from modelbuild.gguf_source import EMBED, QuantizedMatrix
 
     own = source.quantized(EMBED)
     if own is not None and own.kind == "q8_0":
@@ -644,10 +644,16 @@ def export_draft(
     """Build a draft's ONNX and/or TFLite directories (model, output ids, tokenizer, manifest)."""
     import shutil
 
-    from inference.artifacts import describe_model, load_manifest, sha256_file, write_manifest
-    from inference.drafts import OUTPUT_IDS_FILE, TFLITE_SUFFIX
-    from inference.tflite_export import export_tflite
+    from inference.artifacts import (
+        OUTPUT_IDS_FILE,
+        describe_model,
+        load_manifest,
+        sha256_file,
+        write_manifest,
+    )
+    from inference.drafts import TFLITE_SUFFIX
     from inference.tokenizer import CHAT_FORMAT_FILE, TOKENIZER_FILE
+    from modelbuild.tflite_export import export_tflite
 
     weights, head_ids, meta = load_draft_weights(weights_path)
     name = str(meta["name"])
@@ -754,8 +760,8 @@ def evaluate(
     from inference.artifacts import load_manifest, with_vocab
     from inference.drafts import list_drafts, load_draft
     from inference.onnx_runtime import OnnxRuntime
-    from inference.teacher_prompts import teacher_prompt
     from inference.tokenizer import ChatTokenizer
+    from modelbuild.teacher_prompts import teacher_prompt
 
     work = work or models_dir / "distill"
     vocab = with_vocab(target_dir, load_manifest(target_dir)).vocab_sha256
@@ -863,7 +869,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specfleet.cli import CommandError
+    from core.errors import CommandError
 
     if args.minutes <= 0 or args.teacher_tokens < 0 or args.threads < 1:
         raise CommandError("--minutes must be > 0, --teacher-tokens >= 0, --threads >= 1")
@@ -872,8 +878,8 @@ def run(args: argparse.Namespace) -> int:
     if args.teacher_only and args.export_only:
         raise CommandError("--teacher-only and --export-only exclude each other")
     from inference.artifacts import ArtifactError, default_models_dir
-    from inference.gguf_source import GgufError
-    from inference.target_build import ensure_target, target_name
+    from modelbuild.gguf_source import GgufError
+    from modelbuild.target_build import ensure_target, target_name
 
     models_dir: Path = args.models_dir or default_models_dir()
     names = SIZES[args.size]
@@ -889,8 +895,8 @@ def run(args: argparse.Namespace) -> int:
     prefix = "" if default else f"{target_dir.name}-"
     if not args.export_only:
         from inference.onnx_runtime import OnnxRuntime
-        from inference.teacher_prompts import teacher_prompt
         from inference.tokenizer import ChatTokenizer
+        from modelbuild.teacher_prompts import teacher_prompt
 
         work.mkdir(parents=True, exist_ok=True)
         tokenizer = ChatTokenizer.load(target_dir)

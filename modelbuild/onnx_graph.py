@@ -12,31 +12,24 @@ import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from inference.gguf_source import F32, LlamaConfig, QuantizedMatrix
+from inference.model_config import F32, LlamaConfig
+from inference.onnx_io import (
+    ATTENTION_MASK,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    META_CONFIG,
+    META_HEAD_IDS,
+    POSITION_IDS,
+    past_name,
+    present_name,
+)
+from modelbuild.gguf_source import QuantizedMatrix
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
 # Masked scores: finite so that a fully masked row never turns into NaN, and far below any logit.
 MASK_VALUE = -1.0e30
-
-# Names of the graph's inputs and outputs; the runtime and the draft exporters use the same ones.
-INPUT_IDS = "input_ids"  # [batch, new] int64
-POSITION_IDS = "position_ids"  # [batch, new] int64
-ATTENTION_MASK = "attention_mask"  # [batch, past + new] int64, 1 = a real position
-LOGITS = "logits"  # [batch, new, head]
-HIDDEN = "hidden"  # [batch, new, d_model], after the final norm: the features a head drafts from
-META_HEAD_IDS = "specfleet.head_ids"  # JSON list of vocabulary ids of a trimmed head
-META_CONFIG = "specfleet.config"  # JSON LlamaConfig (with the graph's own n_layers)
-
-
-def past_name(layer: int, kind: str) -> str:
-    """Cache input of one layer; kind is "key" or "value". # [batch, n_kv, past, head_dim]"""
-    return f"past_key_values.{layer}.{kind}"
-
-
-def present_name(layer: int, kind: str) -> str:
-    """Cache output of one layer. # [batch, n_kv, past + new, head_dim]"""
-    return f"present.{layer}.{kind}"
 
 
 @dataclass

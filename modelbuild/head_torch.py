@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.draft_torch import RmsNorm
 from inference.feature_head import F32, HeadConfig, tensor_shapes
+from modelbuild.draft_torch import RmsNorm
 
 
 class HeadModel(nn.Module):
