@@ -313,20 +313,30 @@ def _run(args: argparse.Namespace) -> int:
     kind = args.kind or fleet.verifiers[0].kind
     if args.verifiers < 1:
         raise CommandError("--verifiers must be >= 1")
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
         result = simulate(calibration, fleet, workload, kind, args.verifiers, args.seed)
     except SimInputError as exc:
         raise CommandError(str(exc)) from None
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     print(format_table(RUN_HEADERS, _run_rows([result])))
     devices = sum(d.count for d in fleet.devices)
+    rounds = sum(result.rounds_by_mode.values())
     print(
-        f"\n{devices} devices, {result.sessions_started} sessions, {workload.duration_s:.0f} s of "
-        f"fleet time, {result.wall_events} events in {wall:.1f} s wall"
+        f"\n{devices} devices, {result.sessions_started} sessions ({result.open_sessions:.0f} "
+        f"open at a time), {workload.duration_s:.0f} s of fleet time, {rounds} rounds, "
+        f"{result.wall_events} events in {wall:.1f} s wall, {cpu:.1f} s CPU (one core)"
     )
     if args.json is not None:
-        write_json(args.json, {"benchmark": "sim-run", "result": result.document(), "wall_s": wall})
+        write_json(args.json, {
+            "benchmark": "sim-run",
+            "devices": devices,
+            "fleet_s": workload.duration_s,
+            "result": result.document(),
+            "rounds": rounds,
+            "wall_s": wall,
+            "cpu_s": cpu,
+        })  # fmt: skip
     return 0
 
 

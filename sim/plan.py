@@ -40,6 +40,7 @@ class RunResult:
     utilisation: dict[str, float]  # busy share: verifiers (mean), coordinator, broker, devices
     rounds_by_mode: dict[str, int]
     wall_events: int
+    open_sessions: float = 0.0  # sessions open at a time, on average over the measured window
 
     @property
     def bottleneck(self) -> str:
@@ -63,6 +64,7 @@ class RunResult:
             "bottleneck": self.bottleneck,
             "rounds_by_mode": self.rounds_by_mode,
             "events": self.wall_events,
+            "open_sessions": self.open_sessions,
         }
 
 
@@ -197,6 +199,14 @@ def _result(
         "coordinator": max(cpu.busy_ms for cpu in fleet.coordinator.cpus) / elapsed,
         "broker": fleet.broker.server.busy_ms / elapsed,
     }
+    open_ms = sum(
+        max(
+            0.0,
+            min(s.ended_at if s.ended_at is not None else end_ms, end_ms)
+            - max(s.opened_at, warmup_ms),
+        )
+        for s in sessions
+    )
     modes: dict[str, int] = {}
     for s in sessions:
         for mode, n in s.rounds_by_mode.items():
@@ -213,6 +223,7 @@ def _result(
         utilisation=utilisation,
         rounds_by_mode=modes,
         wall_events=fleet.loop.events,
+        open_sessions=open_ms / window_ms,
     )
 
 
