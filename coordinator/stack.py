@@ -249,6 +249,7 @@ class OwnBroker:
     settings: Settings  # the coordinator's, pointed at this broker with a service account
     device_url: str  # where devices connect (Mosquitto: not the services' listener)
     description: str
+    credentials: dict[str, str]  # service username -> plaintext, minted for this run
     revoke: BrokerRevoke
     refresh_forever: Callable[[], Coroutine[Any, Any, None]]
     stop: Callable[[], Coroutine[Any, Any, None]]
@@ -292,6 +293,7 @@ async def start_own_broker(
         mosquitto.url,
         f"(Mosquitto, MQTT 5, the production config; services on {mosquitto.service_url}; "
         f"log {mosquitto.log_path})",
+        dict(mosquitto.credentials),
         revoke,
         refresh_forever,
         stop,
@@ -317,6 +319,7 @@ async def _own_amqtt(
         ),
         quick.broker.url,
         f"(embedded amqtt, MQTT 3.1.1, {why}: for trials; production runs Mosquitto)",
+        dict(quick.credentials),
         revoke,
         lambda: _refresh_forever(quick, registry),
         quick.broker.stop,

@@ -170,8 +170,14 @@ async def run_demo(
             verifiers,
             workdir=workdir,
             external_broker=args.broker,
+            local_broker=args.local_broker,
         ) as fleet:
-            print(f"broker {fleet.broker_url}; database {settings.database_url}", flush=True)
+            own = fleet.own_broker
+            if own is not None:
+                print(f"broker    {own.device_url}  {own.description}", flush=True)
+            else:
+                print(f"broker    {fleet.broker_url}  (external)", flush=True)
+            print(f"database  {settings.database_url}", flush=True)
             started = time.perf_counter()
             results = await _answer_all(fleet, agents, prompts, args)
             return results, time.perf_counter() - started
@@ -301,7 +307,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--verifiers", type=int, default=2, choices=[1, 2], help="verifier workers (default 2)"
     )
     parser.add_argument(
-        "--broker", metavar="URL", help="an external broker instead of the embedded"
+        "--broker", metavar="URL", help="an external broker instead of one of the demo's own"
+    )
+    parser.add_argument(
+        "--local-broker",
+        choices=("auto", "mosquitto", "amqtt"),
+        default="auto",
+        help="without --broker: a private Mosquitto with the production config (ACLs, "
+        "TCP_NODELAY, MQTT 5) where it is installed (auto, the default), or the pure-Python amqtt",
     )
     parser.add_argument("--database-url", metavar="URL", help="instead of the SQLite default")
     parser.add_argument(

@@ -26,9 +26,10 @@ from coordinator.stack import (
     COORDINATOR_USER,
     NOISY_LOGGERS,
     VERIFIER_USER,
-    QuickstartBroker,
+    LocalBrokerChoice,
+    OwnBroker,
     prepare_database,
-    quickstart_broker,
+    start_own_broker,
 )
 from core.settings import Settings
 from netem.emulator import NetworkEmulator
@@ -99,7 +100,10 @@ class FleetProcesses:
     need one, the coordinator itself (`specfleet up` against the same broker and database)."""
 
     settings: Settings
-    broker_url: str
+    broker_url: str  # the coordinator's and the verifiers'
+    # The agents' (a private Mosquitto has a listener for devices apart from the services'
+    # one); empty: the same as broker_url.
+    device_broker_url: str = ""
     credentials: dict[str, str]  # username -> plaintext, devices and services
     workdir: Path
     verifiers: dict[str, ChildProcess] = field(default_factory=dict)
@@ -189,7 +193,7 @@ class FleetProcesses:
             "--device-id",
             spec.device_id,
             "--broker-url",
-            broker_url or self.broker_url,
+            broker_url or self.device_broker_url or self.broker_url,
             "--kind",
             spec.kind,
             "--draft",
@@ -244,10 +248,12 @@ class FleetProcesses:
                         raise TimeoutError(f"agent {device_id} did not come up") from None
 
     async def stop_children(self) -> None:
-        children = [*self.agents.values(), *self.verifiers.values()]
+        """In the order of an orderly shutdown: the agents (their sessions close), then the
+        verifiers (with no work left, they leave without a fail-over), then the coordinator."""
+        await asyncio.gather(*(child.stop() for child in self.agents.values()))
+        await asyncio.gather(*(child.stop() for child in self.verifiers.values()))
         if self.coordinator_child is not None:
-            children.append(self.coordinator_child)
-        await asyncio.gather(*(child.stop() for child in children))
+            await self.coordinator_child.stop()
 
 
 @dataclass(kw_only=True)
@@ -255,7 +261,7 @@ class LocalFleet(FleetProcesses):
     """A fleet whose coordinator runs in this process (the demo, most tests, the benchmarks)."""
 
     coordinator: Coordinator
-    quick: QuickstartBroker | None = None
+    own_broker: OwnBroker | None = None  # the broker started for this fleet, if any
     # Network emulators between agents and the broker, by device id (`behind_netem`): cut,
     # stall or reshape one agent's link alone.
     links: dict[str, NetworkEmulator] = field(default_factory=dict)
@@ -296,11 +302,15 @@ async def local_fleet(
     external_broker: str | None = None,
     behind_netem: Collection[str] = (),
     agent_flags: Sequence[str] = (),
+    local_broker: LocalBrokerChoice = "amqtt",
 ) -> AsyncIterator[LocalFleet]:
     """Start everything, yield once all are up, stop everything on exit.
 
-    The agents named in `behind_netem` reach the broker through a `NetworkEmulator` of their
-    own, running in this event loop (`fleet.links`); `agent_flags` go to every agent's command.
+    Without `external_broker`, the fleet runs a broker of its own as `specfleet up` does
+    (`local_broker`: "auto" is a private Mosquitto with the production config where one is
+    installed, else the embedded amqtt). The agents named in `behind_netem` reach the broker
+    through a `NetworkEmulator` of their own, running in this event loop (`fleet.links`);
+    `agent_flags` go to every agent's command.
     """
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -310,20 +320,12 @@ async def local_fleet(
 
     registry = DeviceRegistry(make_sessionmaker(engine))
     credentials = {spec.device_id: _provision(registry, spec) for spec in agents}
-    quick: QuickstartBroker | None = None
+    own: OwnBroker | None = None
     if external_broker is None:
-        quick = quickstart_broker(settings, free_port(), registry)
-        await quick.broker.start()
-        credentials.update(quick.credentials)
-        broker_url = quick.broker.url
-        settings = settings.model_copy(
-            update={
-                "broker_url": broker_url,
-                "broker_username": COORDINATOR_USER,
-                "broker_password": quick.credentials[COORDINATOR_USER],
-                "mqtt_protocol": "3.1.1",
-            }
-        )
+        own = await start_own_broker(settings, free_port(), registry, local_broker)
+        credentials.update(own.credentials)
+        settings = own.settings  # on the services' listener, with the coordinator's account
+        broker_url = settings.broker_url
     else:
         # An external broker is set up by its operator; these clients authenticate if it asks.
         credentials.update({COORDINATOR_USER: "", VERIFIER_USER: ""})
@@ -335,16 +337,19 @@ async def local_fleet(
         settings=settings,
         coordinator=coordinator,
         broker_url=broker_url,
+        device_broker_url=own.device_url if own is not None else "",
         credentials=credentials,
         workdir=workdir,
-        quick=quick,
+        own_broker=own,
     )
+    if own is not None:  # devices provisioned while the fleet runs can connect
+        coordinator.background.append(own.refresh_forever)
     fleet._coordinator_task = asyncio.create_task(coordinator.run(), name="coordinator")
     try:
         await asyncio.wait_for(coordinator.connected.wait(), 30)
         for verifier_id in verifier_ids:
             fleet.start_verifier(verifier_id)
-        upstream = BrokerAddress.from_url(broker_url)
+        upstream = BrokerAddress.from_url(fleet.device_broker_url or broker_url)
         for spec in agents:
             agent_broker = None
             if spec.device_id in behind_netem:
@@ -362,6 +367,6 @@ async def local_fleet(
         fleet._coordinator_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await fleet._coordinator_task
-        if quick is not None:
-            await quick.broker.stop()
+        if own is not None:
+            await own.stop()
         engine.dispose()
