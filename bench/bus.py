@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from broker import messages as m
-from broker.client import BrokerAddress, ConnectOptions, connect
+from broker.client import BrokerAddress, ConnectOptions, Protocol, connect
 from broker.mosquitto import MosquittoError, PrivateMosquitto
 from broker.topics import DeviceChannel, device_topic
 from core.report import add_json_argument, format_table, median, percentile, write_json
@@ -111,16 +112,19 @@ async def measure(
     username: str | None = None,
     password: str | None = None,
     features: int = 0,
+    protocol: Protocol = "auto",
 ) -> Result:
     address = BrokerAddress.from_url(url)
     draft_topic = device_topic(DEVICE_ID, DeviceChannel.DRAFT)
     verdict_topic = device_topic(DEVICE_ID, DeviceChannel.VERDICT)
     agent_opts = ConnectOptions(
-        client_id="bench-agent", username=username, password=password, tcp_nodelay=tcp_nodelay
+        client_id="bench-agent",
+        username=username,
+        password=password,
+        tcp_nodelay=tcp_nodelay,
+        protocol=protocol,
     )
-    coord_opts = ConnectOptions(
-        client_id="bench-coordinator", username=username, password=password, tcp_nodelay=tcp_nodelay
-    )
+    coord_opts = dataclasses.replace(agent_opts, client_id="bench-coordinator")
     async with connect(address, agent_opts) as agent, connect(address, coord_opts) as coord:
         await coord.subscribe(draft_topic)
         await agent.subscribe(verdict_topic)
@@ -218,6 +222,9 @@ async def _measure_embedded(args: argparse.Namespace) -> list[Result]:
                     args.warmup,
                     username="bench",
                     password=secret,
+                    # As the quickstart's clients speak to it: amqtt has no MQTT 5, and the
+                    # probe's CONNECT it cannot parse hangs until the broker stops.
+                    protocol="3.1.1",
                 )
                 for nodelay in (True, False)
             ]

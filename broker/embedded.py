@@ -42,6 +42,10 @@ class _ShutdownIsNotAnError(logging.Filter):
 
 logging.getLogger("amqtt.broker").addFilter(_ShutdownIsNotAnError())
 
+# amqtt and its state machine library narrate every connection and state change at INFO; whoever
+# runs the broker wants their warnings only. A level set on them explicitly is left alone.
+LIBRARY_LOGGERS = ("amqtt", "transitions")
+
 DEFAULT_PORT = 1884  # 1883 is usually taken by a system Mosquitto
 # Where anonymous clients' ids live; '~' is no username character, so no account owns it.
 ANONYMOUS_NAMESPACE = "~anonymous"
@@ -225,6 +229,10 @@ class EmbeddedBroker:
                 f"{__name__}.DeviceTopicPlugin": {"service_users": list(service_users)},
             },
         }
+        for name in LIBRARY_LOGGERS:  # before amqtt is made: it narrates its plugins' loading
+            library = logging.getLogger(name)
+            if library.level == logging.NOTSET:
+                library.setLevel(logging.WARNING)
         self._broker = BindingBroker(config)
 
     @property
