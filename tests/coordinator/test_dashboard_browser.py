@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -302,34 +303,91 @@ def test_run_the_replay(page: Page, dashboard: Dashboard) -> None:
     expect(page.locator("#replay-button")).to_have_text("▶ Replay")
 
 
-def test_charts_models_and_events_pages(page: Page, dashboard: Dashboard) -> None:
+def chart(page: Page, name: str) -> dict[str, Any]:
+    """What uPlot drew in #chart-<name>: its series' labels and data, each axis's label and tick
+    texts (uPlot's own record of the ticks it drew, `_values`, in the vendored release), and
+    the plot's box in CSS pixels."""
+    drawn: dict[str, Any] = page.evaluate(
+        """(id) => {
+            const u = window.SFCharts[id];
+            return {
+                series: u.series.slice(1).map((s) => s.label),
+                data: u.data,
+                axes: u.axes.map((a) => ({ label: a.label, ticks: (a._values || []).map(String) })),
+                box: { left: u.bbox.left / devicePixelRatio,
+                       width: u.bbox.width / devicePixelRatio },
+            };
+        }""",
+        f"chart-{name}",
+    )
+    return drawn
+
+
+def test_charts_are_drawn_by_uplot_served_from_this_host(page: Page, dashboard: Dashboard) -> None:
+    """uPlot, not hand-written SVG: ticks never repeat, counts are whole, every axis says its
+    unit, and a series of one point shows (a marker, off the plot's edges)."""
+    elsewhere: list[str] = []
+
+    def only_this_host(route: Route) -> None:
+        if route.request.url.startswith(dashboard.url):
+            route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_this_host)
     log_in(page, dashboard.url, dashboard.token, "/charts")
-    expect(page.locator("#chart-acceptance svg path")).to_have_count(3)
+    page.wait_for_function(
+        "() => window.SFCharts && ['chart-acceptance', 'chart-rtt', 'chart-legs']"
+        ".every((id) => window.SFCharts[id])"
+    )
+    assert page.evaluate("() => typeof uPlot.paths.bars") == "function"
+    assert not elsewhere
+
+    acceptance = chart(page, "acceptance")
+    assert len(acceptance["series"]) == 3
     expect(page.locator("#legend-acceptance")).to_contain_text("lookup · code")
-    expect(page.locator("#chart-rtt svg rect.bar")).to_have_count(11)
-    expect(page.locator("#chart-legs svg rect.bar")).to_have_count(5)
+    rtt = chart(page, "rtt")
+    assert len(rtt["data"][1]) == 11
+    legs = chart(page, "legs")
+    assert legs["series"] == ["p95", "p50"] and len(legs["data"][1]) == 5
     expect(page.locator("#chart-verifiers")).to_contain_text("No coordinator service attached")
-    for chart in ("acceptance", "rtt", "legs"):
-        ticks = page.locator(f"#chart-{chart} svg text.tick").all_text_contents()
-        assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), (chart, ticks)  # 0,0,1,1 was
-    counts = page.locator("#chart-rtt svg text.tick").all_text_contents()
-    assert all(tick.isdigit() for tick in counts), counts  # rounds are counted whole
-    expect(page.locator("#chart-rtt svg text.axis-title")).to_have_text(
-        ["rounds", "round trip, ms"]
+
+    for name, drawn in (("acceptance", acceptance), ("rtt", rtt), ("legs", legs)):
+        ticks = drawn["axes"][1]["ticks"]
+        assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), (name, ticks)  # 0,0,1,1 was
+    assert all(tick.isdigit() for tick in rtt["axes"][1]["ticks"]), rtt  # rounds count whole
+    assert [axis["label"] for axis in rtt["axes"]] == ["round trip, ms", "rounds"]
+    assert rtt["axes"][0]["ticks"][0].startswith("<") and rtt["axes"][0]["ticks"][-1][0] == "≥"
+    assert [axis["label"] for axis in legs["axes"]] == ["leg", "ms"]
+    assert acceptance["axes"][1]["label"].startswith("α")
+
+    # Each series here is one bucket, so one point: a marker in its colour, inside the plot and
+    # off its edges.
+    lone = page.evaluate(
+        """() => {
+            const u = window.SFCharts["chart-acceptance"];
+            const ratio = devicePixelRatio;
+            return u.series.slice(1).map((s, i) => {
+                const row = u.data[i + 1].findIndex((v) => v !== null);
+                const x = u.valToPos(u.data[0][row], "x", true);
+                const y = u.valToPos(u.data[i + 1][row], "y", true);
+                const [r, g, b, a] = u.ctx.getImageData(Math.round(x), Math.round(y), 1, 1).data;
+                return { x: x / ratio, alpha: a, rgb: [r, g, b], color: s._stroke ?? s.stroke };
+            });
+        }"""
     )
-    expect(page.locator("#chart-legs svg text.axis-title")).to_have_text(["ms"])
-    # Each series here is one bucket, so one point: drawn large, inside the plot, off its edges.
-    lone = page.locator("#chart-acceptance svg circle.point")
-    expect(lone).to_have_count(3)
-    plot_right = float(
-        page.eval_on_selector("#chart-acceptance svg", "n => n.viewBox.baseVal.width")
-    )
-    for index in range(3):
-        assert lone.nth(index).get_attribute("r") == "4.5"
-        assert 60 < float(lone.nth(index).get_attribute("cx") or 0) < plot_right - 20
+    box = acceptance["box"]
+    colors = {tuple(bytes.fromhex(point["color"].lstrip("#"))) for point in lone}
+    for point in lone:
+        # The marker (of this series, or of one drawn over it at the same value).
+        assert point["alpha"] == 255 and tuple(point["rgb"]) in colors, (point, colors)
+        assert 20 < point["x"] - box["left"] < box["width"] - 20, (point, box)
     screenshot(page, "charts")
 
-    page.goto(dashboard.url + "/models")
+
+def test_models_and_events_pages(page: Page, dashboard: Dashboard) -> None:
+    log_in(page, dashboard.url, dashboard.token, "/models")
     target = page.locator("#models tbody tr", has_text="smollm2")
     expect(target.first).to_contain_text("target")
     expect(target.first).to_contain_text("on disk")

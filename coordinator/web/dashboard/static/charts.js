@@ -1,126 +1,123 @@
-// Charts page: hand-drawn SVG line and bar charts over the /stats and /verifiers endpoints.
+// Charts page: uPlot charts (static/vendor/uplot, from the npm registry) over the /stats and
+// /verifiers endpoints.
 "use strict";
 
 (() => {
   const { api, el, toast } = SF;
-  const NS = "http://www.w3.org/2000/svg";
   const COLORS = ["#1f6feb", "#10b981", "#f59e0b", "#8b5cf6", "#ef4444", "#0ea5e9", "#64748b", "#d946ef"];
-  const H = 240, PAD = { left: 52, right: 12, top: 18, bottom: 28 };
+  const H = 240;
+  // The page's own colours (app.css, light or dark): uPlot draws on a canvas, outside CSS.
+  const css = getComputedStyle(document.documentElement);
+  const MUTED = css.getPropertyValue("--muted").trim() || "#667085";
+  const GRID = css.getPropertyValue("--line").trim() || "#e4e7ec";
   const VERIFIER_POINTS = 150; // 5 minutes of samples at one every 2 s
+  // Gridline steps for counts: whole numbers only, so no two ticks read the same.
+  const COUNT_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 1e6];
   const verifierHistory = new Map(); // verifier id -> [{t, y}]
-
-  function svg(tag, attrs, ...children) {
-    const node = document.createElementNS(NS, tag);
-    for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, value);
-    for (const child of children) {
-      if (child === null || child === undefined) continue;
-      node.append(typeof child === "string" ? document.createTextNode(child) : child);
-    }
-    return node;
-  }
+  // Container id -> its uPlot, to resize it (the browser tests read them too).
+  const charts = {};
+  window.SFCharts = charts;
 
   // Drawn at the container's own pixel width, so text keeps its size on any screen.
   function width(container) {
     return Math.max(320, Math.floor(container.clientWidth));
   }
 
-  function frame(W) {
-    return svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img" });
+  function forget(container) {
+    charts[container.id]?.destroy();
+    delete charts[container.id];
   }
 
   function empty(container, text) {
-    const W = width(container);
-    const root = frame(W);
-    root.append(svg("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, text));
-    container.replaceChildren(root);
+    forget(container);
+    container.replaceChildren(el("p", { class: "chart-empty" }, text));
   }
 
-  // The y axis for values up to `value`: a step of 1, 2 or 5 times a power of ten giving at most
-  // 5 gridlines (whole steps only where the values are counts), and labels with as many
-  // decimals as the step needs, so no two gridlines read the same.
-  function yScale(value, { integer = false } = {}) {
-    const target = Math.max(value, integer ? 1 : 1e-9) / 5;
-    let power = 10 ** Math.floor(Math.log10(target));
-    if (integer) power = Math.max(1, power);
-    let step = power;
-    for (const m of [1, 2, 5, 10]) if (m * power >= target) { step = m * power; break; }
-    const top = Math.max(step, Math.ceil(value / step - 1e-9) * step);
-    const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
-    return { top, step, label: (v) => v.toFixed(decimals) };
+  function draw(container, options, data) {
+    forget(container);
+    container.replaceChildren();
+    charts[container.id] = new uPlot({ width: width(container), height: H, ...options }, data, container);
   }
 
-  function yAxis(root, W, scale, title) {
-    const plotH = H - PAD.top - PAD.bottom;
-    const ticks = Math.round(scale.top / scale.step);
-    for (let i = 0; i <= ticks; i += 1) {
-      const value = scale.step * i;
-      const y = PAD.top + plotH - (plotH * i) / ticks;
-      root.append(svg("line", { x1: PAD.left, x2: W - PAD.right, y1: y, y2: y, class: i ? "grid" : "axis" }));
-      root.append(svg("text", { x: PAD.left - 6, y: y + 4, "text-anchor": "end", class: "tick" }, scale.label(value)));
-    }
-    if (title) root.append(svg("text", { x: 4, y: 10, class: "axis-title" }, title));
+  function axis(label, extra) {
+    return { label, stroke: MUTED, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID, width: 1 }, ...extra };
+  }
+
+  // A y axis from 0 to a round top (1, 2 or 5 times a power of ten) above the largest value;
+  // counts reach at least 1, so that an axis of zeros still has two gridlines.
+  function fromZero(integer) {
+    return (u, min, max) => {
+      const value = Math.max(max ?? 0, integer ? 1 : 1e-9);
+      const power = 10 ** Math.floor(Math.log10(value));
+      const top = [1, 2, 5, 10].map((m) => m * power).find((t) => t >= value * (1 - 1e-9));
+      return [0, top];
+    };
   }
 
   // series: [{label, color, points: [{t: ms since epoch, y}]}]; `span` is the time one point
   // stands for (a bucket): half of it pads each end, so no point sits on the axis and a lone
-  // point sits mid-chart.
-  function lineChart(container, series, { yMax, integer, format, emptyText, title, span = 60000 }) {
-    const points = series.flatMap((s) => s.points);
-    if (!points.length) { empty(container, emptyText); return; }
-    const tMin = Math.min(...points.map((p) => p.t)) - span / 2;
-    const tMax = Math.max(...points.map((p) => p.t)) + span / 2;
-    const scale = yScale(yMax ?? Math.max(...points.map((p) => p.y)), { integer });
-    const top = scale.top;
-    const W = width(container);
-    const plotW = W - PAD.left - PAD.right, plotH = H - PAD.top - PAD.bottom;
-    const x = (t) => PAD.left + (plotW * (t - tMin)) / (tMax - tMin);
-    const y = (v) => PAD.top + plotH - (plotH * v) / top;
-    const root = frame(W);
-    yAxis(root, W, scale, title);
-    for (const fraction of [0, 0.5, 1]) {
-      const t = tMin + fraction * (tMax - tMin);
-      root.append(svg("text", { x: x(t), y: H - 8, "text-anchor": fraction === 0 ? "start" : fraction === 1 ? "end" : "middle" },
-        new Date(t).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" })));
-    }
-    for (const s of series) {
-      if (!s.points.length) continue;
-      const path = s.points.map((p, i) => `${i ? "L" : "M"}${x(p.t).toFixed(1)},${y(p.y).toFixed(1)}`).join("");
-      root.append(svg("path", { d: path, fill: "none", stroke: s.color, "stroke-width": 2, "vector-effect": "non-scaling-stroke" }));
-      // Markers where there are few points; a lone point gets a larger one (it has no line).
-      const radius = s.points.length === 1 ? 4.5 : 2.5;
-      for (const p of s.points.length <= 60 ? s.points : []) {
-        root.append(svg("circle", { cx: x(p.t), cy: y(p.y), r: radius, fill: s.color, class: "point" },
-          svg("title", {}, `${s.label}: ${format(p.y)} at ${new Date(p.t).toLocaleTimeString()}`)));
-      }
-    }
-    container.replaceChildren(root);
+  // point sits mid-chart. Series share one time axis; a series has no value (null) where
+  // another has one, and its line spans such gaps.
+  function lineChart(container, series, { yRange, integer, format, emptyText, yLabel, span = 60000 }) {
+    const shown = series.filter((s) => s.points.length);
+    if (!shown.length) { empty(container, emptyText); return; }
+    const times = [...new Set(shown.flatMap((s) => s.points.map((p) => p.t)))].sort((a, b) => a - b);
+    const index = new Map(times.map((t, i) => [t, i]));
+    const columns = shown.map((s) => {
+      const column = times.map(() => null);
+      for (const p of s.points) column[index.get(p.t)] = p.y;
+      return column;
+    });
+    const pad = span / 2000;
+    const xMin = times[0] / 1000 - pad, xMax = times[times.length - 1] / 1000 + pad;
+    draw(container, {
+      legend: { show: false },
+      scales: { x: { time: true, range: () => [xMin, xMax] }, y: { range: yRange ?? fromZero(integer) } },
+      axes: [axis(null), axis(yLabel, integer ? { incrs: COUNT_INCRS } : {})],
+      series: [
+        {},
+        ...shown.map((s) => ({
+          label: s.label,
+          stroke: s.color,
+          width: 2,
+          spanGaps: true,
+          value: (u, v) => (v === null ? "–" : format(v)),
+          // Markers where there are few points; a lone point gets a larger one (it has no line).
+          points: { show: s.points.length <= 60, size: s.points.length === 1 ? 10 : 6, fill: s.color },
+        })),
+      ],
+    }, [times.map((t) => t / 1000), ...columns]);
   }
 
-  // bars: [{label, value, extra?}] where extra (drawn lighter, behind) is e.g. a p95.
-  function barChart(container, bars, { format, integer, emptyText, title, unit = "" }) {
+  // Bars over named slots. bars: [{label, value, extra?}]: `extra` (drawn lighter, behind) is
+  // e.g. a p95 beside a p50. The slots are the x axis, labelled with `xLabel` (its unit).
+  function barChart(container, bars, { format, integer, emptyText, yLabel, xLabel, names = ["value", "extra"] }) {
     if (!bars.some((b) => b.value || b.extra)) { empty(container, emptyText); return; }
-    const scale = yScale(Math.max(...bars.map((b) => Math.max(b.value || 0, b.extra || 0))), { integer });
-    const top = scale.top;
-    const W = width(container);
-    const plotW = W - PAD.left - PAD.right, plotH = H - PAD.top - PAD.bottom;
-    const slot = plotW / bars.length;
-    const root = frame(W);
-    yAxis(root, W, scale, title);
-    bars.forEach((b, i) => {
-      const x0 = PAD.left + i * slot + slot * 0.15;
-      const width = slot * 0.7;
-      if (b.extra) {
-        const h = (plotH * b.extra) / top;
-        root.append(svg("rect", { x: x0, y: PAD.top + plotH - h, width, height: h, class: "bar-p95" },
-          svg("title", {}, `${b.label}: ${format(b.extra)} (p95)`)));
-      }
-      const h = (plotH * (b.value || 0)) / top;
-      root.append(svg("rect", { x: x0, y: PAD.top + plotH - h, width, height: h, class: "bar", rx: 2 },
-        svg("title", {}, `${b.label}: ${format(b.value || 0)}`)));
-      root.append(svg("text", { x: x0 + width / 2, y: H - 8, "text-anchor": "middle", class: "bar-label" }, b.label));
-    });
-    if (unit) root.append(svg("text", { x: W - PAD.right, y: 10, "text-anchor": "end", class: "axis-title" }, unit));
-    container.replaceChildren(root);
+    const slots = bars.map((_, i) => i);
+    const paths = uPlot.paths.bars({ size: [0.7, 80], radius: 0.1 });
+    const withExtra = bars.some((b) => b.extra);
+    // The legend (bars with an `extra`) names the slot under the cursor, not its index.
+    const series = [{ label: xLabel, value: (u, i) => bars[i]?.label ?? "–" }];
+    const data = [slots];
+    if (withExtra) {
+      series.push({ label: names[1], fill: "rgba(31, 111, 235, 0.35)", stroke: "rgba(31, 111, 235, 0.35)",
+        paths, points: { show: false }, value: (u, v) => (v === null ? "–" : format(v)) });
+      data.push(bars.map((b) => b.extra ?? null));
+    }
+    series.push({ label: names[0], fill: COLORS[0], stroke: COLORS[0], paths, points: { show: false },
+      value: (u, v) => (v === null ? "–" : format(v)) });
+    data.push(bars.map((b) => b.value || 0));
+    draw(container, {
+      legend: { show: withExtra },
+      cursor: { points: { show: false } },
+      scales: { x: { time: false, range: () => [-0.5, bars.length - 0.5] }, y: { range: fromZero(integer) } },
+      axes: [
+        axis(xLabel, { splits: () => slots, values: (u, splits) => splits.map((i) => bars[i]?.label ?? ""),
+          grid: { show: false } }),
+        axis(yLabel, integer ? { incrs: COUNT_INCRS } : {}),
+      ],
+      series,
+    }, data);
   }
 
   function legend(container, series) {
@@ -144,8 +141,8 @@
       }));
       const bucketMs = 1000 * Math.max(10, Math.round(window_s / 60));
       lineChart(document.getElementById("chart-acceptance"), series,
-        { yMax: 1, format: (v) => v.toFixed(2), emptyText: "No drafted rounds in this window",
-          title: "α", span: bucketMs });
+        { yRange: [0, 1], format: (v) => v.toFixed(2), emptyText: "No drafted rounds in this window",
+          yLabel: "α (accepted / drafted)", span: bucketMs });
       legend(document.getElementById("legend-acceptance"), series);
 
       const edges = latency.rtt_ms.edges;
@@ -154,13 +151,13 @@
         value: count,
       }));
       barChart(document.getElementById("chart-rtt"), rttBars,
-        { format: (v) => `${v.toFixed(0)} rounds`, integer: true, title: "rounds",
-          unit: "round trip, ms", emptyText: "No measured round trips in this window" });
+        { format: (v) => `${v.toFixed(0)} rounds`, integer: true, yLabel: "rounds",
+          xLabel: "round trip, ms", emptyText: "No measured round trips in this window" });
 
       const legBars = latency.legs.map((l) => ({ label: l.leg, value: l.p50_ms, extra: l.p95_ms }));
       barChart(document.getElementById("chart-legs"), legBars,
-        { format: (v) => `${v >= 100 ? v.toFixed(0) : v.toFixed(1)} ms`, title: "ms",
-          emptyText: "No timed rounds in this window" });
+        { format: (v) => `${v >= 100 ? v.toFixed(0) : v.toFixed(1)} ms`, yLabel: "ms", xLabel: "leg",
+          names: ["p50", "p95"], emptyText: "No timed rounds in this window" });
     } catch (error) {
       if (error.status !== 401) toast(error.message, true);
     }
@@ -183,8 +180,8 @@
       const series = [...verifierHistory.entries()].map(([id, points], i) => ({
         label: id, color: COLORS[i % COLORS.length], points,
       }));
-      lineChart(container, series, { format: (v) => v.toFixed(0), integer: true, title: "queued",
-        span: 10000, emptyText: "No verifier has reported yet" });
+      lineChart(container, series, { format: (v) => v.toFixed(0), integer: true,
+        yLabel: "requests queued", span: 10000, emptyText: "No verifier has reported yet" });
       legend(document.getElementById("legend-verifiers"), series);
     } catch (error) {
       if (error.status !== 401) toast(error.message, true);
@@ -195,7 +192,11 @@
   let resizeTimer;
   window.addEventListener("resize", () => {
     clearTimeout(resizeTimer);
-    resizeTimer = setTimeout(() => { drawStats(); sampleVerifiers(); }, 200);
+    resizeTimer = setTimeout(() => {
+      for (const [id, chart] of Object.entries(charts)) {
+        chart.setSize({ width: width(document.getElementById(id)), height: H });
+      }
+    }, 200);
   });
   drawStats();
   sampleVerifiers();
