@@ -8,6 +8,7 @@ family name means the build in the runtime the settings prefer, when the device 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,9 @@ class DrafterCatalog:
         self._drafts: list[DraftInfo] | None = None
         self._heads: list[HeadInfo] | None = None
         self.admission = admission
+        # Why the last fetch of a model failed here (drafts on demand), or None; the agent
+        # sets it from its model store.
+        self.fetch_failure: Callable[[str], str | None] = lambda name: None
         self.supervisor: DraftSupervisor | None = None
         if isolate:
             from device_agent.draft_supervisor import DraftSupervisor
@@ -277,6 +281,9 @@ class DrafterCatalog:
 
         def why() -> str:
             if not self.has(name):
+                failed = self.fetch_failure(name.removeprefix(HYBRID_PREFIX))
+                if failed is not None:
+                    return f"{name} is not on this device: its fetch failed ({failed})"
                 return f"{name} is not on this device" + (" (fetching it)" if fetching else "")
             return self.memory_refusal(name) or f"{name} is loading"
 

@@ -289,6 +289,8 @@ class ModelStore:
     # The vocabulary hash of the target this device drafts for (its tokenizer's), or None
     # before it has one: a draft of another vocabulary is refused before it is swapped in.
     vocabulary: Callable[[], str | None] | None = None
+    # The last failed install of each model name (refused or rolled back), until one succeeds.
+    failures: dict[str, str] = field(default_factory=dict, init=False, repr=False)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False, repr=False)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
@@ -405,6 +407,10 @@ class ModelStore:
         previous = self.active(name)
 
         def outcome(state: OutcomeState, **kwargs: Any) -> InstallOutcome:
+            if state in ("refused", "rolled_back"):
+                self.failures[name] = str(kwargs.get("error", state))
+            else:
+                self.failures.pop(name, None)
             return InstallOutcome(
                 name=name,
                 sha256=sha,
@@ -424,6 +430,10 @@ class ModelStore:
             except InstallError as exc:
                 log.warning("refused %s %s: %s", name, sha[:12], exc)
                 return outcome("refused", stage=exc.stage, error=str(exc))
+            except OSError as exc:  # the disk filled up while extracting; nothing was swapped
+                error = f"storage: {exc}"
+                log.warning("refused %s %s: %s", name, sha[:12], error)
+                return outcome("refused", error=error[:1000])
             self._adopt_local(name)
             previous_dir = self._versions(name) / previous if previous else None
             version_dir = self._versions(name) / sha
@@ -457,6 +467,13 @@ class ModelStore:
             raise InstallError(InstallStage.SIGNATURE, str(exc)) from None
         self._check_version(args)
         staging.mkdir(parents=True)
+        free = shutil.disk_usage(staging).free
+        needed = 2 * args.size_bytes  # the archive and its extraction, side by side
+        if free < needed:
+            raise InstallError(
+                InstallStage.DOWNLOAD,
+                f"no space: {free / 1e6:.0f} MB free, the release needs {needed / 1e6:.0f} MB",
+            )
         archive = staging / "artifact.tar"
         self.fetcher.fetch(args.url, archive, args.size_bytes, args.download_token)
         size = archive.stat().st_size

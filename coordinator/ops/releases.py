@@ -203,6 +203,18 @@ def store_release(home: Path, model_dir: Path) -> StoredRelease:
     return StoredRelease(manifest, release, signature, path)
 
 
+def _stored_manifest(path: Path, what: str) -> ModelManifest:
+    """The manifest inside a stored artifact."""
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            member = tar.extractfile(MANIFEST_FILE)
+            if member is None:
+                raise ReleaseStoreError(f"{path}: no {MANIFEST_FILE}")
+            return ModelManifest.from_json(json.loads(member.read()))
+    except (OSError, KeyError, ValueError, tarfile.TarError, ArtifactError) as exc:
+        raise ReleaseStoreError(f"{what}: the stored artifact is unusable ({exc})") from None
+
+
 def rollback_release(home: Path, name: str, version: int) -> StoredRelease:
     """Sign a rollback of `name` from its current version to the older, stored `version`."""
     index = _read_index(home, name)
@@ -216,16 +228,7 @@ def rollback_release(home: Path, name: str, version: int) -> StoredRelease:
             f"{name} {version} is not older than the current release ({current}): deploy it"
         )
     path = artifact_path(home, entry["sha256"])
-    try:
-        with tarfile.open(path, mode="r:") as tar:
-            member = tar.extractfile(MANIFEST_FILE)
-            if member is None:
-                raise ReleaseStoreError(f"{path}: no {MANIFEST_FILE}")
-            manifest = ModelManifest.from_json(json.loads(member.read()))
-    except (OSError, KeyError, ValueError, tarfile.TarError, ArtifactError) as exc:
-        raise ReleaseStoreError(
-            f"{name} {version}: the stored artifact is unusable ({exc})"
-        ) from None
+    manifest = _stored_manifest(path, f"{name} {version}")
     release = ModelRelease(
         name=name,
         format=entry["format"],
@@ -283,3 +286,33 @@ def check_download_token(
     if (time.time() if now is None else now) > expires:
         return None
     return device
+
+
+def release_on_demand(home: Path, models_dir: Path, name: str) -> StoredRelease | None:
+    """The release a device that lacks draft `name` gets (drafts on demand): its current
+    release, signed afresh as that version with no rollback (the device has no version of it),
+    or, with none yet, a new release of `models_dir/name` when that is a draft built here.
+    None when there is neither."""
+    index = _read_index(home, name)
+    current = index["current"]
+    if current is not None:
+        entry = index["versions"][str(current)]
+        path = artifact_path(home, entry["sha256"])
+        if path.is_file():
+            manifest = _stored_manifest(path, f"{name} {current}")
+            release = ModelRelease(
+                name=name,
+                format=entry["format"],
+                sha256=entry["sha256"],
+                size_bytes=entry["size_bytes"],
+                version=int(current),
+            )
+            signature = sign_release(load_or_create_release_key(home), release)
+            return StoredRelease(manifest, release, signature, path)
+    model_dir = models_dir / name
+    if not (model_dir / MANIFEST_FILE).is_file():
+        return None
+    stored = store_release(home, model_dir)
+    if stored.manifest.role != "draft":
+        raise ReleaseStoreError(f"{name} is a {stored.manifest.role}; only drafts go to devices")
+    return stored

@@ -564,6 +564,10 @@ class AdaptivePolicy:
         self._asked: dict[str, tuple[str, int]] = {}  # session -> (draft asked, rounds since)
         self._in_mode: dict[str, tuple[m.Mode, int]] = {}  # session -> (mode, decisions in it)
         self._condition: dict[str, DeviceCondition] = {}  # device -> heat and power
+        # device -> (its drafts that do not fit its free memory, the MB free), from telemetry
+        self._over_memory: dict[str, tuple[tuple[str, ...], float | None]] = {}
+        # device -> draft -> why its fetch failed (drafts on demand), while it backs off
+        self._fetch_failed: dict[str, dict[str, str]] = {}
 
     # --- what we learn --------------------------------------------------------------------
 
@@ -573,7 +577,15 @@ class AdaptivePolicy:
         self._refused.pop(device_id, None)
 
     def observe_telemetry(self, device_id: str, telemetry: m.Telemetry) -> None:
-        """Heat and power from the device's telemetry (its RTT comes through observe_rtt)."""
+        """Heat, power and memory from the device's telemetry (its RTT comes through
+        observe_rtt)."""
+        if telemetry.drafts_over_memory:
+            self._over_memory[device_id] = (
+                telemetry.drafts_over_memory,
+                telemetry.memory_available_mb,
+            )
+        else:
+            self._over_memory.pop(device_id, None)
         condition = self._condition.get(device_id)
         if condition is None:
             if (
@@ -584,6 +596,22 @@ class AdaptivePolicy:
                 return  # nothing to judge: keep no state for it
             condition = self._condition[device_id] = DeviceCondition()
         condition.update(telemetry)
+
+    def set_fetch_failure(self, device_id: str, draft: str, reason: str | None) -> None:
+        """A draft fetched for the device failed (`reason`), or its backoff ended (None)."""
+        failed = self._fetch_failed.setdefault(device_id, {})
+        if reason is None:
+            failed.pop(draft, None)
+        else:
+            failed[draft] = reason
+
+    def memory_note(self, device_id: str) -> str | None:
+        """Which of the device's drafts its free memory leaves out, or None."""
+        over, available = self._over_memory.get(device_id, ((), None))
+        if not over:
+            return None
+        free = f"the {available:.0f} MB free" if available is not None else "its free memory"
+        return f"memory: {', '.join(over)} do not fit {free} on the device"
 
     def device_limit(self, device_id: str) -> str | None:
         """Why the device should not draft now (too hot, battery low, power saver), or None."""
@@ -683,9 +711,17 @@ class AdaptivePolicy:
     def candidate_drafts(self, device_id: str, current_draft: str) -> list[str]:
         installed = self._device_drafts.get(device_id, ())
         used = sorted(self._used_drafts.get(device_id, set()))
-        refused = self._refused.get(device_id, set())
+        refused = {
+            *self._refused.get(device_id, set()),
+            *self._fetch_failed.get(device_id, {}),
+            *self._over_memory.get(device_id, ((), None))[0],
+        }
         names = dict.fromkeys([current_draft, *installed, *BUILTIN_DRAFTS, *used])
-        return [name for name in names if name == current_draft or name not in refused]
+        return [
+            name
+            for name in names
+            if name == current_draft or name.removeprefix("hybrid+") not in refused
+        ]
 
     def best_window(
         self,
@@ -832,6 +868,9 @@ class AdaptivePolicy:
         if limit is not None:
             spared = "off the device" if mode in m.HOST_MODES else f"to {chosen.draft_model}"
             reason = f"{limit}: drafting moves {spared}; {reason}"
+        memory = self.memory_note(device_id)
+        if memory is not None:
+            reason = f"{reason}; {memory}: not asked for"
         return Decision(
             mode=mode,
             draft_model=chosen.draft_model,

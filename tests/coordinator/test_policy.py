@@ -563,3 +563,43 @@ def test_power_saver_keeps_drafting_off_the_device_and_telemetry_without_reading
     decision = policy.decide("s1", DEVICE, "chat", "hybrid", 0.0, D, (), plain=True)
     assert decision.mode is m.Mode.PLAIN
     assert decision.device_limit == "device power saver on"
+
+
+# --- memory and drafts on demand -------------------------------------------------------------
+
+
+def _a_paying_draft(policy: AdaptivePolicy) -> None:
+    """draft-l2 is installed and accepts far more than lookup: the policy asks for it."""
+    policy.set_device_drafts(DEVICE, ["draft-l2"])
+    for i in range(30):
+        policy.observe(_round(draft="lookup", k=4, n_accepted=0, session=f"a{i}"))
+        policy.observe(_round(draft="draft-l2", k=4, n_accepted=4, t_draft_ms=8.0, session=f"b{i}"))
+    assert policy.decide("s0", DEVICE, "chat", "lookup", 0.0).draft_model == "draft-l2"
+
+
+def test_a_draft_that_does_not_fit_the_devices_memory_is_not_asked_for() -> None:
+    policy = AdaptivePolicy()
+    _a_paying_draft(policy)
+    over = _telemetry(memory_available_mb=100.0, drafts_over_memory=("draft-l2",))
+    policy.observe_telemetry(DEVICE, over)
+    decision = policy.decide("s1", DEVICE, "chat", "lookup", 0.0)
+    assert decision.draft_model != "draft-l2"
+    assert "draft-l2" not in {c.draft_model for c in decision.candidates}
+    assert decision.reason.endswith(
+        "; memory: draft-l2 do not fit the 100 MB free on the device: not asked for"
+    )
+    # Memory freed: the next telemetry says nothing is over, and the draft is asked for again.
+    policy.observe_telemetry(DEVICE, _telemetry(memory_available_mb=900.0))
+    assert policy.memory_note(DEVICE) is None
+    assert policy.decide("s2", DEVICE, "chat", "lookup", 0.0).draft_model == "draft-l2"
+
+
+def test_a_draft_whose_fetch_failed_is_left_out_until_its_backoff_ends() -> None:
+    policy = AdaptivePolicy()
+    _a_paying_draft(policy)
+    policy.set_fetch_failure(DEVICE, "draft-l2", "signature: signature does not verify")
+    decision = policy.decide("s1", DEVICE, "chat", "lookup", 0.0)
+    assert "draft-l2" not in {c.draft_model for c in decision.candidates}
+    assert policy.decide("s1", DEVICE, "chat", "draft-l2", 0.0).draft_model == "draft-l2"
+    policy.set_fetch_failure(DEVICE, "draft-l2", None)
+    assert policy.decide("s2", DEVICE, "chat", "lookup", 0.0).draft_model == "draft-l2"

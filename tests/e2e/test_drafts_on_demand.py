@@ -1,0 +1,263 @@
+"""Drafts on demand and memory admission, across real processes: a real Mosquitto, the
+coordinator with its database and the artifact API, a verifier with the real target, agents.
+
+- A session asks for a draft its device lacks: the device drafts with its copying tiers while
+  the coordinator sends the draft's signed release; the device installs it (signature, sha256,
+  vocabulary, smoke draft), and the draft drafts the next session's rounds. Every answer is the
+  target's own.
+- A fetch the device must refuse (a release signed with another key, an artifact altered in the
+  store) leaves the device as it was, the session answers exactly, and the coordinator does not
+  send the same draft to it again while it backs off.
+- Memory admission: an agent whose /proc says 100 MB are free refuses to load draft-l2; its
+  session drafts with the copying hybrid, each round records why, and its telemetry tells the
+  policy which drafts do not fit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from rounds_check import assert_rounds_rebuild
+from test_dsd_bus import shared_prompts, target_answer
+
+from broker.mosquitto import PrivateMosquitto, free_port
+from coordinator.db.models import Round
+from coordinator.ops.releases import (
+    artifact_path,
+    load_or_create_release_key,
+    release_public_key_pem,
+    store_release,
+)
+from core.settings import Settings
+from device_agent.catalog import find_tokenizer_dir
+from inference.artifacts import default_models_dir
+from localfleet.demo import ask
+from localfleet.fleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
+
+MAX_TOKENS = 24
+FETCHED = "draft-l1"  # sent whole and installed
+ALTERED = "draft-l2"  # its stored artifact is altered: the device must refuse it
+GOOD = AgentSpec("od-good", "phone", "hybrid", "none")
+WRONG_KEY = AgentSpec("od-wrong-key", "phone", "hybrid", "none")
+ALTERED_STORE = AgentSpec("od-altered", "phone", "hybrid", "none")
+LOW_MEMORY = AgentSpec("od-low-memory", "phone", "hybrid", "none")
+
+
+def _request(prompt: dict[str, str], draft: str) -> dict[str, Any]:
+    return {
+        "prompt": prompt["prompt"],
+        "task_type": prompt["task"],
+        "max_tokens": MAX_TOKENS,
+        "draft": draft,
+        "k": 4,
+        "mode": "distributed",
+    }
+
+
+@asynccontextmanager
+async def _artifact_api(fleet: LocalFleet, port: int) -> AsyncIterator[None]:
+    """The coordinator's artifact route, as `specfleet up` serves it."""
+    from coordinator.web.api.routes import artifacts
+
+    app = FastAPI()
+    app.state.settings = fleet.settings
+    app.state.sessions = fleet.coordinator.sessions
+    app.include_router(artifacts.router, prefix="/api/v1")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serving = asyncio.create_task(server.serve(), name="artifact-api")
+    try:
+        while not server.started:
+            assert not serving.done(), "the artifact API did not start"
+            await asyncio.sleep(0.05)
+        yield
+    finally:
+        server.should_exit = True
+        await serving
+
+
+def _start(fleet: LocalFleet, spec: AgentSpec, tmp_path: Path, *flags: str, **config: Path) -> None:
+    """Provision and start an agent; `config` goes to a TOML file of its own."""
+    registry = fleet.coordinator.registry
+    _, credential = registry.provision(spec.device_id, "phone", (), actor="test")
+    fleet.credentials[spec.device_id] = credential
+    extra = ["--telemetry-interval", "1", *flags]
+    if config:
+        toml = tmp_path / f"{spec.device_id}.toml"
+        toml.write_text("".join(f'{key} = "{value}"\n' for key, value in config.items()))
+        extra += ["--config", str(toml)]
+    fleet.start_agent(spec, broker_url=fleet.broker_url, extra=extra)
+
+
+def _start_own(
+    fleet: LocalFleet, spec: AgentSpec, tmp_path: Path, key_file: Path, models_dir: Path
+) -> None:
+    """An agent with a models directory of its own (no drafts), the target's tokenizer, and
+    `key_file` to check releases with."""
+    tokenizer_dir = find_tokenizer_dir(models_dir)
+    assert tokenizer_dir is not None
+    own = tmp_path / f"{spec.device_id}-models"
+    own.mkdir()
+    # The flag: the fleet's environment names the shared models directory, which beats a file.
+    _start(
+        fleet, spec, tmp_path, "--models-dir", str(own),
+        release_key_file=key_file, tokenizer_dir=tokenizer_dir,
+    )  # fmt: skip
+
+
+async def _answer(
+    fleet: LocalFleet, client: httpx.AsyncClient, spec: AgentSpec, request: dict[str, Any]
+) -> tuple[dict[str, Any], list[Round]]:
+    port = fleet.agent_ports[spec.device_id]
+    answer = await ask(client, port, request, spec.device_id, False)
+    assert answer["status"] == "finished", answer
+    with fleet.coordinator.sessions() as db:
+        _, rounds = assert_rounds_rebuild(db, answer["session_id"], answer["token_ids"])
+        db.expunge_all()
+    return answer, rounds
+
+
+async def _until(what: str, done: Any, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+def _fetches(fleet: LocalFleet, device_id: str) -> list[Any]:
+    fetches = fleet.coordinator.book.fetches
+    assert fetches is not None
+    return [o for o in fetches.outcomes if o.device_id == device_id]
+
+
+def _notes(rounds: list[Round]) -> list[str]:
+    return [r.policy["device"]["note"] for r in rounds if r.policy and "device" in r.policy]
+
+
+def test_drafts_on_demand_and_memory_admission(tmp_path: Path) -> None:
+    models_dir = default_models_dir()
+    for name in (FETCHED, ALTERED):
+        if not (models_dir / name / "manifest.json").is_file():
+            pytest.skip(f"{name} is not built in {models_dir}")
+    prompts = shared_prompts()
+    home = tmp_path / "home"
+    settings = Settings(
+        home=home,
+        coordinator_id=f"c-{uuid.uuid4().hex[:8]}",
+        http_port=free_port(),
+        models_dir=models_dir,  # the coordinator releases the drafts built here
+    )
+    key_file = tmp_path / "release-key.pub.pem"
+    key_file.write_bytes(release_public_key_pem(home))
+    # Another coordinator's key: what that device checks our signatures with.
+    wrong_key = tmp_path / "wrong-key.pub.pem"
+    wrong_key.write_bytes(release_public_key_pem(tmp_path / "another-coordinator"))
+    # ALTERED is released before the fleet starts, then one byte of its stored artifact flips.
+    altered = store_release(home, models_dir / ALTERED)
+    stored = artifact_path(home, altered.release.sha256)
+    body = bytearray(stored.read_bytes())
+    body[len(body) // 2] ^= 0xFF
+    stored.write_bytes(bytes(body))
+    load_or_create_release_key(home)
+    proc_root = tmp_path / "proc"
+    proc_root.mkdir()
+    (proc_root / "meminfo").write_text(
+        "MemTotal:        4000000 kB\nMemFree:           50000 kB\nMemAvailable:     102400 kB\n"
+    )
+
+    async def main() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        with PrivateMosquitto(tcp_nodelay=True) as mosquitto:
+            async with local_fleet(
+                settings, [], ["od-verifier"], workdir=tmp_path / "fleet",
+                external_broker=mosquitto.url,
+            ) as fleet, _artifact_api(fleet, settings.http_port):  # fmt: skip
+                _start_own(fleet, GOOD, tmp_path, key_file, models_dir)
+                _start_own(fleet, WRONG_KEY, tmp_path, wrong_key, models_dir)
+                _start_own(fleet, ALTERED_STORE, tmp_path, key_file, models_dir)
+                _start(fleet, LOW_MEMORY, tmp_path, "--proc-root", str(proc_root))
+                await fleet.wait_agents(time.monotonic() + START_TIMEOUT_S)
+                async with httpx.AsyncClient() as client:
+                    # (a) the device lacks FETCHED: asked for, fetched, installed, then used.
+                    first = await _answer(fleet, client, GOOD, _request(prompts[0], FETCHED))
+                    await _until("the fetch", lambda: _fetches(fleet, GOOD.device_id))
+                    second = await _answer(fleet, client, GOOD, _request(prompts[1], FETCHED))
+                    seen["good"] = (first, second, _fetches(fleet, GOOD.device_id))
+                    # (b) refused fetches leave the device as it was; no second try meanwhile.
+                    for spec, draft in ((WRONG_KEY, FETCHED), (ALTERED_STORE, ALTERED)):
+                        runs = [await _answer(fleet, client, spec, _request(prompts[0], draft))]
+                        await _until("the fetch", lambda s=spec: _fetches(fleet, s.device_id))
+                        runs.append(await _answer(fleet, client, spec, _request(prompts[1], draft)))
+                        seen[spec.device_id] = (runs, _fetches(fleet, spec.device_id))
+                    # (c) too little memory for draft-l2: the copying hybrid drafts, and says why.
+                    policy = fleet.coordinator.book.policy
+                    await _until(
+                        "the memory telemetry",
+                        lambda: policy.memory_note(LOW_MEMORY.device_id) is not None,
+                    )
+                    seen["memory_note"] = policy.memory_note(LOW_MEMORY.device_id)
+                    seen["low"] = await _answer(
+                        fleet, client, LOW_MEMORY, _request(prompts[0], ALTERED)
+                    )
+                seen["models"] = {
+                    spec.device_id: sorted(p.name for p in (tmp_path / f"{spec.device_id}-models")
+                                           .iterdir() if not p.name.startswith("."))
+                    for spec in (GOOD, WRONG_KEY, ALTERED_STORE)
+                }  # fmt: skip
+        return seen
+
+    seen = asyncio.run(main())
+    expected = [list(target_answer(p["prompt"], MAX_TOKENS)) for p in prompts[:2]]
+
+    # (a) The first session drafted with the copying hybrid while the draft was fetched, and
+    # said so on its rounds; the second drafted with the installed draft. Both exact.
+    (first, first_rounds), (second, second_rounds), fetched = seen["good"]
+    assert first["token_ids"] == expected[0] and second["token_ids"] == expected[1]
+    assert [o.ok for o in fetched] == [True], fetched
+    assert first_rounds[0].draft_model == "hybrid"
+    assert _notes(first_rounds)[0] == f"{FETCHED} is not on this device (fetching it)"
+    assert {r.draft_model for r in second_rounds} == {FETCHED}
+    assert not _notes(second_rounds)
+    assert seen["models"][GOOD.device_id] == [FETCHED]
+
+    # (b) Refused: the device is as it was, the answers exact, and one fetch only was sent.
+    for spec, reason in (
+        (WRONG_KEY, "signature: signature does not verify with the release key"),
+        (ALTERED_STORE, "check: sha256 mismatch: the artifact was altered"),
+    ):
+        runs, outcomes = seen[spec.device_id]
+        assert [answer["token_ids"] for answer, _ in runs] == expected
+        assert len(outcomes) == 1 and not outcomes[0].ok, outcomes
+        assert reason in outcomes[0].detail, outcomes[0].detail
+        assert seen["models"][spec.device_id] == []
+        for _, rounds in runs:
+            assert {r.draft_model for r in rounds} == {"hybrid"}
+        # The first session's rounds wait for the fetch; the second's say that it failed, why.
+        first_notes, second_notes = (_notes(rounds) for _, rounds in runs)
+        assert first_notes[0].endswith("is not on this device (fetching it)"), first_notes
+        assert second_notes and all(
+            "is not on this device: its fetch failed (" in note and reason in note
+            for note in second_notes
+        ), second_notes
+
+    # (c) draft-l2 does not fit: refused at load, the hybrid drafts, every round says why, the
+    # answer is exact, and the policy heard which drafts do not fit.
+    low, low_rounds = seen["low"]
+    assert low["token_ids"] == expected[0]
+    assert {r.draft_model for r in low_rounds} == {"hybrid"}
+    notes = _notes(low_rounds)
+    assert len(notes) == len(low_rounds)
+    assert all(
+        note.startswith(f"memory: {ALTERED} needs ") and "100 MB available (margin 64 MB)" in note
+        for note in notes
+    ), notes
+    assert seen["memory_note"] is not None and ALTERED in seen["memory_note"]
