@@ -23,6 +23,7 @@ from broker.client import (
 from broker.topics import DeviceChannel, device_topic
 from core.aio import task_group
 from device_agent import __version__
+from device_agent.admission import MB, MemoryAdmission, read_memory
 from device_agent.catalog import DrafterCatalog
 from device_agent.health import HealthReader
 from device_agent.journal import JournalError, SessionJournal
@@ -56,9 +57,14 @@ class Agent:
         self._probes: dict[str, float] = {}  # nonce -> monotonic send time
         self._health = HealthReader(settings.sys_root)
         self._client: BusClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = asyncio.Event()
         self.connected = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.memory = MemoryAdmission(
+            int(settings.memory_margin_mb * MB),
+            lambda: read_memory(settings.proc_root, settings.sys_root),
+        )
         self.catalog = DrafterCatalog(
             settings.resolved_models_dir,
             tokenizer_dir=settings.tokenizer_dir,
@@ -66,6 +72,7 @@ class Agent:
             runtime=settings.draft_runtime,
             threads=settings.draft_threads,
             isolate=settings.isolate_drafts,
+            admission=self.memory,
         )
         # Drafting is CPU work, and a LiteRT interpreter is not safe to share between threads:
         # one worker thread drafts for every session in turn, keeping the event loop free.
@@ -87,8 +94,39 @@ class Agent:
         )
         self.local_api: LocalApi | None = None
         self.models = ModelStore.from_settings(settings)
-        self.models.on_change = self.catalog.forget  # new sessions load what is installed
+        self.models.on_change = self._models_changed
         self.models.vocabulary = self.catalog.vocabulary  # drafts for this device's target only
+        self.catalog.fetch_failure = self.models.failures.get
+        # Drafts on demand: a session may ask for a draft this device lacks when signed
+        # releases can be installed here; it drafts with the copying tiers until one arrives.
+        self.sessions.on_demand = self.models.release_key is not None
+
+    def _models_changed(self, name: str) -> None:
+        """An install or rollback changed a model: new loads see it (sessions waiting for it
+        load it at their next window), and the coordinator hears what is installed now."""
+        self.catalog.forget(name)
+        client = self._client
+        if client is None or not self.announce:
+            return
+        status = m.encode(self._status(m.DeviceState.ONLINE))
+        topic = self.topic(DeviceChannel.STATUS)
+
+        async def publish() -> None:
+            try:
+                await client.publish(topic, status, retain=True)
+            except BusConnectionError as exc:  # the next connection publishes it anyway
+                log.warning("could not publish the status after an install: %s", exc)
+
+        # Called from the install's worker thread: the publish belongs to the event loop.
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(lambda: self._spawn(publish(), "agent-status"))
+
+    def _spawn(self, work: Any, name: str) -> None:
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def topic(self, channel: DeviceChannel) -> str:
         return device_topic(self.device_id, channel)
@@ -131,6 +169,7 @@ class Agent:
 
     async def run(self) -> None:
         address = BrokerAddress.from_url(self.settings.broker_url, self.settings.ca_file)
+        self._loop = asyncio.get_running_loop()
         if self.announce and self.settings.local_api:
             api = LocalApi(
                 self.sessions,
@@ -268,7 +307,13 @@ class Agent:
             thermal_limit_c=self.settings.thermal_limit_c,
             battery_floor_percent=self.settings.battery_floor_percent,
             quarantined_drafts=self._quarantined_drafts(),
+            memory_available_mb=self._memory_available_mb(),
+            drafts_over_memory=tuple(self.catalog.over_memory()[:16]) or None,
         )
+
+    def _memory_available_mb(self) -> float | None:
+        available = self.memory.read().available_mb
+        return None if available is None else round(available, 1)
 
     def _quarantined_drafts(self) -> tuple[str, ...] | None:
         names = [h.name for h in self.catalog.runtime_health() if h.quarantined]

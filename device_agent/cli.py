@@ -95,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--sys-root", type=Path, help="where to read /sys (battery, heat); default /sys"
     )
     run.add_argument(
+        "--proc-root", type=Path, help="where to read /proc (available memory); default /proc"
+    )
+    run.add_argument(
+        "--memory-margin",
+        type=float,
+        dest="memory_margin_mb",
+        help="MB a neural draft must leave free to be loaded (default 64)",
+    )
+    run.add_argument(
         "--in-process-drafts",
         dest="isolate_drafts",
         action="store_false",
@@ -209,6 +218,8 @@ def _settings(args: argparse.Namespace) -> AgentSettings:
             "battery_floor_percent": args.battery_floor_percent,
             "power_saver": args.power_saver,
             "sys_root": args.sys_root,
+            "proc_root": args.proc_root,
+            "memory_margin_mb": args.memory_margin_mb,
             "isolate_drafts": args.isolate_drafts,
         }
     return load_agent_settings(args.config, **overrides)
