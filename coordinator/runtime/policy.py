@@ -720,7 +720,8 @@ class AdaptivePolicy:
         return [
             name
             for name in names
-            if name == current_draft or name.removeprefix("hybrid+") not in refused
+            if name == current_draft
+            or (name not in refused and name.removeprefix("hybrid+") not in refused)
         ]
 
     def best_window(
