@@ -32,7 +32,8 @@ from coordinator.db.models import SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from coordinator.runtime.fleet import Fleet
 from coordinator.runtime.quotas import Quotas
-from coordinator.runtime.sessions import LiveSession, SessionBook
+from coordinator.runtime.session_state import LiveSession
+from coordinator.runtime.sessions import SessionBook
 from coordinator.runtime.shards import ShardLeases, shard_of
 from coordinator.runtime.verifiers import VerifierPool
 from core.aio import task_group

@@ -20,8 +20,8 @@ from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel, VerifierChannel, verifier_topic
+from coordinator.runtime.book_core import UnknownTarget
 from coordinator.runtime.service import Coordinator, configured_target
-from coordinator.runtime.sessions import UnknownTarget
 from core.settings import Settings
 from inference.artifacts import TargetIdentity
 from modelbuild.target_build import ensure_target, load_target_identity

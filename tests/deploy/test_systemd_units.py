@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.ops.flash import UNIT_NAME, render_template
+from coordinator.ops.flash.release import TEMPLATES, UNIT_NAME, render_template
 from specfleet.cli import build_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_systemd_verifies_the_agent_unit_as_flash_renders_it(tmp_path: Path) -> 
     (root / "state").mkdir()
     (root / "current" / "venv").symlink_to(Path(sys.executable).parent.parent)
     unit = tmp_path / UNIT_NAME
-    unit.write_text(render_template(UNITS / UNIT_NAME, {"ROOT": str(root), "USER": "root"}))
+    unit.write_text(render_template(TEMPLATES / UNIT_NAME, {"ROOT": str(root), "USER": "root"}))
     done = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", str(unit)],
         capture_output=True, text=True, timeout=60,

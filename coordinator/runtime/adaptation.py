@@ -1,0 +1,113 @@
+"""The session book's side of the adaptive policy: each round observed, the next mode,
+drafter and window chosen, and the mode an adaptive session opens in."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from broker import messages as m
+from coordinator.db.models import Round, SessionMode
+from coordinator.runtime.book_core import BookCore
+from coordinator.runtime.policy import (
+    STREAM_DECISION_EVERY,
+    RoundObservation,
+    opening_candidate,
+    verifier_load,
+)
+from coordinator.runtime.session_state import LiveSession, allowed_window
+
+log = logging.getLogger(__name__)
+
+
+class AdaptiveBook(BookCore):
+    """Sessions whose window the coordinator chooses (the agent asked for k = 0)."""
+
+    def set_k(self, session_id: str, k: int) -> None:
+        """The settable, fixed window of a session; the next verdict carries it."""
+        live = self.live[session_id]
+        live.policy = live.policy.model_copy(update={"k": k})
+
+    def _adapt(
+        self, live: LiveSession, row: Round, prefilled: bool = False
+    ) -> tuple[m.Policy, dict[str, Any]]:
+        """Learn from this round, choose the next; the decision and its inputs go on the round."""
+        assert live.policy_task is not None
+        load = verifier_load(v.load for v in self.pool.live())
+        self.policy.observe(
+            RoundObservation(
+                session_id=live.id,
+                device_id=live.device_id,
+                draft_model=row.draft_model or live.policy.draft_model,
+                task_type=live.policy_task,
+                k=row.k,
+                n_accepted=row.n_accepted,
+                t_draft_ms=row.t_draft_ms or 0.0,
+                t_uplink_ms=row.t_uplink_ms,
+                t_queue_ms=row.t_queue_ms or 0.0,
+                t_verify_ms=row.t_verify_ms or 0.0,
+                verifier_load=load,
+                mode=m.Mode(row.mode.value),
+                # An adaptive session's first round is the agent's empty window (k = 0).
+                window=allowed_window(live, row),
+                # A pass that also prefilled (this session's first, or another's in the batch)
+                # says nothing of what verifying a window costs.
+                prefill=prefilled or row.round_index == 0,
+                overhead_ms=live.turn_overhead_ms if row.mode is SessionMode.DISTRIBUTED else None,
+            )
+        )
+        hosted = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
+        if hosted and row.round_index % STREAM_DECISION_EVERY:
+            # A host stream's window is the verifier's choice, pass by pass; whether to leave
+            # the host is asked every few rounds (a decision costs ~0.4 ms of this process).
+            return live.policy, live.policy.model_dump(mode="json")
+        return self._decide(live, row.draft_model or live.policy.draft_model, load)
+
+    def _open_where_best(self, live: LiveSession) -> None:
+        """An adaptive session starts in the mode the policy rates best for its device now:
+        nothing is switched yet, so no margin against flapping is asked of the host modes, and
+        a session that does best on the host has no round drafted on the device first."""
+        load = verifier_load(v.load for v in self.pool.live())
+        host_drafts = self.host_drafts() if m.Mode.CLOUD in live.modes else ()
+        decision = self.policy.decide(
+            live.id,
+            live.device_id,
+            live.policy_task or live.task_type,
+            live.policy.draft_model,
+            load,
+            host_drafts=host_drafts,
+            plain=True,
+        )
+        best = opening_candidate(decision)
+        if best is None:
+            return
+        live.policy = m.Policy(
+            mode=best.mode,
+            draft_model=best.draft_model,
+            k=best.k,
+            min_confidence=decision.min_confidence,
+        )
+        log.info(
+            "session %s opens in %s mode (%s, k=%d): %.1f tok/s predicted",
+            live.id,
+            best.mode.value,
+            best.draft_model,
+            best.k,
+            best.tokens_per_s,
+        )
+
+    def _decide(
+        self, live: LiveSession, draft_model: str, load: float
+    ) -> tuple[m.Policy, dict[str, Any]]:
+        assert live.policy_task is not None
+        decision = self.policy.decide(
+            live.id,
+            live.device_id,
+            live.policy_task,
+            draft_model,
+            load,
+            current_mode=live.policy.mode,
+            host_drafts=self.host_drafts() if m.Mode.CLOUD in live.modes else (),
+            plain=m.Mode.PLAIN in live.modes or m.Mode.CLOUD in live.modes,
+        )
+        return decision.policy, decision.to_json()

@@ -1,0 +1,351 @@
+"""Rounds the coordinator answers: a device's draft verified, a host stream's rounds, each
+through the stop rules, persisted, then published (persist before publish)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import sqlalchemy as sa
+
+from broker import messages as m
+from coordinator.db.models import Round, SessionMode, SessionStatus
+from coordinator.runtime.direct_rounds import DirectRounds
+from coordinator.runtime.policy import CLOUD_STREAM_ROUNDS
+from coordinator.runtime.session_state import LiveSession
+from coordinator.runtime.verifiers import (
+    NoVerifierError,
+    StreamLost,
+    VerificationFailed,
+)
+from inference.speculative import apply_stop_rules
+
+log = logging.getLogger(__name__)
+
+# Host streams of a session that may break off in a row (a verifier dies, the bus drops) before
+# its device is told to ask again.
+STREAM_ATTEMPTS = 4
+
+
+class RoundPipeline(DirectRounds):
+    """Drafts in, verdicts out: the rounds this coordinator verifies and commits."""
+
+    async def on_draft(self, device_id: str, draft: m.Draft) -> None:
+        received_at = time.time()
+        live = await self.get(draft.session_id)
+        if live is None or live.device_id != device_id:
+            await self._error(device_id, "draft", draft.session_id, draft.round, "unknown session")
+            return
+        live.last_heard = time.monotonic()
+        if not draft.cloud and self._holder(live) is not None:
+            return  # a direct round: the verifier holding the lease answers it
+        async with live.lock:
+            if draft.cloud:
+                await self._unlease(live)  # the coordinator runs a host stream itself
+            elif self._holder(live) is not None:
+                return
+            if draft.round < live.next_round:
+                await self._resend_verdict(live, draft)
+                return
+            if live.status is not SessionStatus.ACTIVE:
+                await self._error(
+                    device_id, "draft", live.id, draft.round, f"session is {live.status.value}"
+                )
+                await self._send_state(live)
+                return
+            misfit = draft.misfit(
+                live.next_round,
+                live.committed_len,
+                live.sampling.greedy,
+                self.pool.vocab_size() or self.vocab_size,
+            )
+            if misfit is not None:
+                await self._error(device_id, "draft", live.id, draft.round, misfit)
+                if draft.round != live.next_round or draft.base_len != live.committed_len:
+                    await self._send_state(live)  # out of step: the state resynchronises it
+                return
+            if draft.cloud and live.streaming:
+                # Re-sent while its stream runs (the agent timed out): the state catches it up.
+                await self._send_state(live)
+                return
+            plain = live.policy.mode is m.Mode.PLAIN
+            if draft.cloud and not plain and not self.can_draft(draft.draft_model):
+                await self._error(
+                    device_id,
+                    "draft",
+                    live.id,
+                    draft.round,
+                    f"no live verifier drafts cloud rounds with {draft.draft_model!r}",
+                )
+                return
+            live.in_flight_round = draft.round
+            try:
+                if draft.cloud:
+                    # A cloud request: the verifier host runs the rounds from this one on.
+                    if live.policy.mode not in m.HOST_MODES:
+                        live.policy = live.policy.model_copy(
+                            update={
+                                "mode": m.Mode.CLOUD,
+                                "draft_model": draft.draft_model,
+                                "k": draft.cloud_k or live.policy.k,
+                            }
+                        )
+                    goes_on = True
+                else:
+                    goes_on = await self._verify_and_commit(live, draft, received_at)
+            finally:
+                live.in_flight_round = None
+        if goes_on and not live.streaming:
+            live.streaming = True
+            try:
+                await self._host_stream(live)
+            finally:
+                live.streaming = False
+
+    async def _verify_and_commit(
+        self, live: LiveSession, draft: m.Draft, received_at: float
+    ) -> bool:
+        """Verify one device-drafted round, persist it, publish its verdict; True when the
+        session goes on as a host stream."""
+        request = m.VerifyRequest(
+            request_id="pending",
+            session_id=live.id,
+            round=draft.round,
+            context_ids=tuple(live.prompt_ids + live.generated),
+            tokens=draft.tokens,
+            q_ids=draft.q_ids,
+            q_probs=draft.q_probs,
+            sampling=live.sampling,
+            want_features=draft.want_features,
+        )
+        queued_at = time.perf_counter()
+        try:
+            result = await self.pool.verify(request)
+        except (NoVerifierError, VerificationFailed) as exc:
+            # Nothing was committed; the agent re-sends this round when it hears the state.
+            log.error("round %d of %s not verified: %s", draft.round, live.id, exc)
+            await self._error(live.device_id, "draft", live.id, draft.round, f"not verified: {exc}")
+            return False
+        round_trip_ms = (time.perf_counter() - queued_at) * 1000.0
+        uplink_ms = max(0.0, (received_at - draft.timings.sent_at) * 1000.0)
+        live.turn_overhead_ms = None
+        if live.last_draft is not None and live.last_draft[1] == draft.round - 1:
+            at, _, verify_ms = live.last_draft
+            turn_ms = (received_at - at) * 1000.0
+            live.turn_overhead_ms = max(0.0, turn_ms - verify_ms - draft.timings.draft_ms)
+        live.last_draft = (received_at, draft.round, result.verify_ms)
+        row = self._round_row(live, draft.round, draft.base_len, result)
+        row.draft_tokens = list(draft.tokens)
+        row.draft_model = draft.draft_model
+        row.provisional = draft.provisional
+        row.q_ids = [list(r) for r in draft.q_ids] if draft.q_ids else None
+        row.q_probs = [list(r) for r in draft.q_probs] if draft.q_probs else None
+        row.k = len(draft.tokens)
+        row.mode = SessionMode.DISTRIBUTED
+        row.t_draft_ms = draft.timings.draft_ms
+        row.t_uplink_ms = uplink_ms if draft.timings.sent_at else None
+        # Everything between handing the draft to the pool and the verifier's compute:
+        # transport both ways and the verifier's own queue.
+        row.t_queue_ms = max(0.0, round_trip_ms - result.verify_ms)
+        return await self._commit(
+            live, row, result, draft.tokens, draft.timings.downlink_ms, draft.provisional
+        )
+
+    async def _host_stream(self, live: LiveSession) -> None:
+        """Run the session on the verifier host while its policy says cloud or plain: each
+        stream's rounds are persisted and published one by one as they come, while the verifier
+        already runs the next. A stream that breaks off opens again from the last persisted
+        round (a result never persisted is computed again, identically)."""
+        failures = 0
+        while self._hosted(live) and failures < STREAM_ATTEMPTS:
+            request = self._stream_request(live)
+            stream = self.pool.stream(request)
+            try:
+                async for result in stream:
+                    async with live.lock:
+                        if live.next_round != result.round or not self._hosted(live):
+                            return  # closed, moved back to distributed, or taken over
+                        live.in_flight_round = result.round
+                        try:
+                            goes_on = await self._commit_streamed(live, request, result)
+                        finally:
+                            live.in_flight_round = None
+                    failures = 0
+                    if not goes_on:
+                        return
+            except StreamLost as exc:
+                failures += 1
+                log.warning("stream of %s broke off at round %d: %s", live.id, live.next_round, exc)
+            except NoVerifierError as exc:
+                log.error("no verifier for the stream of %s: %s", live.id, exc)
+                failures = STREAM_ATTEMPTS
+            finally:
+                await stream.aclose()
+        if self._hosted(live):
+            # The agent re-sends its cloud request when it hears the state.
+            await self._error(
+                live.device_id, "draft", live.id, live.next_round, "the host stream broke off"
+            )
+            await self._send_state(live)
+
+    def _stream_request(self, live: LiveSession) -> m.VerifyRequest:
+        policy = live.policy
+        cloud_k = min(policy.k, m.MAX_CLOUD_K) if policy.mode is m.Mode.CLOUD else 0
+        if live.policy_task is not None and cloud_k:
+            # The verifier chooses each pass's window for its whole batch, with what it sees
+            # of the batch and of the drafter: the policy's k is a per-session guess, and a cap
+            # at it kept a lone session's windows at 1-3 where 8 paid.
+            cloud_k = max(cloud_k, self.policy.k_max)
+        alpha = None
+        if live.policy_task is not None and cloud_k:
+            alpha = self.policy.alpha(live.device_id, policy.draft_model, live.policy_task)
+        return m.VerifyRequest(
+            request_id="pending",
+            session_id=live.id,
+            round=live.next_round,
+            context_ids=tuple(live.prompt_ids + live.generated),
+            tokens=(),
+            sampling=live.sampling,
+            cloud_draft=policy.draft_model if cloud_k else None,
+            cloud_k=cloud_k or None,
+            stream=m.StreamSpec(
+                rounds=CLOUD_STREAM_ROUNDS,
+                max_new=max(1, live.max_tokens - len(live.generated)),
+                eos_id=self.eos_id,
+                task_type=live.policy_task or live.task_type or "chat",
+                alpha=alpha,
+                adaptive=live.policy_task is not None,
+            ),
+        )
+
+    async def _commit_streamed(
+        self, live: LiveSession, request: m.VerifyRequest, result: m.VerifyResult
+    ) -> bool:
+        drafted = result.draft_tokens or ()
+        row = self._round_row(live, result.round, result.base_len, result)
+        row.draft_tokens = list(drafted)
+        row.draft_model = request.cloud_draft if drafted else None
+        row.q_ids = [list(r) for r in result.q_ids] if result.q_ids else None
+        row.q_probs = [list(r) for r in result.q_probs] if result.q_probs else None
+        window = result.pass_choice.k if result.pass_choice is not None else len(drafted)
+        adaptive = request.stream is None or request.stream.adaptive
+        row.k = len(drafted)
+        # Plain: no drafter was asked for, or the pass chose none (a fixed window cut to 0 at
+        # the end of the output is still the session's cloud mode).
+        plain = request.cloud_draft is None or (adaptive and window == 0)
+        row.mode = SessionMode.PLAIN if plain else SessionMode.CLOUD
+        row.t_draft_ms = result.draft_ms
+        row.t_queue_ms = result.queue_ms
+        if result.pass_choice is not None:
+            row.policy = {"pass": result.pass_choice.model_dump(mode="json")}
+        return await self._commit(live, row, result, drafted, None, False)
+
+    def _round_row(
+        self, live: LiveSession, round_index: int, base_len: int, result: m.VerifyResult
+    ) -> Round:
+        return Round(
+            session_id=uuid.UUID(live.id),
+            round_index=round_index,
+            base_len=base_len,
+            verifier_id=result.verifier_id,
+            t_verify_ms=result.verify_ms,
+            t_downlink_ms=None,
+            n_accepted=result.n_accepted,
+            next_token=result.next_token if result.next_token is not None else 0,
+            committed_len=base_len,
+        )
+
+    async def _commit(
+        self,
+        live: LiveSession,
+        row: Round,
+        result: m.VerifyResult,
+        drafted: tuple[int, ...],
+        downlink_ms: float | None,
+        provisional: bool,
+    ) -> bool:
+        """Apply the stop rules to a verified round, persist it, then publish its verdict.
+        True when the session goes on as a host stream."""
+        accepted = list(drafted[: result.n_accepted])
+        next_token = result.next_token if result.next_token is not None else accepted.pop()
+        kept, finished = apply_stop_rules(
+            len(live.generated), accepted, next_token, live.max_tokens, self.eos_id
+        )
+        n_accepted = len(kept) - 1
+        row.n_accepted = n_accepted
+        row.next_token = kept[-1]
+        row.committed_len = row.base_len + len(kept)
+        pass_choice = (row.policy or {}).get("pass")
+        # A provisional tail is no window the policy chose: it teaches the policy nothing.
+        if live.policy_task is not None and not provisional:
+            live.policy, row.policy = self._adapt(live, row, result.batch_prefilled > 0)
+        else:
+            row.policy = live.policy.model_dump(mode="json")
+        if pass_choice is not None:
+            row.policy = {**row.policy, "pass": pass_choice}
+        generated = live.generated + kept
+        status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
+        try:
+            await self._writer.write(
+                row, generated, status, device_id=live.device_id, downlink_ms=downlink_ms
+            )
+        except sa.exc.IntegrityError:
+            # Someone else answered this round (a verifier holding a lease this coordinator
+            # had not heard of yet): the stored round is the answer.
+            log.warning("round %d of %s was already stored; resending it", row.round_index, live.id)
+            await self._reload(live)
+            await self._send_state(live)
+            return False
+        live.generated = generated
+        live.next_round = row.round_index + 1
+        live.status = status
+        live.last_heard = time.monotonic()
+        continues = self._hosted(live)
+        hosted_round = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
+        verdict = m.Verdict(
+            session_id=live.id,
+            round=row.round_index,
+            base_len=row.base_len,
+            n_accepted=n_accepted,
+            next_token=kept[-1],
+            committed_len=live.committed_len,
+            finished=finished,
+            policy=self._agent_policy(live),
+            verifier_id=result.verifier_id,
+            draft_tokens=tuple(drafted) if hosted_round else None,
+            continues=continues,
+            # The features belong to next_token's position: only when the stop rules kept it.
+            features=None if finished or hosted_round else result.features,
+        )
+        live.last_verdict = verdict
+        await self._send_verdict(live, verdict)
+        for observe in self.round_observers:
+            observe(live, row)
+        if provisional:
+            await self._reconciled(live, row.round_index, drafted, n_accepted, kept[-1])
+        if finished:
+            self._let_go(live)
+            log.info(
+                "session %s finished: %d tokens in %d rounds",
+                live.id,
+                len(live.generated),
+                live.next_round,
+            )
+        return continues
+
+    async def _resend_verdict(self, live: LiveSession, draft: m.Draft) -> None:
+        """A draft for a round already verified: the stored verdict, never a second commit."""
+        if draft.cloud:
+            # A cloud request re-sent: its stream may have run on, and the state has it all.
+            await self._send_state(live)
+            return
+        verdict = live.last_verdict
+        if verdict is None or verdict.round != draft.round:
+            verdict = await asyncio.to_thread(self.store.stored_verdict, live, draft.round)
+        if verdict is None:
+            await self._error(live.device_id, "draft", live.id, draft.round, "unknown round")
+            return
+        log.info("re-sent the verdict of round %d of %s", draft.round, live.id)
+        await self._send_verdict(live, verdict)
