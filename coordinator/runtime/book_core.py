@@ -16,6 +16,7 @@ from broker import messages as m
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.models import Round, SessionStatus
 from coordinator.db.round_writer import RoundWriter
+from coordinator.runtime.draft_fetches import DraftFetches
 from coordinator.runtime.policy import AdaptivePolicy
 from coordinator.runtime.quotas import Quotas, RateLimiter
 from coordinator.runtime.session_state import LiveSession
@@ -71,6 +72,8 @@ class BookCore:
             raise TypeError("the session factory must be bound to an engine")
         self._writer = RoundWriter(engine)
         self.policy = AdaptivePolicy()
+        # Drafts on demand: sends a device the draft a session asked for and it lacks.
+        self.fetches: DraftFetches | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property

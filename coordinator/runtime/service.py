@@ -30,6 +30,7 @@ from coordinator.db.engine import make_sessionmaker
 from coordinator.db.events import EventLog
 from coordinator.db.models import SessionStatus
 from coordinator.db.registry import DeviceRegistry
+from coordinator.runtime.draft_fetches import DraftFetches
 from coordinator.runtime.fleet import Fleet
 from coordinator.runtime.quotas import Quotas
 from coordinator.runtime.session_state import LiveSession
@@ -126,6 +127,13 @@ class Coordinator:
         self.fleet.rtt_observers.append(self.book.policy.observe_rtt)
         self.fleet.drafts_observers.append(self.book.policy.set_device_drafts)
         self.fleet.telemetry_observers.append(self.book.policy.observe_telemetry)
+        self.book.fetches = DraftFetches(
+            settings.home,
+            settings.resolved_models_dir,
+            f"http://{settings.http_host}:{settings.http_port}/api/v1",
+            self.fleet.send_command,
+            self.book.policy,
+        )
         self.device_handlers: dict[type[Any], DeviceHandler] = {
             m.Status: self.fleet.on_status,
             m.Telemetry: self.fleet.on_telemetry,
