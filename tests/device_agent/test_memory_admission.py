@@ -144,3 +144,35 @@ def test_resident_cost_counts_weights_cache_and_a_child_process(models_dir: Path
     in_process = resident_bytes(built.manifest, isolated=False)
     assert resident_bytes(built.manifest, isolated=True) > in_process
     assert in_process > built.manifest.size_bytes * 2
+
+
+def test_a_switch_to_a_draft_that_does_not_fit_keeps_the_current_drafter_with_the_reason(
+    models_dir: Path, tmp_path: Path, tokenizer: ChatTokenizer
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from broker import messages as m
+    from device_agent.sessions import SessionBook
+    from device_agent.settings import LocalSettings
+
+    async def nowhere(channel: object, message: m.Message) -> bool:
+        return False
+
+    proc = _proc(tmp_path, 100 * 1024)
+    catalog = _catalog(models_dir, proc, tmp_path / "sys")
+    _needs_draft(catalog, "draft-l2")
+    with ThreadPoolExecutor(1) as executor:
+        book = SessionBook(LocalSettings(), catalog, nowhere, executor)
+        current = catalog.acquire("lookup")
+        switched = book._acquire("draft-l2", 0.0, current)
+        assert isinstance(switched, StandInProposer) and switched.fallback is current
+        context = tokenizer.apply_chat_template("Say hello twice: hello hello")
+        switched.get_candidates(context, 4)
+        assert drafted_by(switched, "draft-l2") == "lookup"
+        assert switched.note is not None and switched.note.startswith("memory: draft-l2 needs")
+        # A draft this device lacks gets a stand-in too (sessions and switches ask for one only
+        # where releases can be installed here: drafts on demand).
+        assert (
+            book._acquire("draft-l9", 0.0, current).note
+            == "draft-l9 is not on this device (fetching it)"
+        )
