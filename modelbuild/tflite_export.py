@@ -39,6 +39,9 @@ def _require_tf() -> Any:
     # TensorFlow and its converter narrate at start and on every conversion (CPU features, the
     # converter's options): an operator wants errors only, and the build's own progress.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # TensorFlow 2.21 prints its oneDNN notice through absl whatever the level above; without
+    # oneDNN's kernels there is no notice, and the converter computes nothing they would speed.
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     try:
         import tensorflow as tf
     except ImportError as exc:
