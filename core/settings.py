@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     mqtt_protocol: Literal["auto", "5", "3.1.1"] = "auto"
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8420, ge=0, le=65535)
+    # The API's base URL as devices reach it, for the artifacts they fetch (drafts on demand);
+    # None: http://{http_host}:{http_port}/api/v1, which serves a host listening on 0.0.0.0 badly.
+    artifact_base_url: str | None = Field(default=None, pattern=r"^https?://")
     models_dir: Path | None = None
     # The target by its model name in the models directory (`specfleet models build-target
     # --name`); None: SmolLM2-135M-Instruct. Verifiers load it; the coordinator reads its

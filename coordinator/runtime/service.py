@@ -130,7 +130,8 @@ class Coordinator:
         self.book.fetches = DraftFetches(
             settings.home,
             settings.resolved_models_dir,
-            f"http://{settings.http_host}:{settings.http_port}/api/v1",
+            settings.artifact_base_url
+            or f"http://{settings.http_host}:{settings.http_port}/api/v1",
             self.fleet.send_command,
             self.book.policy,
         )
