@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,13 +407,15 @@ def run_passes(
             sid = str(r.get("session_id") or "").replace("-", "")
             if isinstance(r.get("batch_size"), int) and isinstance(r.get("round"), int):
                 rows_of[sid, r["round"]] = r["batch_size"]
-    # The rounds of one pass record the same time and rows: one pass, as wide as its widest.
+    # The rounds of one pass record the same time: one pass, as wide as its widest, with as
+    # many rows as it recorded (or as rounds share its time, where none recorded them).
+    sharing = Counter(r.t_verify_ms for r in rounds if r.t_verify_ms)
     found: dict[tuple[int, float], tuple[str | None, int, int, float]] = {}
     for r in rounds:
         sid = r.session_id.replace("-", "")
-        rows = r.pass_rows or rows_of.get((sid, r.round_index))
-        if not (r.t_verify_ms and r.round_index and rows):
+        if not (r.t_verify_ms and r.round_index):
             continue
+        rows = r.pass_rows or rows_of.get((sid, r.round_index)) or sharing[r.t_verify_ms]
         seen = found.get((rows, r.t_verify_ms))
         positions = max(r.drafted + 1, seen[2] if seen else 1)
         found[rows, r.t_verify_ms] = (keys.get(sid), rows, positions, r.t_verify_ms)

@@ -32,13 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from broker import messages as m
-from coordinator.runtime.policy import (
-    CLOUD_STREAM_ROUNDS,
-    STREAM_DECISION_EVERY,
-    AdaptivePolicy,
-    RoundObservation,
-    opening_candidate,
-)
+from coordinator.runtime.decisions import opening_candidate
+from coordinator.runtime.policy import STREAM_DECISION_EVERY, AdaptivePolicy, RoundObservation
+from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from netem.profiles import PROFILES, LinkShape
 from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierProfile
 from verifier.child import PROFILE_SHAPES
@@ -111,11 +107,25 @@ class Link:
             return math.inf
         return after_ms + self.rng.expovariate(1.0 / (self.spec.outage_every_s * 1e3))
 
-    def cut(self, at_ms: float, for_ms: float, reconnect_ms: float = 0.0) -> None:
-        """One outage of `for_ms` from `at_ms` (a blip), after which the client takes
-        `reconnect_ms` to reconnect; the link's own outages, if any, resume after it."""
+    def cut(
+        self,
+        at_ms: float,
+        for_ms: float,
+        backoff_s: tuple[float, float] | None = None,
+        resume_ms: float = 0.0,
+    ) -> None:
+        """One outage of `for_ms` from `at_ms` (a blip: the connection drops). The client tries
+        again after full-jitter exponential waits (`backoff_s`: its first ceiling and its cap, as
+        broker.client.Backoff draws them), so messages flow from its first try after the link
+        is back, plus `resume_ms`; the link's own outages, if any, resume after it."""
         self._outage_start, self._outage_ms = at_ms, for_ms
-        self.reconnect_ms = reconnect_ms
+        tried, attempt = at_ms, 0
+        if backoff_s is not None:
+            low, high = backoff_s
+            while tried < at_ms + for_ms:
+                tried += self.rng.uniform(low, max(low, min(high, low * 2.0**attempt))) * 1e3
+                attempt += 1
+        self.reconnect_ms = max(0.0, tried - at_ms - for_ms) + resume_ms
 
     def delay(self, now: float, upstream: bool) -> float:
         """When a message sent now arrives on the other side."""
@@ -260,6 +270,7 @@ class Session:
     commits: list[tuple[float, int]] = field(default_factory=list)  # (verdict arrived, tokens)
     rounds_by_mode: dict[str, int] = field(default_factory=dict)
     in_mode_rounds: int = 0
+    shard: int = -1  # the coordinator that owns it, once asked
 
     @property
     def finished(self) -> bool:
@@ -322,18 +333,32 @@ class Verifier:
     def load(self) -> int:
         return len(self.streams) + len(self.outstanding)
 
+    def due(self, session_id: str) -> None:
+        """A distributed session's draft is on its way here."""
+        if session_id not in self.outstanding:
+            self.outstanding.add(session_id)
+            self.fleet.total_load += 1
+
+    def not_due(self, session_id: str) -> None:
+        if session_id in self.outstanding:
+            self.outstanding.discard(session_id)
+            self.fleet.total_load -= 1
+
     def submit(self, row: _Row) -> None:
-        self.outstanding.discard(row.session.id)
+        self.not_due(row.session.id)
         self.queue.append(row)
         self.kick()
 
     def open_stream(self, session: Session) -> None:
-        self.streams[session.id] = session
+        if session.id not in self.streams:
+            self.streams[session.id] = session
+            self.fleet.total_load += 1
         self.last_pass.setdefault(session.id, -1)
         self.kick()
 
     def stop_stream(self, session: Session) -> None:
-        self.streams.pop(session.id, None)
+        if self.streams.pop(session.id, None) is not None:
+            self.fleet.total_load -= 1
 
     def kick(self) -> None:
         if self.busy or self.waiting or not (self.queue or self.streams):
@@ -439,7 +464,9 @@ class Coordinator:
 
     def cpu(self, session: Session) -> Server:
         """The CPU of the coordinator that owns the session."""
-        return self.cpus[zlib.crc32(session.id.encode()) % len(self.cpus)]
+        if session.shard < 0:
+            session.shard = zlib.crc32(session.id.encode()) % len(self.cpus)
+        return self.cpus[session.shard]
 
     def _load(self) -> float:
         return self.fleet.mean_load()
@@ -558,7 +585,7 @@ class Coordinator:
         if before in m.HOST_MODES and after not in m.HOST_MODES:
             verifier.stop_stream(session)  # the next verdict tells the device to draft
         elif before not in m.HOST_MODES and after in m.HOST_MODES:
-            verifier.outstanding.discard(session.id)
+            verifier.not_due(session.id)
             hop = self.fleet.broker.hop(self.fleet.loop.now)
             self.fleet.loop.at(hop, verifier.open_stream, session)
 
@@ -581,6 +608,7 @@ class Fleet:
         passes run on CPUs of their own); None, each has its own, as in the field."""
         self.calibration = calibration
         self.host_cpu = host_cpu
+        self.total_load = 0  # the sum of the verifiers' loads
         self.rng = random.Random(seed)
         self.loop = Loop()
         self.policy = AdaptivePolicy()
@@ -598,15 +626,11 @@ class Fleet:
                 verifier.worker_cpu = host_cpu
         self._service = sorted(calibration.round_service_ms)
         self._round_cpu_ms = calibration.round_cpu_ms
-        self._load_at, self._load = -1.0, 0.0
 
     def mean_load(self) -> float:
-        """The verifiers' mean load, as their heartbeats tell the coordinator (once a
-        simulated millisecond here: every decision asks for it)."""
-        if self._load_at != self.loop.now:
-            self._load_at = self.loop.now
-            self._load = sum(v.load for v in self.verifiers) / len(self.verifiers)
-        return self._load
+        """The verifiers' mean load, as the coordinator counts it (verifier_load): the sessions
+        due back with a draft and the streams, kept as they change (every decision asks)."""
+        return self.total_load / len(self.verifiers)
 
     # -- costs ---------------------------------------------------------------------------------
 
@@ -656,7 +680,7 @@ class Fleet:
         sent = session.device.cpu.serve(self.loop.now, work)
         verifier = session.verifier
         assert verifier is not None
-        verifier.outstanding.add(session.id)
+        verifier.due(session.id)
         self.loop.at(
             sent, self._draft_sent, session, _Row(session, window, drafted, accepted, 0.0, False)
         )
@@ -690,7 +714,7 @@ class Fleet:
             if session.ended_at is None:
                 session.ended_at = now + self.calibration.close_ms
                 if session.verifier is not None:
-                    session.verifier.outstanding.discard(session.id)
+                    session.verifier.not_due(session.id)
                     session.verifier.stop_stream(session)
                 self.loop.at(session.ended_at, session.on_end, session)
             return

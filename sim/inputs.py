@@ -100,9 +100,9 @@ class Calibration(_Strict):
     open_ms: Ms = 20.0  # a session's open beyond the modelled legs (API, database, policy)
     close_ms: Ms = 0.0  # after the last verdict, until the session reports done
     broker_hop_ms: Ms = 0.1  # one publish through the broker on loopback
-    # After a cut link comes back, until the agent's MQTT client is connected again (its
-    # reconnect back-off starts at broker/client.py's RECONNECT_MIN_S).
-    reconnect_ms: Ms = 200.0
+    # After the agent's MQTT client is connected again (its back-off is broker/client.py's),
+    # until its session's rounds flow again: the resume.
+    reconnect_ms: Ms = 0.0
     # Per benchmark run (`e2e xN`, `adaptive PHASE`): its verifier passes' cost over the
     # calibrated one, the shared host's speed while it ran; `sim validate` replays with it.
     host_speed: dict[str, PositiveMs] = Field(default_factory=dict)

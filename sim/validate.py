@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from broker import messages as m
+from broker.client import RECONNECT_MAX_S, RECONNECT_MIN_S
 from core.report import percentile
 from sim.engine import Device, Fleet, Link, Server, Session
 from sim.inputs import Calibration, LinkSpec, SimInputError
@@ -300,7 +301,10 @@ def replay_adaptive(
         fleet.verifiers[0].speed = speed
         if phase == "blip":
             device.link.cut(
-                fleet.loop.now + blip_after_s * 1e3, blip_s * 1e3, calibration.reconnect_ms
+                fleet.loop.now + blip_after_s * 1e3,
+                blip_s * 1e3,
+                (RECONNECT_MIN_S, RECONNECT_MAX_S),
+                calibration.reconnect_ms,
             )
         adaptive, policy = _config_policy(config)
         items = work.get((phase, config), [])

@@ -26,10 +26,14 @@ def test_a_broker_without_a_limit_is_a_pure_delay_whatever_the_order_of_hops() -
 
 def test_a_cut_link_delivers_when_it_is_back_and_reconnected() -> None:
     link = Link(LinkSpec(profile="loopback"), random.Random(0))
-    link.cut(at_ms=100.0, for_ms=1500.0, reconnect_ms=200.0)
+    link.cut(at_ms=100.0, for_ms=1500.0, resume_ms=200.0)
     assert link.delay(50.0, upstream=True) == 50.0
     assert link.delay(120.0, upstream=True) == 1800.0
     assert link.delay(2000.0, upstream=False) == 2000.0
+    # With the client's back-off, it is back at its first try after the link is.
+    link.cut(at_ms=3000.0, for_ms=1500.0, backoff_s=(0.2, 5.0))
+    back = link.delay(3100.0, upstream=True)
+    assert 4500.0 <= back <= 4500.0 + 5000.0  # a try comes at most RECONNECT_MAX_S after
 
 
 def test_the_run_cost_fit_recovers_a_linear_cost_from_its_passes() -> None:
