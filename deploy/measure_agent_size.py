@@ -1,10 +1,14 @@
 """Measure the agent's installed size with each draft runtime, installed as `specfleet flash` does.
 
     .venv/bin/python deploy/measure_agent_size.py [--out bench-results/agent-size.json]
+        [--local-only]
 
-For each runtime: build the wheel, gather the wheelhouse for this machine's platform, create a
-fresh venv without pip and install `specfleet[<extra>]` from the wheelhouse alone with
-`--no-compile`, as flash does; then sum the files of every installed distribution.
+Two wheels, measured in the same run: the agent's own (`specfleet-agent`, the device packages
+only: deploy/agent-wheel/) and the whole project's (`specfleet`, every package, with its `agent`
+extras), as the baseline. For each wheel and runtime: gather the wheelhouse for this machine's
+platform, create a fresh venv without pip and install `specfleet-agent[<runtime>]` (or
+`specfleet[<extra>]`) from the wheelhouse alone with `--no-compile`, as flash does; then sum the
+files of every installed distribution.
 
 Devices of other platforms (a Raspberry Pi, a Jetson) cannot be installed here; for them the
 wheelhouse is gathered for their platform tags and the files inside the wheels are summed, which
@@ -29,6 +33,8 @@ from coordinator.ops.packaging import (  # noqa: E402
     DevicePlatform,
     PackagingError,
     Runtime,
+    agent_requirement,
+    build_agent_wheel,
     build_wheel,
     build_wheelhouse,
 )
@@ -59,14 +65,15 @@ def unpacked(wheels: list[Path]) -> int:
 
 
 def estimate(
-    runtime: Runtime, work: Path, label: str, platform: DevicePlatform
+    wheel: Path, runtime: Runtime, work: Path, label: str, platform: DevicePlatform
 ) -> dict[str, object]:
-    wheel = build_wheel(work / "built")
-    wheels = build_wheelhouse(wheel, runtime, platform, work / f"wheels-{label}-{runtime}")
+    wheels = build_wheelhouse(
+        wheel, runtime, platform, work / f"wheels-{wheel.stem}-{label}-{runtime}"
+    )
     wheels = [w for w in wheels if not w.name.startswith("pip-")]
     return {
         "runtime": runtime,
-        "extra": AGENT_EXTRAS[runtime],
+        "install": agent_requirement(wheel, runtime),
         "platform": f"{label} ({platform.tag})",
         "installed_bytes": unpacked(wheels),
         "wheelhouse_bytes": sum(w.stat().st_size for w in wheels),
@@ -79,30 +86,33 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def measure(runtime: Runtime, work: Path, base_python: str) -> dict[str, object]:
+def measure(wheel: Path, runtime: Runtime, work: Path, base_python: str) -> dict[str, object]:
     platform = DevicePlatform.local()
-    wheel = build_wheel(work / "built")
-    wheelhouse = work / f"wheels-{runtime}"
+    wheelhouse = work / f"wheels-{wheel.stem}-{runtime}"
     wheels = build_wheelhouse(wheel, runtime, platform, wheelhouse)
-    venv = work / f"venv-{runtime}"
+    venv = work / f"venv-{wheel.stem}-{runtime}"
     subprocess.run([base_python, "-m", "venv", "--without-pip", str(venv)], check=True)
     empty = du(venv)
     pip = next(w for w in wheels if w.name.startswith("pip-"))
     subprocess.run(
         [
             str(venv / "bin" / "python"), f"{pip}/pip", "install", "--quiet", "--no-compile",
-            "--no-index", "--find-links", str(wheelhouse), f"specfleet[{AGENT_EXTRAS[runtime]}]",
+            "--no-index", "--find-links", str(wheelhouse), agent_requirement(wheel, runtime),
         ],
         check=True,
     )  # fmt: skip
     sizes = json.loads(
         subprocess.run(
-            [str(venv / "bin" / "python"), "-c", SIZES], capture_output=True, text=True, check=True
+            [str(venv / "bin" / "python"), "-c", SIZES],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=venv,  # not a checkout: its specfleet.egg-info would count as installed
         ).stdout
     )
     return {
         "runtime": runtime,
-        "extra": AGENT_EXTRAS[runtime],
+        "install": agent_requirement(wheel, runtime),
         "platform": platform.tag,
         "installed_bytes": du(venv) - empty,
         "wheelhouse_bytes": sum(w.stat().st_size for w in wheels if not w.name.startswith("pip-")),
@@ -119,18 +129,25 @@ def main() -> int:
         default=str(Path(getattr(sys, "_base_executable", sys.executable)).resolve()),
         help="the interpreter for the fresh venvs (default: the one behind this venv)",
     )
+    parser.add_argument(
+        "--local-only", action="store_true", help="this machine's platform only (no estimates)"
+    )
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="specfleet-size-") as tmp:
-        for runtime in AGENT_EXTRAS:
-            print(f"measuring the agent with {runtime} ...", flush=True)
-            results.append(measure(runtime, Path(tmp), args.python))
-        for label, python, machine, glibc in FOREIGN:
+        work = Path(tmp)
+        wheels = (build_agent_wheel(work / "built"), build_wheel(work / "built"))
+        for wheel in wheels:
             for runtime in AGENT_EXTRAS:
-                print(f"estimating the agent with {runtime} on {label} ...", flush=True)
+                print(f"measuring {agent_requirement(wheel, runtime)} ...", flush=True)
+                results.append(measure(wheel, runtime, work, args.python))
+        foreign = () if args.local_only else FOREIGN
+        for label, python, machine, glibc in foreign:
+            for runtime in AGENT_EXTRAS:
+                print(f"estimating {agent_requirement(wheels[0], runtime)} on {label} ...")
                 device = DevicePlatform(python, machine, "glibc", glibc)
                 try:
-                    results.append(estimate(runtime, Path(tmp), label, device))
+                    results.append(estimate(wheels[0], runtime, work, label, device))
                 except PackagingError as exc:  # e.g. no wheel of a runtime for that platform
                     print(f"  {label} {runtime}: {exc}", flush=True)
                     results.append(
@@ -141,20 +158,20 @@ def main() -> int:
     rows: list[tuple[str, ...]] = []
     for result in results:
         if "error" in result:
-            rows.append((str(result["runtime"]), str(result["platform"]), "-", "-", "no wheels"))
+            rows.append(("-", str(result["platform"]), "-", "-", "no wheels"))
             continue
         distributions: dict[str, int] = result["distributions"]  # type: ignore[assignment]
         largest = sorted(distributions.items(), key=lambda kv: -kv[1])[:4]
         rows.append(
             (
-                str(result["runtime"]),
+                str(result["install"]),
                 str(result["platform"]),
                 f"{int(str(result['installed_bytes'])) / 1e6:.0f}",
                 f"{int(str(result['wheelhouse_bytes'])) / 1e6:.0f}",
                 ", ".join(f"{name} {size / 1e6:.0f}" for name, size in largest),
             )
         )
-    print(format_table(("runtime", "platform", "installed MB", "wheels MB", "largest (MB)"), rows))
+    print(format_table(("install", "platform", "installed MB", "wheels MB", "largest (MB)"), rows))
     print(f"wrote {args.out}")
     return 0
 

@@ -32,6 +32,8 @@ MIN_GLIBC_MINOR = 17
 Runtime = Literal["onnx", "litert"]
 # Which optional-dependency set installs the agent with which draft runtime.
 AGENT_EXTRAS: dict[Runtime, str] = {"onnx": "agent", "litert": "agent-litert"}
+# The same, in the agent's own wheel (deploy/agent-wheel/pyproject.toml).
+AGENT_WHEEL_EXTRAS: dict[Runtime, str] = {"onnx": "onnx", "litert": "litert"}
 
 
 class PackagingError(Exception):
@@ -179,22 +181,31 @@ class DevicePlatform:
         return [*tags, f"manylinux2014_{arch}", f"linux_{arch}"]
 
 
+def agent_requirement(wheel: Path, runtime: Runtime) -> str:
+    """What pip installs from `wheel` on a device that drafts with `runtime`:
+    `specfleet-agent[onnx]` from the agent's own wheel, `specfleet[agent]` from the whole
+    project's."""
+    if wheel.name.startswith("specfleet_agent-"):
+        return f"specfleet-agent[{AGENT_WHEEL_EXTRAS[runtime]}]"
+    return f"specfleet[{AGENT_EXTRAS[runtime]}]"
+
+
 def build_wheelhouse(
     wheel: Path, runtime: Runtime, platform: DevicePlatform, dest: Path
 ) -> list[Path]:
     """Download the agent's dependencies for `platform` into `dest`, beside the wheel itself."""
     dest.mkdir(parents=True, exist_ok=True)
-    for old in dest.glob("specfleet-*.whl"):  # pip adds the wheel given below
-        old.unlink()
+    for pattern in ("specfleet-*.whl", "specfleet_agent-*.whl"):  # pip adds the one given below
+        for old in dest.glob(pattern):
+            old.unlink()
     command = [
         sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest),
         "--only-binary=:all:", "--implementation", "cp", "--python-version", platform.python,
     ]  # fmt: skip
     for tag in platform.pip_platforms():
         command += ["--platform", tag]
-    extra = AGENT_EXTRAS[runtime]
     # pip itself too: the device runs it from its wheel, so its Python needs no ensurepip
     # (Raspberry Pi OS Lite and Debian ship python3 without python3-venv's ensurepip).
-    command += ["pip", f"specfleet[{extra}] @ {wheel.resolve().as_uri()}"]
+    command += ["pip", f"{agent_requirement(wheel, runtime)} @ {wheel.resolve().as_uri()}"]
     _run(command, f"downloading the agent's wheels for {platform.tag}")
     return sorted(dest.glob("*.whl"))

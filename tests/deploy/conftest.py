@@ -123,11 +123,12 @@ def secured_mosquitto(broker_dir: Path) -> Iterator[Callable[[], PrivateMosquitt
 
 @pytest.fixture(scope="session")
 def agent_wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The specfleet wheel of this checkout and the agent's dependencies for this machine."""
-    from coordinator.ops.packaging import DevicePlatform, build_wheel, build_wheelhouse
+    """The agent's wheel of this checkout (specfleet-agent) and its dependencies for this
+    machine."""
+    from coordinator.ops.packaging import DevicePlatform, build_agent_wheel, build_wheelhouse
 
     root = tmp_path_factory.mktemp("wheelhouse")
-    wheel = build_wheel(root / "built")
+    wheel = build_agent_wheel(root / "built")
     build_wheelhouse(wheel, "onnx", DevicePlatform.local(), root / "onnx")
     return root / "onnx"
 

@@ -1,4 +1,5 @@
-"""The agent installs from its wheel with the `agent` extra alone, offline, and runs as a device.
+"""The agent installs from its own wheel (`specfleet-agent[onnx]`) alone, offline, and runs as a
+device.
 
 `specfleet flash --target-dir` builds the release (a fresh venv filled from the wheelhouse with
 `pip install --no-index`), starts `specfleet-agent run` from it, and waits until the agent
@@ -16,13 +17,23 @@ from deploy_support import Lab, flash, isolated
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLOUD_DISTRIBUTIONS = {"fastapi", "sqlalchemy", "uvicorn", "alembic", "psycopg", "amqtt", "gguf"}
-CLOUD_MODULES = {"coordinator", "fastapi", "sqlalchemy", "alembic", "uvicorn", "psycopg"}
+CLOUD_MODULES = {
+    "coordinator", "verifier", "modelbuild", "bench", "fastapi", "sqlalchemy", "alembic",
+    "uvicorn", "psycopg", "onnx",
+}  # fmt: skip
 
 
 def venv_python(root: Path, code: str, *args: str) -> str:
     python = root / "current" / "venv" / "bin" / "python"
+    # Run from the install root: in a checkout, its specfleet.egg-info would count as installed
+    # and its packages would import.
     done = subprocess.run(
-        [str(python), "-c", code, *args], capture_output=True, text=True, timeout=120, check=False
+        [str(python), "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=root,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -51,8 +62,9 @@ def test_the_agent_installs_from_its_wheel_alone_and_goes_online(
         "print(json.dumps(sorted(d.metadata['Name'].lower() for d in m.distributions())))",
     )
     installed = set(json.loads(names))
-    assert "specfleet" in installed and "onnxruntime" in installed
+    assert "specfleet-agent" in installed and "onnxruntime" in installed
     assert not installed & CLOUD_DISTRIBUTIONS
+    assert "specfleet" not in installed and "onnx" not in installed  # the agent's own wheel
     agent_modules = sorted(
         f"device_agent.{p.stem}" for p in (REPO_ROOT / "device_agent").glob("*.py")
     )

@@ -30,7 +30,7 @@ from coordinator.ops.flash.transport import FlashError, LocalTransport, SshTrans
 from core.errors import CommandError
 
 if TYPE_CHECKING:
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--wheelhouse",
         type=Path,
         metavar="DIR",
-        help="install from these wheels (specfleet's and its dependencies') instead of "
-        "building them here",
+        help="install from these wheels (the agent's, specfleet-agent or specfleet, and its "
+        "dependencies') instead of building them here",
     )
     parser.add_argument("--dry-run", action="store_true", help="print every step; change nothing")
 
@@ -182,7 +182,7 @@ def options_from_args(args: argparse.Namespace, settings: Settings) -> FlashOpti
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
     try:
         settings = Settings()

@@ -27,7 +27,7 @@ from coordinator.ops.flash.release import (
 from coordinator.ops.flash.transport import FlashError, run_on_device
 
 if TYPE_CHECKING:
-    from coordinator.settings import Settings
+    from core.settings import Settings
 
 
 class Flash:
@@ -102,10 +102,9 @@ class Flash:
             ),
             Step(
                 "install",
-                f"install specfleet[{self._extra()}] from the uploaded wheels only",
+                f"install {self._requirement()} from the uploaded wheels only",
                 self.install,
-                f"{pip} install --no-index --find-links {q(rel)}/wheels "
-                f"'specfleet[{self._extra()}]'",
+                f"{pip} install --no-index --find-links {q(rel)}/wheels '{self._requirement()}'",
             ),
             Step(
                 "check",
@@ -127,10 +126,17 @@ class Flash:
         steps.append(Step("prune", f"keep the newest {KEEP_RELEASES} releases", self.prune))
         return steps
 
-    def _extra(self) -> str:
-        from coordinator.ops.packaging import AGENT_EXTRAS
+    def _requirement(self) -> str:
+        """What pip installs on the device: the agent's own wheel with its runtime's extra
+        (`specfleet-agent[onnx]`), or `specfleet[agent]` from a given wheelhouse that holds the
+        whole project's wheel instead."""
+        from coordinator.ops.packaging import AGENT_EXTRAS, AGENT_WHEEL_EXTRAS
 
-        return AGENT_EXTRAS[self.options.runtime]
+        runtime = self.options.runtime
+        given = self.options.wheelhouse
+        if given is not None and not any(given.glob("specfleet_agent-*.whl")):
+            return f"specfleet[{AGENT_EXTRAS[runtime]}]"
+        return f"specfleet-agent[{AGENT_WHEEL_EXTRAS[runtime]}]"
 
     def probe(self) -> None:
         platform, facts = parse_probe(
@@ -173,14 +179,16 @@ class Flash:
 
         if self.options.wheelhouse is not None:
             self.wheels = sorted(self.options.wheelhouse.glob("*.whl"))
-            for needed in ("specfleet-", "pip-"):
+            # The agent's own wheel (specfleet_agent-*), or the whole project's (specfleet-*).
+            for needed in (("specfleet_agent-", "specfleet-"), ("pip-",)):
                 if not any(w.name.startswith(needed) for w in self.wheels):
-                    raise RuntimeError(f"no {needed}*.whl in {self.options.wheelhouse}")
+                    names = " or ".join(f"{n}*.whl" for n in needed)
+                    raise RuntimeError(f"no {names} in {self.options.wheelhouse}")
             return
         assert self.facts is not None
         cache = self.options.cache_dir or self.settings.home / "wheelhouse"
         dest = cache / f"{self.facts.platform.tag}-{self.options.runtime}"
-        wheel = packaging.build_wheel(cache / "built")
+        wheel = packaging.build_agent_wheel(cache / "built")
         self.wheels = packaging.build_wheelhouse(
             wheel, self.options.runtime, self.facts.platform, dest
         )
@@ -222,7 +230,7 @@ class Flash:
         self._run(
             f'set -e; pip=$(ls {rel}/wheels/pip-*.whl | head -n 1); [ -n "$pip" ]; '
             f'{rel}/venv/bin/python "$pip/pip" install --quiet --disable-pip-version-check '
-            f"--no-compile --no-index --find-links {rel}/wheels 'specfleet[{self._extra()}]'"
+            f"--no-compile --no-index --find-links {rel}/wheels '{self._requirement()}'"
         )
 
     def check(self) -> None:
