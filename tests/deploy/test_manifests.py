@@ -243,8 +243,8 @@ def test_the_verifier_probe_runs_in_the_verifier_container_environment(
     assert "broker unreachable, not judged" in capsys.readouterr().out
 
 
-def _pyproject_extras() -> set[str]:
-    with (REPO_ROOT / "pyproject.toml").open("rb") as handle:
+def _pyproject_extras(pyproject: Path = REPO_ROOT / "pyproject.toml") -> set[str]:
+    with pyproject.open("rb") as handle:
         return set(tomllib.load(handle)["project"]["optional-dependencies"])
 
 
@@ -256,9 +256,14 @@ def test_dockerfiles_copy_what_exists_and_install_real_extras(dockerfile: Path) 
         *sources, _destination = line.split()
         for source in sources:
             assert source == "." or (REPO_ROOT / source).exists(), source
-    extras = set(re.findall(r"specfleet-\*\.whl\)\[([a-z-]+)\]", text))
+    extras = set(re.findall(r"specfleet(?:_agent)?-\*\.whl\)\[([a-z-]+)\]", text))
     extras |= set(re.findall(r"^ARG EXTRA=([a-z-]+)", text, re.M))
-    assert extras and extras <= {e for e in _pyproject_extras() if "$" not in e}
+    # The agent's image installs the agent's own wheel, whose extras are its runtimes.
+    agent_wheel = "specfleet_agent-*.whl" in text
+    pyproject = REPO_ROOT / (
+        "deploy/agent-wheel/pyproject.toml" if agent_wheel else "pyproject.toml"
+    )
+    assert extras and extras <= {e for e in _pyproject_extras(pyproject) if "$" not in e}
     role = re.search(r'^CMD \["([a-z]+)"', text, re.M)
     assert role and f"    {role.group(1)})" in ENTRYPOINT.read_text()
 
