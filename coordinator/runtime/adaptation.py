@@ -9,12 +9,9 @@ from typing import Any
 from broker import messages as m
 from coordinator.db.models import Round, SessionMode
 from coordinator.runtime.book_core import BookCore
-from coordinator.runtime.policy import (
-    STREAM_DECISION_EVERY,
-    RoundObservation,
-    opening_candidate,
-    verifier_load,
-)
+from coordinator.runtime.decisions import opening_candidate
+from coordinator.runtime.policy import STREAM_DECISION_EVERY, RoundObservation
+from coordinator.runtime.round_model import verifier_load
 from coordinator.runtime.session_state import LiveSession, allowed_window
 
 log = logging.getLogger(__name__)

@@ -27,299 +27,72 @@ rounds of the last change. Local mode is the device's own while offline; the coo
 cannot reach an offline device, never chooses it.
 
 The module is pure: no clock, no I/O; callers pass in what they measured.
-"""
+
+Its parts: task_types (the task a session is rated under), round_model (E, T and n(k)
+from the measurements), device_conditions (a hot or low device spared), decisions
+(candidates and the mode chosen), and here the AdaptivePolicy that holds the
+measurements and decides."""
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from broker import messages as m
+from coordinator.runtime.decisions import (
+    MODE_DWELL_ROUNDS,
+    Candidate,
+    Decision,
+    choose_mode,
+    spare_the_device,
+)
+from coordinator.runtime.device_conditions import DeviceCondition
+from coordinator.runtime.round_model import (
+    CLOUD_STREAM_ROUNDS,
+    K_MAX,
+    K_MIN,
+    PRIOR_ALPHA_WEIGHT,
+    AcceptanceRate,
+    Ewma,
+    ProposalLength,
+    VerifyCost,
+)
 
-TASK_TYPES = ("chat", "code", "translate", "summarize", "math")
-DEFAULT_TASK = "chat"
 BUILTIN_DRAFTS = ("lookup", "ngram", "hybrid")  # inference.drafters.BUILTIN_DRAFTERS
 
-K_MIN = 1  # k = 0 would stop drafting, and with it every measurement of a
-K_MAX = 16
+
 SWITCH_MARGIN = 1.1  # another draft must promise 10% more tokens/s before we switch to it
+
+
 REFUSED_AFTER_ROUNDS = 3  # rounds a device may keep its old draft after we asked for another
-MODE_SWITCH_MARGIN = 1.2  # the other mode must promise 20% more tokens/s before we switch
-MODE_DWELL_ROUNDS = 3  # decisions a session stays in a mode before it may leave it again
-# Rounds the coordinator runs for one cloud request before the agent asks again: what bounds the
-# work for a device that vanished, and what spreads one RTT over the rounds of a request.
-CLOUD_STREAM_ROUNDS = 64
+
+
 # Rounds of a host stream between two decisions on whether it should leave the host: its window
 # is the verifier's choice pass by pass, and a decision costs ~0.4 ms of the coordinator.
 STREAM_DECISION_EVERY = 8
+
+
 HOST = "@host"  # the verifier host, where cloud rounds are drafted, in the draft-cost table
 
-# Exponential forgetting: each new observation weighs as much as the last ~1/(1 - decay).
-ALPHA_DECAY = 0.9
-TIME_DECAY = 0.8
-VERIFY_DECAY = 0.98
 
-# Priors, used until measurements replace them. An unknown draft gets a middling a and the cost
-# of a small neural draft on a phone-class CPU; the copying drafters cost almost nothing.
-PRIOR_ALPHA = 0.5
-PRIOR_ALPHA_WEIGHT = 2.0  # in tried tokens
+TIME_DECAY = 0.8
+
+
 PRIOR_DRAFT_MS_PER_TOKEN = {"lookup": 0.05, "ngram": 0.1, "hybrid": 0.2}
+
+
 PRIOR_NEURAL_DRAFT_MS_PER_TOKEN = 8.0
+
+
 PRIOR_RTT_MS = 20.0
+
+
 PRIOR_QUEUE_MS = 1.0
-# t_verify = a + b k + c load + d k load + e waits, in ms: a rough guess for a CPU verifier of the
-# 135M target, not a measurement; measured rounds replace it within a few rounds.
-PRIOR_VERIFY = (25.0, 2.0, 5.0, 2.0, 0.0)
-VERIFY_PRIOR_ROUNDS = 4.0  # how many rounds' worth of belief the prior holds
-# Typical sizes of k, load, k * load and waits; the intercept is held only lightly (0.05), since
-# every round measures it and a prior intercept far off would bias the whole fit through
-# collinearity.
-VERIFY_FEATURE_SCALE = (0.05, 4.0, 1.0, 4.0, 1.0)
-ALPHA_CAP = 0.98  # E(a, k) grows without bound as a -> 1; a few misses always happen
-PRIOR_FILL_WEIGHT = 1.0  # in rounds: a drafter is taken to fill its window until seen not to
+
 
 # Below this draft confidence (the draft's own top probability) the agent stops the window.
 MIN_CONFIDENCE = 0.3
-
-# A device past one of its limits stops drafting: its rounds move to the verifier host, or,
-# where no host mode is on offer, to its cheapest drafter. These hold where a device reports no
-# limits of its own; a limit is left only this far back on the safe side, so that a reading at
-# the edge does not flap the session between modes.
-THERMAL_LIMIT_C = 80.0
-BATTERY_FLOOR_PERCENT = 20.0
-THERMAL_HYSTERESIS_C = 5.0
-BATTERY_HYSTERESIS_PERCENT = 5.0
-# A drafter counts as cheap within this factor (plus a small absolute slack) of the cheapest.
-CHEAP_DRAFT_FACTOR = 1.5
-CHEAP_DRAFT_SLACK_MS = 0.1
-
-
-# --- task type ---------------------------------------------------------------------------------
-
-_TASK_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    (
-        "translate",
-        re.compile(
-            r"\btranslat\w*|\bin(to)? (english|french|german|spanish|italian|chinese|japanese"
-            r"|portuguese|russian)\b",
-            re.IGNORECASE,
-        ),
-    ),
-    (
-        "summarize",
-        re.compile(r"\bsummar\w*|\btl;?dr\b|\bin (a few|one|two|three) (sentences?|words)\b", re.I),
-    ),
-    (
-        "code",
-        re.compile(
-            r"```|\bdef |\bclass |\bfunction\b|\bpython\b|\bjavascript\b|\brust\b|\bsql\b"
-            r"|\bcode\b|\bprogram\b|\bscript\b|\bcompile\w*|\bbug\b|\bregex\b",
-            re.IGNORECASE,
-        ),
-    ),
-    (
-        "math",
-        re.compile(
-            r"\d\s*[-+*/^=]\s*\d|\bsolve\b|\bequation\b|\bcalculat\w*|\bintegral\b|\bderivative"
-            r"|\bhow (many|much)\b|\bsum of\b|\bprime\b|\bpercent\w*",
-            re.IGNORECASE,
-        ),
-    ),
-)
-
-
-def classify_task(prompt: str) -> str:
-    """The task type of a prompt by keyword rules; the first rule that matches wins."""
-    for task, pattern in _TASK_RULES:
-        if pattern.search(prompt):
-            return task
-    return DEFAULT_TASK
-
-
-def resolve_task(task_type: str | None, prompt: str) -> str:
-    """The caller's task type when it is one we know, else the classifier's."""
-    if task_type in TASK_TYPES:
-        return task_type
-    return classify_task(prompt)
-
-
-# --- the model of a round ----------------------------------------------------------------------
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """E(a, k): tokens one round commits, the target's own next token included."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-@dataclass
-class Ewma:
-    """An exponentially weighted mean that starts from a prior of a given weight."""
-
-    value: float
-    weight: float = 1.0
-
-    def update(self, sample: float, decay: float) -> None:
-        self.weight = self.weight * decay + 1.0
-        self.value += (sample - self.value) / self.weight
-
-
-@dataclass
-class AcceptanceRate:
-    """a as decayed counts: accepted tokens over tried ones (a rejection ends the trials)."""
-
-    accepted: float = PRIOR_ALPHA * PRIOR_ALPHA_WEIGHT
-    tried: float = PRIOR_ALPHA_WEIGHT
-
-    @property
-    def alpha(self) -> float:
-        return min(ALPHA_CAP, self.accepted / self.tried)
-
-    def update(self, k: int, n_accepted: int, decay: float = ALPHA_DECAY) -> None:
-        if k <= 0:
-            return
-        # n accepted, then one rejected unless the whole window went through.
-        tried = n_accepted + (0 if n_accepted >= k else 1)
-        self.accepted = self.accepted * decay + n_accepted
-        self.tried = self.tried * decay + tried
-
-
-@dataclass
-class VerifyCost:
-    """t_verify = a + b k + c load + d k load + e waits, fitted online by decayed ridge regression.
-
-    `waits` is 1 for a round that waited on a device (distributed) and 0 for one streamed back to
-    back (cloud): the verifier of the first sat idle and cold (caches, clocks, and on a shared
-    host the devices' own work) and pays for it, and e is what the measured rounds say it pays.
-    Both modes teach the other coefficients. Solves (X'WX + n S^2) theta = X'Wy + n S^2 theta0:
-    the prior theta0 weighs like n = VERIFY_PRIOR_ROUNDS rounds at typical feature sizes S,
-    holds alone until rounds arrive, and fades as they do; so e, unmeasured for a while, drifts
-    back to 0, and a mode judged on old rounds gets tried again. Coefficients are kept >= 0: time
-    never falls with k or load, nor by waiting (what noise says otherwise is noise).
-    """
-
-    prior: tuple[float, ...] = PRIOR_VERIFY  # [5]
-    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 5 for _ in range(5)])  # [5, 5]
-    xty: list[float] = field(default_factory=lambda: [0.0] * 5)  # [5]
-    rounds: float = 0.0
-    # The solution, kept until the next update: a decision predicts hundreds of windows.
-    _solved: tuple[float, ...] | None = field(default=None, repr=False)
-
-    @staticmethod
-    def features(k: float, load: float, waits: bool = True) -> tuple[float, ...]:
-        return (1.0, float(k), load, k * load, 1.0 if waits else 0.0)
-
-    def update(
-        self,
-        k: int,
-        load: float,
-        verify_ms: float,
-        decay: float = VERIFY_DECAY,
-        waits: bool = True,
-    ) -> None:
-        x = self.features(k, load, waits)
-        for i in range(5):
-            self.xty[i] = self.xty[i] * decay + x[i] * verify_ms
-            for j in range(5):
-                self.xtx[i][j] = self.xtx[i][j] * decay + x[i] * x[j]
-        self.rounds = self.rounds * decay + 1.0
-        self._solved = None
-
-    def coefficients(self) -> tuple[float, ...]:
-        """(a, b, c, d, e)."""
-        if self._solved is not None:
-            return self._solved
-        matrix = [row[:] for row in self.xtx]
-        rhs = self.xty[:]
-        for i, scale in enumerate(VERIFY_FEATURE_SCALE):
-            matrix[i][i] += VERIFY_PRIOR_ROUNDS * scale**2
-            rhs[i] += VERIFY_PRIOR_ROUNDS * scale**2 * self.prior[i]
-        a, b, c, d, e = (max(0.0, value) for value in _solve(matrix, rhs))
-        self._solved = (a, b, c, d, e)
-        return self._solved
-
-    def predict(self, k: float, load: float, waits: bool = True) -> float:
-        coefficients = self.coefficients()
-        features = self.features(k, load, waits)
-        return max(0.0, sum(c * x for c, x in zip(coefficients, features, strict=True)))
-
-
-@dataclass
-class ProposalLength:
-    """How far a drafter fills its window: per position i, the decayed count of rounds whose
-    window allowed an i-th token after i - 1 drafted ones (`allowed`), and of those that drafted
-    it (`drafted`). Positions past a window are not counted: the cap stopped them, not the
-    drafter. The prior is a drafter that fills its window, held like one round."""
-
-    allowed: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
-    drafted: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
-
-    def update(self, window: int, n_drafted: int, decay: float = ALPHA_DECAY) -> None:
-        window = min(K_MAX, max(window, n_drafted))
-        if window <= 0:
-            return
-        for i in range(1, K_MAX + 1):
-            self.allowed[i] *= decay
-            self.drafted[i] *= decay
-        for i in range(1, min(window, n_drafted + 1) + 1):
-            self.allowed[i] += 1.0
-            if i <= n_drafted:
-                self.drafted[i] += 1.0
-
-    def go_on(self, i: int) -> float:
-        """P(an i-th token is proposed | i - 1 were and the window allows one more)."""
-        return (self.drafted[i] + PRIOR_FILL_WEIGHT) / (self.allowed[i] + PRIOR_FILL_WEIGHT)
-
-    def survival(self, k: int) -> list[float]:
-        """S(1..i) for i = 1..k: the chance that the drafter proposes at least i tokens."""
-        values: list[float] = []
-        reach = 1.0
-        for i in range(1, k + 1):
-            reach *= self.go_on(min(i, K_MAX))
-            values.append(reach)
-        return values
-
-
-def expected_tokens_capped(alpha: float, survival: Sequence[float]) -> float:
-    """E for a window the drafter may not fill: 1 + sum_i S(1..i) a^i (the target's own token,
-    plus each drafted position, proposed and accepted along with every one before it)."""
-    tokens = 1.0
-    accepted = 1.0
-    for reach in survival:
-        accepted *= alpha
-        tokens += reach * accepted
-    return tokens
-
-
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting; the ridge keeps the matrix regular."""
-    n = len(rhs)
-    rows = [[*matrix[i], rhs[i]] for i in range(n)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        for r in range(col + 1, n):
-            factor = rows[r][col] / rows[col][col]
-            for c in range(col, n + 1):
-                rows[r][c] -= factor * rows[col][c]
-    solution = [0.0] * n
-    for r in reversed(range(n)):
-        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
-        solution[r] = (rows[r][n] - tail) / rows[r][r]
-    return solution
-
-
-def verifier_load(loads: Iterable[int]) -> float:
-    """The load a new request meets: the mean of the live verifiers' loads (0 if none)."""
-    values = list(loads)
-    return sum(values) / len(values) if values else 0.0
-
-
-# --- observations and decisions ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -348,197 +121,6 @@ class RoundObservation:
     # drafting. It holds everything RTT + queue stand for, and what they miss (persisting, both
     # bus hops to the verifier, the agent's own turn). None when not measured.
     overhead_ms: float | None = None
-
-
-@dataclass
-class DeviceCondition:
-    """A device's heat and power, from its telemetry, and the limit it is past, if any."""
-
-    thermal_limit_c: float = THERMAL_LIMIT_C
-    battery_floor_percent: float = BATTERY_FLOOR_PERCENT
-    hot: bool = False
-    low: bool = False
-    power_saver: bool = False
-    reading: str = ""
-
-    def update(self, telemetry: m.Telemetry) -> None:
-        if telemetry.thermal_limit_c is not None:
-            self.thermal_limit_c = telemetry.thermal_limit_c
-        if telemetry.battery_floor_percent is not None:
-            self.battery_floor_percent = telemetry.battery_floor_percent
-        thermal, battery = telemetry.thermal_c, telemetry.battery_percent
-        if thermal is not None:
-            edge = self.thermal_limit_c - (THERMAL_HYSTERESIS_C if self.hot else 0.0)
-            self.hot = thermal >= edge
-        if battery is not None:
-            edge = self.battery_floor_percent + (BATTERY_HYSTERESIS_PERCENT if self.low else 0.0)
-            self.low = battery <= edge and not telemetry.charging
-        elif telemetry.charging:
-            self.low = False
-        self.power_saver = bool(telemetry.power_saver)
-        self.reading = "; ".join(
-            part
-            for part in (
-                f"{thermal:.0f} °C (limit {self.thermal_limit_c:g})" if thermal is not None else "",
-                f"battery {battery:.0f}% (floor {self.battery_floor_percent:g}%"
-                f"{', charging' if telemetry.charging else ''})"
-                if battery is not None
-                else "",
-            )
-            if part
-        )
-
-    @property
-    def limit(self) -> str | None:
-        """Why the device should not draft now, or None."""
-        reasons = [
-            *(["too hot"] if self.hot else []),
-            *(["battery low and not charging"] if self.low else []),
-            *(["power saver on"] if self.power_saver else []),
-        ]
-        if not reasons:
-            return None
-        reading = f": {self.reading}" if self.reading else ""
-        return f"device {', '.join(reasons)}{reading}"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    draft_model: str
-    alpha: float
-    draft_ms_per_token: float
-    k: int
-    expected_tokens: float
-    round_ms: float
-    tokens_per_s: float
-    mode: m.Mode = m.Mode.DISTRIBUTED
-    drafted: float = 0.0  # n(k): the tokens the drafter is expected to propose in a window of k
-
-
-def round_ms(
-    mode: m.Mode,
-    k: int,
-    draft_ms_per_token: float,
-    rtt_ms: float,
-    queue_ms: float,
-    verify_ms: float,
-    load: float,
-) -> float:
-    """T(k) of one round in a mode.
-
-    distributed: k t_draft(device) + RTT + queue + t_verify.
-    cloud: k t_draft(host) (1 + load) + RTT / CLOUD_STREAM_ROUNDS + queue + t_verify; the host
-    drafts for every session of the batch before the batch's pass, and the stream pays the RTT
-    once per request.
-    """
-    if mode is m.Mode.CLOUD:
-        draft_ms = k * draft_ms_per_token * (1.0 + load)
-        return draft_ms + rtt_ms / CLOUD_STREAM_ROUNDS + queue_ms + verify_ms
-    return k * draft_ms_per_token + rtt_ms + queue_ms + verify_ms
-
-
-def opening_candidate(decision: Decision) -> Candidate | None:
-    """Where an adaptive session opens: the best candidate of all when it is a host mode (the
-    session has not switched yet, so no margin against flapping is asked), else None (it opens
-    distributed and its device drafts)."""
-    best = max(decision.candidates, key=lambda c: c.tokens_per_s)
-    return best if best.mode in m.HOST_MODES else None
-
-
-def choose_mode(
-    current: m.Mode, best: dict[m.Mode, Candidate], rounds_in_mode: int
-) -> tuple[m.Mode, str]:
-    """The mode of the next round, with hysteresis, and why.
-
-    `best` holds each available mode's best candidate. The current mode stays unless it is no
-    longer available, or another promises MODE_SWITCH_MARGIN times its tokens/s and the session
-    has spent MODE_DWELL_ROUNDS decisions in it.
-    """
-    if not best:
-        raise ValueError("no mode has a candidate")
-    if current not in best:
-        mode = max(best, key=lambda mode: best[mode].tokens_per_s)
-        return mode, f"{current.value} unavailable, {mode.value}"
-    here = best[current]
-    other = max(
-        (c for mode, c in best.items() if mode is not current),
-        key=lambda c: c.tokens_per_s,
-        default=None,
-    )
-    if other is None:
-        return current, f"{current.value} (the only mode)"
-    pays = other.tokens_per_s > here.tokens_per_s * MODE_SWITCH_MARGIN
-    if pays and rounds_in_mode >= MODE_DWELL_ROUNDS:
-        return other.mode, (
-            f"{other.mode.value}: {other.tokens_per_s:.1f} tok/s predicted over "
-            f"{here.tokens_per_s:.1f} in {current.value}"
-        )
-    if pays:
-        return current, (
-            f"{current.value} for {MODE_DWELL_ROUNDS - rounds_in_mode} more round(s) before "
-            f"{other.mode.value} ({other.tokens_per_s:.1f} over {here.tokens_per_s:.1f} tok/s)"
-        )
-    return current, f"{current.value}"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One choice with everything it was made from, so replay can explain it."""
-
-    mode: m.Mode
-    draft_model: str
-    k: int
-    min_confidence: float | None
-    # inputs
-    device_id: str
-    task_type: str
-    current_draft: str
-    current_mode: m.Mode
-    rounds_in_mode: int
-    rtt_ms: float
-    queue_ms: float
-    verifier_load: float
-    verify_coefficients: tuple[float, ...]  # a, b, c, d, e of t_verify
-    candidates: tuple[Candidate, ...]
-    reason: str
-    # The device limit that kept drafting off it (too hot, battery low, power saver), if any.
-    device_limit: str | None = None
-
-    @property
-    def policy(self) -> m.Policy:
-        return m.Policy(
-            mode=self.mode,
-            draft_model=self.draft_model,
-            k=self.k,
-            min_confidence=self.min_confidence,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        """The round's `policy` column: the Policy's fields, and under `decision` its inputs."""
-        # Field by field rather than dataclasses.asdict, whose deep copies cost a millisecond a
-        # round here, on the path of every verdict.
-        inputs: dict[str, Any] = {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name not in m.Policy.model_fields
-        }
-        inputs["verify_coefficients"] = list(self.verify_coefficients)
-        inputs["current_mode"] = self.current_mode.value
-        inputs["candidates"] = [
-            {**{f.name: getattr(c, f.name) for f in fields(c)}, "mode": c.mode.value}
-            for c in self.candidates
-        ]
-        return {**self.policy.model_dump(mode="json"), "decision": inputs}
-
-
-def spare_the_device(distributed: list[Candidate], host: Sequence[Candidate]) -> list[Candidate]:
-    """The distributed candidates left to a device past a limit: none where a host mode is on
-    offer (the host drafts, or nobody does), else its cheapest drafters."""
-    if host or not distributed:
-        return []
-    cheapest = min(c.draft_ms_per_token for c in distributed)
-    bound = cheapest * CHEAP_DRAFT_FACTOR + CHEAP_DRAFT_SLACK_MS
-    return [c for c in distributed if c.draft_ms_per_token <= bound]
 
 
 class AdaptivePolicy:

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from broker import messages as m
 from coordinator.db.models import Round, SessionMode, SessionStatus
 from coordinator.runtime.direct_rounds import DirectRounds
-from coordinator.runtime.policy import CLOUD_STREAM_ROUNDS
+from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from coordinator.runtime.session_state import LiveSession
 from coordinator.runtime.verifiers import (
     NoVerifierError,

@@ -23,9 +23,9 @@ from broker import messages as m
 from broker.client import BusConnectionError
 from coordinator.db.events import EventKind
 from coordinator.db.models import SessionStatus
-from coordinator.runtime.policy import resolve_task
 from coordinator.runtime.round_pipeline import RoundPipeline
 from coordinator.runtime.session_state import LiveSession, busy
+from coordinator.runtime.task_types import resolve_task
 
 log = logging.getLogger(__name__)
 

@@ -8,24 +8,20 @@ import json
 import pytest
 
 from broker import messages as m
-from coordinator.runtime.policy import (
+from coordinator.runtime.decisions import MODE_DWELL_ROUNDS, Candidate, choose_mode
+from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
+from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
-    MODE_DWELL_ROUNDS,
     AcceptanceRate,
-    AdaptivePolicy,
-    Candidate,
     ProposalLength,
-    RoundObservation,
     VerifyCost,
-    choose_mode,
-    classify_task,
     expected_tokens,
     expected_tokens_capped,
-    resolve_task,
     round_ms,
     verifier_load,
 )
+from coordinator.runtime.task_types import classify_task, resolve_task
 
 DEVICE = "pi-1"
 

@@ -1,0 +1,139 @@
+"""A decision of the adaptive policy: the candidates rated, the mode chosen with its
+margins, and what goes on the round."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from broker import messages as m
+
+MODE_SWITCH_MARGIN = 1.2  # the other mode must promise 20% more tokens/s before we switch
+
+
+MODE_DWELL_ROUNDS = 3  # decisions a session stays in a mode before it may leave it again
+
+
+# A drafter counts as cheap within this factor (plus a small absolute slack) of the cheapest.
+CHEAP_DRAFT_FACTOR = 1.5
+
+
+CHEAP_DRAFT_SLACK_MS = 0.1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    draft_model: str
+    alpha: float
+    draft_ms_per_token: float
+    k: int
+    expected_tokens: float
+    round_ms: float
+    tokens_per_s: float
+    mode: m.Mode = m.Mode.DISTRIBUTED
+    drafted: float = 0.0  # n(k): the tokens the drafter is expected to propose in a window of k
+
+
+def opening_candidate(decision: Decision) -> Candidate | None:
+    """Where an adaptive session opens: the best candidate of all when it is a host mode (the
+    session has not switched yet, so no margin against flapping is asked), else None (it opens
+    distributed and its device drafts)."""
+    best = max(decision.candidates, key=lambda c: c.tokens_per_s)
+    return best if best.mode in m.HOST_MODES else None
+
+
+def choose_mode(
+    current: m.Mode, best: dict[m.Mode, Candidate], rounds_in_mode: int
+) -> tuple[m.Mode, str]:
+    """The mode of the next round, with hysteresis, and why.
+
+    `best` holds each available mode's best candidate. The current mode stays unless it is no
+    longer available, or another promises MODE_SWITCH_MARGIN times its tokens/s and the session
+    has spent MODE_DWELL_ROUNDS decisions in it.
+    """
+    if not best:
+        raise ValueError("no mode has a candidate")
+    if current not in best:
+        mode = max(best, key=lambda mode: best[mode].tokens_per_s)
+        return mode, f"{current.value} unavailable, {mode.value}"
+    here = best[current]
+    other = max(
+        (c for mode, c in best.items() if mode is not current),
+        key=lambda c: c.tokens_per_s,
+        default=None,
+    )
+    if other is None:
+        return current, f"{current.value} (the only mode)"
+    pays = other.tokens_per_s > here.tokens_per_s * MODE_SWITCH_MARGIN
+    if pays and rounds_in_mode >= MODE_DWELL_ROUNDS:
+        return other.mode, (
+            f"{other.mode.value}: {other.tokens_per_s:.1f} tok/s predicted over "
+            f"{here.tokens_per_s:.1f} in {current.value}"
+        )
+    if pays:
+        return current, (
+            f"{current.value} for {MODE_DWELL_ROUNDS - rounds_in_mode} more round(s) before "
+            f"{other.mode.value} ({other.tokens_per_s:.1f} over {here.tokens_per_s:.1f} tok/s)"
+        )
+    return current, f"{current.value}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice with everything it was made from, so replay can explain it."""
+
+    mode: m.Mode
+    draft_model: str
+    k: int
+    min_confidence: float | None
+    # inputs
+    device_id: str
+    task_type: str
+    current_draft: str
+    current_mode: m.Mode
+    rounds_in_mode: int
+    rtt_ms: float
+    queue_ms: float
+    verifier_load: float
+    verify_coefficients: tuple[float, ...]  # a, b, c, d, e of t_verify
+    candidates: tuple[Candidate, ...]
+    reason: str
+    # The device limit that kept drafting off it (too hot, battery low, power saver), if any.
+    device_limit: str | None = None
+
+    @property
+    def policy(self) -> m.Policy:
+        return m.Policy(
+            mode=self.mode,
+            draft_model=self.draft_model,
+            k=self.k,
+            min_confidence=self.min_confidence,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The round's `policy` column: the Policy's fields, and under `decision` its inputs."""
+        # Field by field rather than dataclasses.asdict, whose deep copies cost a millisecond a
+        # round here, on the path of every verdict.
+        inputs: dict[str, Any] = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in m.Policy.model_fields
+        }
+        inputs["verify_coefficients"] = list(self.verify_coefficients)
+        inputs["current_mode"] = self.current_mode.value
+        inputs["candidates"] = [
+            {**{f.name: getattr(c, f.name) for f in fields(c)}, "mode": c.mode.value}
+            for c in self.candidates
+        ]
+        return {**self.policy.model_dump(mode="json"), "decision": inputs}
+
+
+def spare_the_device(distributed: list[Candidate], host: Sequence[Candidate]) -> list[Candidate]:
+    """The distributed candidates left to a device past a limit: none where a host mode is on
+    offer (the host drafts, or nobody does), else its cheapest drafters."""
+    if host or not distributed:
+        return []
+    cheapest = min(c.draft_ms_per_token for c in distributed)
+    bound = cheapest * CHEAP_DRAFT_FACTOR + CHEAP_DRAFT_SLACK_MS
+    return [c for c in distributed if c.draft_ms_per_token <= bound]

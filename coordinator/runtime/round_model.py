@@ -1,0 +1,247 @@
+"""The model of a round the adaptive policy rates windows with: tokens committed E, time
+T and the drafted tokens n(k), from the measured acceptance, proposal length and
+verify cost (the formulas are in the policy module's docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from broker import messages as m
+
+K_MIN = 1  # k = 0 would stop drafting, and with it every measurement of a
+
+
+K_MAX = 16
+
+
+# Rounds the coordinator runs for one cloud request before the agent asks again: what bounds the
+# work for a device that vanished, and what spreads one RTT over the rounds of a request.
+CLOUD_STREAM_ROUNDS = 64
+
+
+# Exponential forgetting: each new observation weighs as much as the last ~1/(1 - decay).
+ALPHA_DECAY = 0.9
+
+
+VERIFY_DECAY = 0.98
+
+
+# Priors, used until measurements replace them. An unknown draft gets a middling a and the cost
+# of a small neural draft on a phone-class CPU; the copying drafters cost almost nothing.
+PRIOR_ALPHA = 0.5
+
+
+PRIOR_ALPHA_WEIGHT = 2.0  # in tried tokens
+
+
+# t_verify = a + b k + c load + d k load + e waits, in ms: a rough guess for a CPU verifier of the
+# 135M target, not a measurement; measured rounds replace it within a few rounds.
+PRIOR_VERIFY = (25.0, 2.0, 5.0, 2.0, 0.0)
+
+
+VERIFY_PRIOR_ROUNDS = 4.0  # how many rounds' worth of belief the prior holds
+
+
+# Typical sizes of k, load, k * load and waits; the intercept is held only lightly (0.05), since
+# every round measures it and a prior intercept far off would bias the whole fit through
+# collinearity.
+VERIFY_FEATURE_SCALE = (0.05, 4.0, 1.0, 4.0, 1.0)
+
+
+ALPHA_CAP = 0.98  # E(a, k) grows without bound as a -> 1; a few misses always happen
+
+
+PRIOR_FILL_WEIGHT = 1.0  # in rounds: a drafter is taken to fill its window until seen not to
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(a, k): tokens one round commits, the target's own next token included."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class Ewma:
+    """An exponentially weighted mean that starts from a prior of a given weight."""
+
+    value: float
+    weight: float = 1.0
+
+    def update(self, sample: float, decay: float) -> None:
+        self.weight = self.weight * decay + 1.0
+        self.value += (sample - self.value) / self.weight
+
+
+@dataclass
+class AcceptanceRate:
+    """a as decayed counts: accepted tokens over tried ones (a rejection ends the trials)."""
+
+    accepted: float = PRIOR_ALPHA * PRIOR_ALPHA_WEIGHT
+    tried: float = PRIOR_ALPHA_WEIGHT
+
+    @property
+    def alpha(self) -> float:
+        return min(ALPHA_CAP, self.accepted / self.tried)
+
+    def update(self, k: int, n_accepted: int, decay: float = ALPHA_DECAY) -> None:
+        if k <= 0:
+            return
+        # n accepted, then one rejected unless the whole window went through.
+        tried = n_accepted + (0 if n_accepted >= k else 1)
+        self.accepted = self.accepted * decay + n_accepted
+        self.tried = self.tried * decay + tried
+
+
+@dataclass
+class VerifyCost:
+    """t_verify = a + b k + c load + d k load + e waits, fitted online by decayed ridge regression.
+
+    `waits` is 1 for a round that waited on a device (distributed) and 0 for one streamed back to
+    back (cloud): the verifier of the first sat idle and cold (caches, clocks, and on a shared
+    host the devices' own work) and pays for it, and e is what the measured rounds say it pays.
+    Both modes teach the other coefficients. Solves (X'WX + n S^2) theta = X'Wy + n S^2 theta0:
+    the prior theta0 weighs like n = VERIFY_PRIOR_ROUNDS rounds at typical feature sizes S,
+    holds alone until rounds arrive, and fades as they do; so e, unmeasured for a while, drifts
+    back to 0, and a mode judged on old rounds gets tried again. Coefficients are kept >= 0: time
+    never falls with k or load, nor by waiting (what noise says otherwise is noise).
+    """
+
+    prior: tuple[float, ...] = PRIOR_VERIFY  # [5]
+    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 5 for _ in range(5)])  # [5, 5]
+    xty: list[float] = field(default_factory=lambda: [0.0] * 5)  # [5]
+    rounds: float = 0.0
+    # The solution, kept until the next update: a decision predicts hundreds of windows.
+    _solved: tuple[float, ...] | None = field(default=None, repr=False)
+
+    @staticmethod
+    def features(k: float, load: float, waits: bool = True) -> tuple[float, ...]:
+        return (1.0, float(k), load, k * load, 1.0 if waits else 0.0)
+
+    def update(
+        self,
+        k: int,
+        load: float,
+        verify_ms: float,
+        decay: float = VERIFY_DECAY,
+        waits: bool = True,
+    ) -> None:
+        x = self.features(k, load, waits)
+        for i in range(5):
+            self.xty[i] = self.xty[i] * decay + x[i] * verify_ms
+            for j in range(5):
+                self.xtx[i][j] = self.xtx[i][j] * decay + x[i] * x[j]
+        self.rounds = self.rounds * decay + 1.0
+        self._solved = None
+
+    def coefficients(self) -> tuple[float, ...]:
+        """(a, b, c, d, e)."""
+        if self._solved is not None:
+            return self._solved
+        matrix = [row[:] for row in self.xtx]
+        rhs = self.xty[:]
+        for i, scale in enumerate(VERIFY_FEATURE_SCALE):
+            matrix[i][i] += VERIFY_PRIOR_ROUNDS * scale**2
+            rhs[i] += VERIFY_PRIOR_ROUNDS * scale**2 * self.prior[i]
+        a, b, c, d, e = (max(0.0, value) for value in _solve(matrix, rhs))
+        self._solved = (a, b, c, d, e)
+        return self._solved
+
+    def predict(self, k: float, load: float, waits: bool = True) -> float:
+        coefficients = self.coefficients()
+        features = self.features(k, load, waits)
+        return max(0.0, sum(c * x for c, x in zip(coefficients, features, strict=True)))
+
+
+@dataclass
+class ProposalLength:
+    """How far a drafter fills its window: per position i, the decayed count of rounds whose
+    window allowed an i-th token after i - 1 drafted ones (`allowed`), and of those that drafted
+    it (`drafted`). Positions past a window are not counted: the cap stopped them, not the
+    drafter. The prior is a drafter that fills its window, held like one round."""
+
+    allowed: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
+    drafted: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
+
+    def update(self, window: int, n_drafted: int, decay: float = ALPHA_DECAY) -> None:
+        window = min(K_MAX, max(window, n_drafted))
+        if window <= 0:
+            return
+        for i in range(1, K_MAX + 1):
+            self.allowed[i] *= decay
+            self.drafted[i] *= decay
+        for i in range(1, min(window, n_drafted + 1) + 1):
+            self.allowed[i] += 1.0
+            if i <= n_drafted:
+                self.drafted[i] += 1.0
+
+    def go_on(self, i: int) -> float:
+        """P(an i-th token is proposed | i - 1 were and the window allows one more)."""
+        return (self.drafted[i] + PRIOR_FILL_WEIGHT) / (self.allowed[i] + PRIOR_FILL_WEIGHT)
+
+    def survival(self, k: int) -> list[float]:
+        """S(1..i) for i = 1..k: the chance that the drafter proposes at least i tokens."""
+        values: list[float] = []
+        reach = 1.0
+        for i in range(1, k + 1):
+            reach *= self.go_on(min(i, K_MAX))
+            values.append(reach)
+        return values
+
+
+def expected_tokens_capped(alpha: float, survival: Sequence[float]) -> float:
+    """E for a window the drafter may not fill: 1 + sum_i S(1..i) a^i (the target's own token,
+    plus each drafted position, proposed and accepted along with every one before it)."""
+    tokens = 1.0
+    accepted = 1.0
+    for reach in survival:
+        accepted *= alpha
+        tokens += reach * accepted
+    return tokens
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; the ridge keeps the matrix regular."""
+    n = len(rhs)
+    rows = [[*matrix[i], rhs[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            for c in range(col, n + 1):
+                rows[r][c] -= factor * rows[col][c]
+    solution = [0.0] * n
+    for r in reversed(range(n)):
+        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
+        solution[r] = (rows[r][n] - tail) / rows[r][r]
+    return solution
+
+
+def verifier_load(loads: Iterable[int]) -> float:
+    """The load a new request meets: the mean of the live verifiers' loads (0 if none)."""
+    values = list(loads)
+    return sum(values) / len(values) if values else 0.0
+
+
+def round_ms(
+    mode: m.Mode,
+    k: int,
+    draft_ms_per_token: float,
+    rtt_ms: float,
+    queue_ms: float,
+    verify_ms: float,
+    load: float,
+) -> float:
+    """T(k) of one round in a mode.
+
+    distributed: k t_draft(device) + RTT + queue + t_verify.
+    cloud: k t_draft(host) (1 + load) + RTT / CLOUD_STREAM_ROUNDS + queue + t_verify; the host
+    drafts for every session of the batch before the batch's pass, and the stream pays the RTT
+    once per request.
+    """
+    if mode is m.Mode.CLOUD:
+        draft_ms = k * draft_ms_per_token * (1.0 + load)
+        return draft_ms + rtt_ms / CLOUD_STREAM_ROUNDS + queue_ms + verify_ms
+    return k * draft_ms_per_token + rtt_ms + queue_ms + verify_ms
