@@ -137,6 +137,11 @@ class Telemetry(_Message):
     # Drafts whose runtime process kept crashing here, quarantined until the agent restarts;
     # their sessions draft with the copying hybrid. Left out when there are none.
     quarantined_drafts: tuple[Name, ...] | None = Field(default=None, max_length=16)
+    # Memory a new draft load may take now (MemAvailable, or the room left under the agent's
+    # cgroup when tighter), and the installed drafts that would not fit it with the agent's
+    # margin: the policy does not ask for those. Left out by agents that do not read them.
+    memory_available_mb: float | None = Field(default=None, ge=0, le=2**40, allow_inf_nan=False)
+    drafts_over_memory: tuple[Name, ...] | None = Field(default=None, max_length=16)
 
 
 def check_sparse_q(
@@ -215,6 +220,10 @@ class Draft(_Message):
     # A feature drafter asks for the target's features on this round's verdict. Left out (None)
     # by drafters that do not ask, so their drafts carry no byte of it. Cloud rounds carry none.
     want_features: bool | None = None
+    # Why this window comes from another drafter than the one the session or the policy asked
+    # for (`draft_model` names the one that drafted it): that one does not fit the memory free
+    # on the device, or is not on it yet and is being fetched. Left out otherwise.
+    drafter_note: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
     def _sparse_q_matches_tokens(self) -> Draft:
@@ -384,6 +393,9 @@ class SessionOpen(_Message):
     # The vocabulary hash of the tokenizer that wrote `prompt_ids` (and that the drafter
     # shares): the coordinator refuses a session whose vocabulary is not the target's.
     vocab: VocabHash = ""
+    # The device lacks `draft_model` (drafts on demand): it drafts with its copying tiers
+    # meanwhile, and the coordinator sends it the draft's signed release when it has one.
+    draft_missing: bool = False
 
     @model_validator(mode="after")
     def _mode_is_chosen_online(self) -> SessionOpen:
@@ -586,6 +598,14 @@ class RoundDone(_Message):
     batch_prefilled: int = Field(default=0, ge=0)
     batch_size: int = Field(default=1, ge=1)  # windows in the pass that verified it
     overhead_ms: Milliseconds | None = None  # the device's turn beyond compute (see policy)
+    # The verifier's own legs of the round (absent from a verifier that does not time them):
+    # the pipe to its inference process and back beyond the pass, persisting (the group commit,
+    # its queue included), encoding the verdict, and the whole time from the draft's arrival to
+    # the verdict queued for the bus, of which the legs above and queue + verify are parts.
+    t_pipe_ms: Milliseconds | None = None
+    t_persist_ms: Milliseconds | None = None
+    t_encode_ms: Milliseconds | None = None
+    t_held_ms: Milliseconds | None = None
 
 
 class StreamStop(_Message):

@@ -31,10 +31,28 @@ from inference.speculative import apply_stop_rules
 
 log = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class Verified:
+    """A leased round as the worker's batch verified it: what the round needs, and no message
+    (no `VerifyResult` is built or validated for a round that never leaves the verifier)."""
+
+    n_accepted: int
+    next_token: int | None
+    error: str = ""
+    queue_ms: float = 0.0  # received until its batch went to the inference process
+    verify_ms: float = 0.0  # the pass, inside the inference process
+    pipe_ms: float = 0.0  # to the inference process and back, beyond the pass
+    batch_size: int = 1
+    batch_prefilled: int = 0
+    features: str | None = None
+
+
 # Verify one request (received at a perf_counter time) in the worker's batches; its result says
 # the error, if any.
-VerifyFn = Callable[[m.VerifyRequest, float], Awaitable[m.VerifyResult]]
-ToDevice = Callable[[str, m.Message], None]  # device id, message: queued for the bus
+VerifyFn = Callable[[m.VerifyRequest, float], Awaitable[Verified]]
+# Device id, then the message, or its payload encoded already: queued for the bus.
+ToDevice = Callable[[str, m.Message | bytes], None]
 ToCoordinator = Callable[[m.Message], None]
 
 
@@ -172,7 +190,13 @@ class LeaseBook:
         held = self.sessions.get(draft.session_id)
         return held is not None and held.device_id == device_id and not draft.cloud
 
-    async def on_draft(self, device_id: str, draft: m.Draft, arrived: float) -> None:
+    async def on_draft(
+        self, device_id: str, draft: m.Draft, arrived: float, received: float | None = None
+    ) -> None:
+        """Answer a draft; `arrived` is its arrival on the unix clock, `received` the same
+        moment by `time.perf_counter()` (the start of the round's time here)."""
+        if received is None:
+            received = time.perf_counter()
         held = self.sessions.get(draft.session_id)
         if held is None or held.device_id != device_id:
             return
@@ -203,7 +227,7 @@ class LeaseBook:
                 # Nothing was committed; the device re-sends this round when it hears the state.
                 self._error(held, draft, f"not verified: {result.error or 'no next token'}")
                 return
-            await self._commit(held, draft, result, arrived)
+            await self._commit(held, draft, result, arrived, received)
 
     def _refusal(self, held: LeasedSession, draft: m.Draft) -> str | None:
         """None: verify it; "": answered already (a re-sent round); else the reason to refuse."""
@@ -219,7 +243,12 @@ class LeaseBook:
         return draft.misfit(held.next_round, len(held.context), held.sampling.greedy)
 
     async def _commit(
-        self, held: LeasedSession, draft: m.Draft, result: m.VerifyResult, arrived: float
+        self,
+        held: LeasedSession,
+        draft: m.Draft,
+        result: Verified,
+        arrived: float,
+        received: float,
     ) -> None:
         """Stop rules, persist, then the verdict to the device and the round to the coordinator."""
         assert result.next_token is not None
@@ -234,6 +263,8 @@ class LeaseBook:
         held.last_draft = (arrived, draft.round, result.verify_ms)
         uplink_ms = max(0.0, (arrived - draft.timings.sent_at) * 1000.0)
         policy_record = held.policy_record or held.policy.model_dump(mode="json")
+        if draft.drafter_note:  # why the device drafted with another drafter (memory, a fetch)
+            policy_record = {**policy_record, "device": {"note": draft.drafter_note}}
         row = Round(
             session_id=uuid.UUID(held.session_id),
             round_index=draft.round,
@@ -258,6 +289,7 @@ class LeaseBook:
         )
         generated = [*held.context[held.prompt_len :], *kept]
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
+        persisting = time.perf_counter()
         try:
             await self.writer.write(
                 row,
@@ -276,6 +308,7 @@ class LeaseBook:
             log.error("round %d of %s not persisted: %s", draft.round, held.session_id, exc)
             self._error(held, draft, "the round could not be persisted")
             return
+        persisted = time.perf_counter()
         held.context += kept
         held.next_round = draft.round + 1
         held.finished = finished
@@ -293,7 +326,9 @@ class LeaseBook:
             features=None if finished else result.features,
         )
         held.last_verdict = verdict
-        self._to_device(held.device_id, verdict.model_copy(update={"sent_at": time.time()}))
+        payload = m.encode(verdict.model_copy(update={"sent_at": time.time()}))
+        self._to_device(held.device_id, payload)
+        queued = time.perf_counter()
         self._to_coordinator(
             m.RoundDone(
                 lease_id=held.lease_id,
@@ -314,6 +349,10 @@ class LeaseBook:
                 batch_prefilled=result.batch_prefilled,
                 batch_size=result.batch_size,
                 overhead_ms=overhead_ms,
+                t_pipe_ms=result.pipe_ms,
+                t_persist_ms=(persisted - persisting) * 1e3,
+                t_encode_ms=(queued - persisted) * 1e3,
+                t_held_ms=(queued - received) * 1e3,
             )
         )
         if finished:

@@ -60,7 +60,7 @@ from core.aio import task_group, timeout
 from verifier.child import ChildConfig, ChildDied, ChildReady, ChildStartError, InferenceChild
 from verifier.core import Verification
 from verifier.goodput import GoodputControl
-from verifier.leases import LeaseBook
+from verifier.leases import LeaseBook, Verified
 from verifier.streams import HostStream, HostStreams
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class _Pending:
     request: VerifyRequest
     received_at: float  # time.perf_counter()
     # A leased session's round: its result goes here, not to the coordinator.
-    done: asyncio.Future[VerifyResult] | None = None
+    done: asyncio.Future[Verified] | None = None
 
 
 class _Outbox:
@@ -403,6 +403,7 @@ class VerifierWorker:
 
     def _on_device_message(self, topic: str, payload: bytes) -> None:
         """A device's draft: answered here when its session is leased to this verifier."""
+        received = time.perf_counter()
         parsed = parse_device_topic(topic)
         if self.leases is None or parsed is None or parsed.channel is not DeviceChannel.DRAFT:
             log.debug("ignoring a message on %s", topic)
@@ -414,7 +415,7 @@ class VerifierWorker:
             return  # the coordinator hears it too, and refuses it with the reason
         if self.leases.holds(parsed.device_id, draft):
             name = f"draft-{draft.session_id}-{draft.round}"
-            self._spawn(self.leases.on_draft(parsed.device_id, draft, arrived), name)
+            self._spawn(self.leases.on_draft(parsed.device_id, draft, arrived, received), name)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=f"verifier-{self.config.verifier_id}-{name}")
@@ -426,15 +427,15 @@ class VerifierWorker:
         if not task.cancelled() and task.exception() is not None:
             log.error("direct round work failed", exc_info=task.exception())
 
-    async def _verify_leased(self, request: VerifyRequest, received_at: float) -> VerifyResult:
+    async def _verify_leased(self, request: VerifyRequest, received_at: float) -> Verified:
         """A leased session's round through the same batches as every other request."""
-        done: asyncio.Future[VerifyResult] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[Verified] = asyncio.get_running_loop().create_future()
         self._returns.arrived(request.session_id, received_at)
         self._queue.put_nowait(_Pending(request, received_at, done))
         self._work_ready.set()
         return await done
 
-    def _to_device(self, device_id: str, message: Message) -> None:
+    def _to_device(self, device_id: str, message: Message | bytes) -> None:
         self._outbox.put(device_topic(device_id, DeviceChannel.VERDICT), message)
 
     def _to_coordinator(self, message: Message) -> None:
@@ -568,8 +569,11 @@ class VerifierWorker:
                 for r, v in zip(requests, verifications, strict=True)
             )
             self.goodput.observe_pass(len(requests), widest + 1, verify_ms)
+        pipe_ms = max(0.0, roundtrip_ms - reply.compute_ms)
         for pending, verification in zip(batch, verifications, strict=False):
-            self._emit(pending, verification, dispatched, verify_ms, prefilled=prefilled)
+            self._emit(
+                pending, verification, dispatched, verify_ms, prefilled=prefilled, pipe_ms=pipe_ms
+            )
         streamed = zip(turn, requests[len(batch) :], verifications[len(batch) :], strict=True)
         for stream, request, verification in streamed:
             self._emit_stream(stream, request, verification, verify_ms, prefilled, choice)
@@ -642,8 +646,31 @@ class VerifierWorker:
         compute_ms: float,
         error: str = "",
         prefilled: int = 0,
+        pipe_ms: float = 0.0,
     ) -> None:
         request = pending.request
+        if pending.done is not None:
+            # A leased round stays here: no VerifyResult is built for it.
+            error = error or (verification.error if verification is not None else "")
+            verified = Verified(
+                n_accepted=verification.n_accepted if verification is not None else 0,
+                next_token=verification.next_token if verification is not None else None,
+                error=error[:1024],
+                queue_ms=max(0.0, (dispatched - pending.received_at) * 1e3),
+                verify_ms=compute_ms,
+                pipe_ms=pipe_ms,
+                batch_size=verification.batch_size if verification is not None else 1,
+                batch_prefilled=prefilled,
+                features=verification.features if verification is not None else None,
+            )
+            if error:
+                self.counters.failed += 1
+            else:
+                self.counters.served += 1
+            if not pending.done.done():
+                pending.done.set_result(verified)
+            self._returns.answered(request.session_id, time.perf_counter())
+            return
         result = VerifyResult(
             request_id=request.request_id,
             session_id=request.session_id,
@@ -672,11 +699,7 @@ class VerifierWorker:
             self.counters.failed += 1
         else:
             self.counters.served += 1
-        if pending.done is not None:
-            if not pending.done.done():
-                pending.done.set_result(result)
-        else:
-            self._outbox.put(self.result_topic, result)
+        self._outbox.put(self.result_topic, result)
         self._returns.answered(request.session_id, time.perf_counter())
 
     async def _restart_child(self) -> None:

@@ -202,3 +202,54 @@ def test_a_finished_session_gets_its_end_and_event_with_its_last_round(
         event = db.scalars(sa.select(Event).where(Event.session_id == session_id)).one()
         assert (event.kind, event.device_id) == ("session.finished", DEVICE)
         assert event.detail == {"tokens": 2, "rounds": 1}
+
+
+def test_sqlite_commits_inline_and_a_locked_database_goes_to_the_writer_thread(
+    sqlite_engine: Engine,
+) -> None:
+    """On SQLite a round commits on the event loop's thread; while another connection holds the
+    write lock past the inline wait, the round goes to the writer's thread, which waits for the
+    lock and commits it."""
+    sessions = make_sessionmaker(sqlite_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    session_id = open_session(sessions)
+    counts: dict[str, int] = {}
+
+    async def main() -> None:
+        writer = RoundWriter(sqlite_engine)
+        assert writer.inline
+        running = asyncio.create_task(writer.run(), name="test-round-writer")
+        try:
+            await writer.write(
+                round_row(session_id, 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE
+            )
+            counts["inline_after_first"] = writer.inline_batches
+            # Another writer holds the lock for 0.3 s, far past the inline wait.
+            blocker = sqlite_engine.raw_connection()
+            blocker.execute("BEGIN IMMEDIATE")
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, blocker.commit)
+            await asyncio.wait_for(
+                writer.write(
+                    round_row(session_id, 1, 2),
+                    [7, 9, 7, 9],
+                    SessionStatus.ACTIVE,
+                    device_id=DEVICE,
+                ),
+                10,
+            )
+            blocker.close()
+            counts["inline_after_second"] = writer.inline_batches
+            counts["batches"] = writer.batches
+        finally:
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+
+    asyncio.run(main())
+    assert counts == {"inline_after_first": 1, "inline_after_second": 1, "batches": 2}
+    with sessions() as db:
+        row = db.get(DecodingSession, session_id)
+        assert row is not None and row.committed_ids == [7, 9, 7, 9]
+        stored = db.scalars(sa.select(Round.round_index).where(Round.session_id == session_id))
+        assert sorted(stored) == [0, 1]
