@@ -141,6 +141,13 @@ def generate_teacher(
     exhausted = False
     bar = tqdm(total=token_budget, unit="tok", desc="teacher", mininterval=10)
 
+    def advance(tokens: int) -> None:
+        """The bar counts tokens as they are decoded (every one is written with its answer); an
+        answer in flight when the budget is reached runs past it, and the bar's total with it."""
+        bar.update(tokens)
+        if bar.n > bar.total:
+            bar.total = bar.n
+
     def expected() -> float:
         """Tokens written plus those the answers in flight are expected to bring: a prompt is
         taken only while this is under the budget, so a small budget is not overrun by a whole
@@ -166,6 +173,7 @@ def generate_teacher(
                     logits = target.forward_batch([(s.prompt_ids, s.cache) for s in fresh])
                     for slot, rows in zip(fresh, logits, strict=True):
                         slot.push(rows[-1])
+                    advance(len(fresh))
                     slots += fresh
             if not slots:
                 break
@@ -176,7 +184,6 @@ def generate_teacher(
                 sink.write(slot.record().to_json() + "\n")
                 written += len(slot.answer_ids)
                 answers += 1
-                bar.update(len(slot.answer_ids))
             if done:
                 sink.flush()
                 finished = {id(s) for s in done}
@@ -185,6 +192,7 @@ def generate_teacher(
             logits = target.forward_batch([([s.answer_ids[-1]], s.cache) for s in slots])
             for slot, rows in zip(slots, logits, strict=True):
                 slot.push(rows[-1])
+            advance(len(slots))
     bar.close()
     return written
 
@@ -917,11 +925,11 @@ def run(args: argparse.Namespace) -> int:
             del target
             records = read_teacher(teacher_path)
         records = without_benchmark(records, tokenizer)
-        log.info("teacher text: %d answers, %d tokens", len(records), teacher_tokens(records))
-        if args.teacher_only:
+        if args.teacher_only:  # said once, on stdout, as the command's result
             print(f"teacher text in {teacher_path}: {len(records)} answers, "
                   f"{teacher_tokens(records)} tokens")  # fmt: skip
             return 0
+        log.info("teacher text: %d answers, %d tokens", len(records), teacher_tokens(records))
         shares = sum(RECIPES[n].time_share for n in names)
         for name in names:
             recipe = dataclasses.replace(RECIPES[name], name=prefix + name)
