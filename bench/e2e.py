@@ -326,6 +326,14 @@ class VerifierLeg:
     queue_ms: float  # the worker's: received until its batch went to the inference process
     verify_ms: float  # verify_batch in the inference process
     batch_size: int
+    # A direct round's own legs, from its RoundDone (NaN for a relayed round, or a verifier that
+    # does not report them): the pipe to the inference process and back beyond the pass, the
+    # group commit, building and encoding the verdict, and the draft's arrival at the verifier
+    # until its verdict was queued for the bus.
+    pipe_ms: float = float("nan")
+    persist_ms: float = float("nan")
+    encode_ms: float = float("nan")
+    held_ms: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -366,6 +374,28 @@ class RoundTiming:
     @property
     def verifier_leg_ms(self) -> float:
         return self.leg.round_trip_ms - self.leg.queue_ms - self.leg.verify_ms
+
+    # -- a direct round's legs (NaN for a relayed round) --
+
+    @property
+    def bus_agent_ms(self) -> float:
+        """The agent's wait outside the verifier: the draft up and the verdict down through the
+        broker, the verifier's receive and publish tasks, both ends' dispatch."""
+        return self.wait_ms - self.leg.held_ms
+
+    @property
+    def verifier_rest_ms(self) -> float:
+        """The verifier's time on the round beyond the legs it times: decoding the draft, the
+        hand-offs between its tasks, the checks and the stop rules."""
+        leg = self.leg
+        return (
+            leg.held_ms
+            - leg.queue_ms
+            - leg.verify_ms
+            - leg.pipe_ms
+            - leg.persist_ms
+            - (leg.encode_ms)
+        )
 
 
 RoundKey = tuple[str, int]  # (session id, round)
@@ -454,7 +484,9 @@ class CoordinatorProbes:
             finally:
                 current.reset(token)
             ended = time.perf_counter()
-            if key in self.legs and key not in self.handler_ms and publishes:
+            # A cloud request's handler runs the host stream and publishes every round of it:
+            # its last publish is not this round's verdict, so it gives no split.
+            if key in self.legs and key not in self.handler_ms and publishes and not draft.cloud:
                 self.handler_ms[key] = (publishes[-1] - started) * 1e3
                 self.puback_ms[key] = (ended - publishes[-1]) * 1e3
 
@@ -472,7 +504,14 @@ class CoordinatorProbes:
             # A direct round: the verifier answered the device; only its legs are known here.
             nan = float("nan")
             key = (done.session_id, done.round)
-            self.direct[key] = VerifierLeg(nan, done.t_queue_ms, done.t_verify_ms, done.batch_size)
+            self.direct[key] = VerifierLeg(
+                nan,
+                done.t_queue_ms,
+                done.t_verify_ms,
+                done.batch_size,
+                *(nan if v is None else v for v in (done.t_pipe_ms, done.t_persist_ms)),
+                *(nan if v is None else v for v in (done.t_encode_ms, done.t_held_ms)),
+            )
             self.batch_sizes[done.session_id].append(done.batch_size)
             await round_done(verifier_id, done)
 
@@ -623,6 +662,15 @@ class RunResult:
                 "other_coordinator": stats(lambda t: t.other_coordinator_ms),
                 "verifier_leg": stats(lambda t: t.verifier_leg_ms),
                 "verdict_puback": stats(lambda t: t.puback_ms),
+                # Direct rounds: the legs the verifier reports, and the agent's wait outside it.
+                "direct": {
+                    "bus_agent": stats(lambda t: t.bus_agent_ms),
+                    "held": stats(lambda t: t.leg.held_ms),
+                    "pipe": stats(lambda t: t.leg.pipe_ms),
+                    "persist": stats(lambda t: t.leg.persist_ms),
+                    "verdict": stats(lambda t: t.leg.encode_ms),
+                    "verifier_rest": stats(lambda t: t.verifier_rest_ms),
+                },
                 "turnaround": {"p50": median(turnaround), "p99": percentile(turnaround, 99)},
             },
         }
@@ -676,8 +724,9 @@ class PlainArm:
 
     async def wave(
         self, prompts: Sequence[BenchPrompt], max_tokens: int
-    ) -> tuple[list[dict[str, Any]], float, list[int]]:
-        """One wave: each session's answer, the wave's time, the batch of each decode pass."""
+    ) -> tuple[list[dict[str, Any]], float, list[int], list[float]]:
+        """One wave: each session's answer, the wave's time, the batch of each decode pass and
+        each decode pass's time (ms)."""
         ids = [self.prompt_ids[p.id] for p in prompts]
         # In a thread: the coordinator in this loop must keep up with the fleet meanwhile.
         served = await asyncio.to_thread(self.server.serve, ids, max_tokens, self.eos_id)
@@ -994,6 +1043,10 @@ OVERHEAD_HEADERS = (
     *("overhead p50", "overhead p99", "agent<->coord p50", "persist p50", "coord rest p50"),
     *("coord<->verifier p50", "agent turn p50"),
 )
+DIRECT_HEADERS = (
+    *("run", "rounds", "overhead", "bus+agent", "pipe", "persist", "verdict"),
+    *("verifier rest", "queue", "verify"),
+)
 PROACTIVE_HEADERS = (
     *("drafter", "sessions", "on tok/s", "off tok/s", "on/off"),
     *("on session tok/s", "off session tok/s", "hits/misses/skipped", "on turn", "off turn"),
@@ -1088,6 +1141,33 @@ def overhead(results: Sequence[RunResult], drafter: str) -> tuple[Table, list[Go
             Goal(f"{what}, p99", OVERHEAD_P99_GOAL_MS, percentile(values, 99), True),
         ]
     return (OVERHEAD_HEADERS, rows), goals
+
+
+def direct_legs(results: Sequence[RunResult]) -> Table:
+    """Part 3b: the overhead of direct rounds by leg, p50 / p99 of each (rounds whose verifier
+    reported its legs; the legs' p50s need not add up to the overhead's)."""
+    rows: list[list[Any]] = []
+    for r in results:
+        if not r.config.on_bus or not r.config.proactive:
+            continue
+        timed = [t for t in r.timings if not math.isnan(t.leg.held_ms)]
+        if not timed:
+            continue
+
+        def cell(what: Callable[[RoundTiming], float], timed: list[RoundTiming] = timed) -> str:
+            values = [v for v in (what(t) for t in timed) if not math.isnan(v)]
+            return f"{median(values):.2f} / {percentile(values, 99):.2f}"
+
+        rows.append(
+            [
+                *(r.config.label, len(timed), cell(lambda t: t.overhead_ms)),
+                *(cell(lambda t: t.bus_agent_ms), cell(lambda t: t.leg.pipe_ms)),
+                *(cell(lambda t: t.leg.persist_ms), cell(lambda t: t.leg.encode_ms)),
+                *(cell(lambda t: t.verifier_rest_ms), cell(lambda t: t.leg.queue_ms)),
+                cell(lambda t: t.leg.verify_ms),
+            ]
+        )
+    return DIRECT_HEADERS, rows
 
 
 def proactive(
@@ -1220,6 +1300,15 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
     unmatched = sum(r.unmatched_rounds for r in results)
     if unmatched:
         print(f"({unmatched} rounds had no coordinator record to match and are left out)")
+    table = direct_legs(results)
+    if table[1]:
+        _print_table(
+            "3b. direct rounds (the verifier answers the device): overhead by leg, ms p50 / p99; "
+            "bus+agent = agent wait - the verifier's time from the draft's arrival to the "
+            "verdict queued; verdict = building and encoding it; verifier rest = its time less "
+            "the legs timed (decode, task hand-offs, checks, stop rules)",
+            table,
+        )
     if args.proactive_sessions:
         table = proactive(results, args.proactive_sessions, args.proactive_drafters)
         _print_table("4. proactive drafting on vs off (turn: agent turnaround p50, ms)", table)
@@ -1297,6 +1386,10 @@ def _round_document(t: RoundTiming) -> dict[str, Any]:
         "queue_ms": t.leg.queue_ms,
         "verify_ms": t.leg.verify_ms,
         "batch_size": t.leg.batch_size,
+        "direct_pipe_ms": t.leg.pipe_ms,
+        "direct_persist_ms": t.leg.persist_ms,
+        "direct_verdict_ms": t.leg.encode_ms,
+        "direct_held_ms": t.leg.held_ms,
     }
 
 
