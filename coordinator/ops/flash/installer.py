@@ -23,6 +23,7 @@ from coordinator.ops.flash.release import (
     probe_script,
     release_archive,
     release_stamp,
+    service_files,
 )
 from coordinator.ops.flash.transport import FlashError, run_on_device
 
@@ -377,3 +378,7 @@ class Flash:
             if step.script is not None:
                 for line in step.script.splitlines():
                     self.log(f"      $ {line}")
+        # Rendered now, so that a dry run finds a template missing from the install as a
+        # real run would.
+        for name, text, _ in service_files(self.root, self._user()):
+            self.log(f"    {name}: {len(text.splitlines())} lines, rendered from its template")

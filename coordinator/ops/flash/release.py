@@ -132,6 +132,16 @@ def render_template(path: Traversable, values: dict[str, str]) -> str:
 TEMPLATES = resources.files("coordinator.ops.flash") / "templates"
 
 
+def service_files(root: str, user: str) -> list[tuple[str, str, int]]:
+    """The release's start/stop script and systemd unit, rendered for its root and user:
+    (path in the release, text, mode)."""
+    values = {"ROOT": root, "USER": user}
+    return [
+        ("bin/agentctl", render_template(TEMPLATES / "agentctl", values), 0o755),
+        (UNIT_NAME, render_template(TEMPLATES / UNIT_NAME, values), 0o644),
+    ]
+
+
 def release_archive(
     options: FlashOptions,
     *,
@@ -159,12 +169,9 @@ def release_archive(
         )
     )
     config["home"] = f"{root}/state"
-    templates = TEMPLATES
-    values = {"ROOT": root, "USER": user}
     files: list[tuple[str, bytes, int]] = [
         ("agent.toml", provisioning.render_toml(config).encode(), 0o600),
-        ("bin/agentctl", render_template(templates / "agentctl", values).encode(), 0o755),
-        (UNIT_NAME, render_template(templates / UNIT_NAME, values).encode(), 0o644),
+        *((name, text.encode(), mode) for name, text, mode in service_files(root, user)),
     ]
     for path in sorted(options.bundle.iterdir()):
         if path.is_file() and path.name != provisioning.CONFIG_FILE:
