@@ -146,6 +146,8 @@ class RoundPipeline(DirectRounds):
         row.mode = SessionMode.DISTRIBUTED
         row.t_draft_ms = draft.timings.draft_ms
         row.t_uplink_ms = uplink_ms if draft.timings.sent_at else None
+        if draft.drafter_note:  # why the device drafted with another drafter (memory, a fetch)
+            row.policy = {"device": {"note": draft.drafter_note}}
         # Everything between handing the draft to the pool and the verifier's compute:
         # transport both ways and the verifier's own queue.
         row.t_queue_ms = max(0.0, round_trip_ms - result.verify_ms)
@@ -278,6 +280,7 @@ class RoundPipeline(DirectRounds):
         row.next_token = kept[-1]
         row.committed_len = row.base_len + len(kept)
         pass_choice = (row.policy or {}).get("pass")
+        device_note = (row.policy or {}).get("device")
         # A provisional tail is no window the policy chose: it teaches the policy nothing.
         if live.policy_task is not None and not provisional:
             live.policy, row.policy = self._adapt(live, row, result.batch_prefilled > 0)
@@ -285,6 +288,8 @@ class RoundPipeline(DirectRounds):
             row.policy = live.policy.model_dump(mode="json")
         if pass_choice is not None:
             row.policy = {**row.policy, "pass": pass_choice}
+        if device_note is not None:
+            row.policy = {**row.policy, "device": device_note}
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
         try:

@@ -198,6 +198,8 @@ class SessionBook(RoundPipeline):
             await asyncio.to_thread(
                 self.store.event, "session.fallback", live, request.fallback.model_dump(mode="json")
             )
+        if request.draft_missing and self.fetches is not None:
+            log.info("session %s: %s", live.id, self.fetches.want(device_id, request.draft_model))
         if await self._leased_here(live, send_state=True):
             return  # the holder tells the device where the session stands
         await self._send_state(live)
