@@ -1,1 +1,2 @@
-"""Models for speculative decoding: tokenizer, target and draft runtimes, drafters, verifying."""
+"""The inference runtime a device runs: tokenizer, target and draft runtimes (ONNX Runtime, LiteRT),
+drafters, the speculative decoder and its rejection sampler. Building models is modelbuild/'s."""

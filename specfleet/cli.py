@@ -22,7 +22,7 @@ from specfleet.examples import EXAMPLES
 # Modules that expose `register(subparsers)`; each adds its subcommands with a `func` default.
 COMMAND_MODULES = (
     "specfleet.commands",
-    "modelbuild.commands",
+    "specfleet.commands.models",
     "bench.commands",
     "verifier.commands",
     "netem.commands",

@@ -82,8 +82,8 @@ def run_cli(argv: list[str]) -> int:
     import argparse
 
     from core.errors import CommandError
-    from modelbuild import commands as model_commands
     from specfleet import commands as coordinator_commands
+    from specfleet.commands import models as model_commands
 
     parser = argparse.ArgumentParser(prog="specfleet")
     subparsers = parser.add_subparsers(dest="command", required=True)

@@ -19,8 +19,8 @@ from inference.artifacts import (
     write_manifest,
 )
 from modelbuild import target_build
-from modelbuild.commands import MODEL_COMMANDS
 from modelbuild.target_build import DEFAULT_PRECISION
+from specfleet.commands.models import MODEL_COMMANDS
 
 COMMANDS = {"build-target": target_build, "list": artifacts}
 
