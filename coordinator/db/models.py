@@ -11,6 +11,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from broker.messages import Mode
+
 JsonDict = dict[str, Any]
 
 # Named constraints, so that Alembic can drop and alter them, in batch mode on SQLite too.
@@ -112,11 +114,9 @@ class DeviceDeploymentState(str, enum.Enum):
     ROLLED_BACK = "rolled_back"
 
 
-class SessionMode(str, enum.Enum):
-    DISTRIBUTED = "distributed"
-    CLOUD = "cloud"
-    LOCAL = "local"
-    PLAIN = "plain"
+# A session's and a round's mode as stored: the bus's modes themselves (one idea, one enum),
+# under the name the tables' code has always used.
+SessionMode = Mode
 
 
 class SessionStatus(str, enum.Enum):

@@ -44,7 +44,7 @@ class AdaptiveBook(BookCore):
                 t_queue_ms=row.t_queue_ms or 0.0,
                 t_verify_ms=row.t_verify_ms or 0.0,
                 verifier_load=load,
-                mode=m.Mode(row.mode.value),
+                mode=row.mode,
                 # An adaptive session's first round is the agent's empty window (k = 0).
                 window=allowed_window(live, row),
                 # A pass that also prefilled (this session's first, or another's in the batch)

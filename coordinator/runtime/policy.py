@@ -57,6 +57,9 @@ from coordinator.runtime.round_model import (
     Ewma,
     ProposalLength,
     VerifyCost,
+    drafted_by_window,
+    expected_tokens_by_window,
+    window_ms,
 )
 
 BUILTIN_DRAFTS = ("lookup", "ngram", "hybrid")  # inference.drafters.BUILTIN_DRAFTERS
@@ -317,22 +320,22 @@ class AdaptivePolicy:
     ) -> tuple[int, float, float, float]:
         """(k, E, T, n(k)) with the highest E / T for k in [K_MIN, k_max]; `fixed_ms` is RTT +
         queue in distributed mode, and the RTT's share plus queue in cloud mode. Without `fill`
-        the drafter fills its window."""
+        the drafter fills its window. E, n(k), t_verify and T come from round_model's functions
+        and VerifyCost.predict_windows, the ones the tests check."""
         survival = fill.survival(self.k_max) if fill is not None else [1.0] * self.k_max
-        a, b, c, d, e = self.verify_cost.coefficients()
-        waits = 0.0 if mode in m.HOST_MODES else e
-        per_token = draft_ms_per_token * (1.0 + load if mode is m.Mode.CLOUD else 1.0)
+        waits = mode not in m.HOST_MODES
+        drafted_k = drafted_by_window(survival)
+        verify_k = self.verify_cost.predict_windows(drafted_k, load, waits)
+        windows = zip(
+            expected_tokens_by_window(alpha, survival),
+            drafted_k,
+            window_ms(mode, drafted_k, draft_ms_per_token, fixed_ms, verify_k, load),
+            strict=True,
+        )
         best: tuple[int, float, float, float] | None = None
-        # E and n(k) grow a position at a time (expected_tokens_capped, summed as it goes).
-        tokens, drafted, accepted = 1.0, 0.0, 1.0
-        for k in range(1, self.k_max + 1):
-            accepted *= alpha
-            tokens += survival[k - 1] * accepted
-            drafted += survival[k - 1]
+        for k, (tokens, drafted, total) in enumerate(windows, start=1):
             if k < K_MIN:
                 continue
-            verify = max(0.0, a + b * drafted + c * load + d * drafted * load + waits)
-            total = drafted * per_token + fixed_ms + verify
             if best is None or tokens / total > best[1] / best[2]:
                 best = (k, tokens, total, drafted)
         assert best is not None

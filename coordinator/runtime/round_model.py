@@ -149,9 +149,15 @@ class VerifyCost:
         return self._solved
 
     def predict(self, k: float, load: float, waits: bool = True) -> float:
-        coefficients = self.coefficients()
-        features = self.features(k, load, waits)
-        return max(0.0, sum(c * x for c, x in zip(coefficients, features, strict=True)))
+        return self.predict_windows((k,), load, waits)[0]
+
+    def predict_windows(self, ks: Sequence[float], load: float, waits: bool = True) -> list[float]:
+        """t_verify for each window size in `ks` at one load: a + b k + c load + d k load + e
+        waits, never below 0, with the fit solved once for all of them."""
+        a, b, c, d, e = self.coefficients()
+        fixed = a + c * load + (e if waits else 0.0)
+        per_token = b + d * load
+        return [max(0.0, fixed + per_token * k) for k in ks]
 
 
 @dataclass
@@ -193,12 +199,32 @@ class ProposalLength:
 def expected_tokens_capped(alpha: float, survival: Sequence[float]) -> float:
     """E for a window the drafter may not fill: 1 + sum_i S(1..i) a^i (the target's own token,
     plus each drafted position, proposed and accepted along with every one before it)."""
+    by_window = expected_tokens_by_window(alpha, survival)
+    return by_window[-1] if by_window else 1.0
+
+
+def expected_tokens_by_window(alpha: float, survival: Sequence[float]) -> list[float]:
+    """E of every window k = 1..len(survival) (expected_tokens_capped of each prefix of the
+    survival), in one pass: what the policy rates each window with."""
+    values: list[float] = []
     tokens = 1.0
     accepted = 1.0
     for reach in survival:
         accepted *= alpha
         tokens += reach * accepted
-    return tokens
+        values.append(tokens)
+    return values
+
+
+def drafted_by_window(survival: Sequence[float]) -> list[float]:
+    """n(k) of every window k = 1..len(survival): the tokens a drafter is expected to propose
+    when allowed k, sum_i S(1..i)."""
+    values: list[float] = []
+    drafted = 0.0
+    for reach in survival:
+        drafted += reach
+        values.append(drafted)
+    return values
 
 
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
@@ -241,7 +267,21 @@ def round_ms(
     drafts for every session of the batch before the batch's pass, and the stream pays the RTT
     once per request.
     """
-    if mode is m.Mode.CLOUD:
-        draft_ms = k * draft_ms_per_token * (1.0 + load)
-        return draft_ms + rtt_ms / CLOUD_STREAM_ROUNDS + queue_ms + verify_ms
-    return k * draft_ms_per_token + rtt_ms + queue_ms + verify_ms
+    fixed_ms = rtt_ms / CLOUD_STREAM_ROUNDS if mode is m.Mode.CLOUD else rtt_ms
+    return window_ms(mode, (k,), draft_ms_per_token, fixed_ms + queue_ms, (verify_ms,), load)[0]
+
+
+def window_ms(
+    mode: m.Mode,
+    drafted: Sequence[float],
+    draft_ms_per_token: float,
+    fixed_ms: float,
+    verify_ms: Sequence[float],
+    load: float,
+) -> list[float]:
+    """T of rounds that draft `drafted` tokens each and verify in `verify_ms`: their drafting
+    (on the host, slowed by the sessions it drafts for: times 1 + load), what a round costs
+    beyond drafting and verifying (`fixed_ms`: RTT and queue, or the stream's share of the RTT),
+    and the verification."""
+    per_token = draft_ms_per_token * (1.0 + load) if mode is m.Mode.CLOUD else draft_ms_per_token
+    return [n * per_token + fixed_ms + v for n, v in zip(drafted, verify_ms, strict=True)]

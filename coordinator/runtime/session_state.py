@@ -79,7 +79,7 @@ class LiveSession:
             max_tokens=row.max_tokens,
             task_type=row.task_type,
             policy=m.Policy(
-                mode=m.Mode(row.mode.value),
+                mode=row.mode,
                 draft_model=row.draft_model or "lookup",
                 k=row.k,
             ),

@@ -42,9 +42,7 @@ class SessionStore:
             max_tokens=request.max_tokens,
             # A session that leaves the window to the coordinator starts where its agent does.
             mode=(
-                SessionMode(request.mode.value)
-                if request.k or request.mode is m.Mode.PLAIN
-                else SessionMode.DISTRIBUTED
+                request.mode if request.k or request.mode is m.Mode.PLAIN else m.Mode.DISTRIBUTED
             ),
             draft_model=request.draft_model or default_draft,
             k=request.k or DEFAULT_K,

@@ -20,6 +20,7 @@ from coordinator.runtime.round_model import (
     expected_tokens_capped,
     round_ms,
     verifier_load,
+    window_ms,
 )
 from coordinator.runtime.task_types import classify_task, resolve_task
 
@@ -422,6 +423,30 @@ def test_positions_past_the_window_are_not_counted_as_stops() -> None:
         short.update(window=8, n_drafted=2)  # it stopped at 2 with room for more
     assert short.go_on(2) == 1.0 and short.go_on(3) < 0.15
     assert max(short.survival(8)[2:]) < 0.15
+
+
+@pytest.mark.parametrize("mode", [m.Mode.DISTRIBUTED, m.Mode.CLOUD])
+@pytest.mark.parametrize("load", [0.0, 3.0])
+def test_the_window_chosen_is_the_best_by_the_tested_formulas(mode: m.Mode, load: float) -> None:
+    """best_window rates each window with the functions the tests above check: E
+    (expected_tokens_capped), n(k), t_verify (VerifyCost.predict) and T (window_ms, round_ms's
+    own formula)."""
+    policy = AdaptivePolicy()
+    fill = ProposalLength()
+    for _ in range(10):
+        fill.update(window=8, n_drafted=3)  # a drafter that stops itself after ~3 tokens
+    alpha, per_token, fixed_ms = 0.7, 2.0, 12.0
+    k, tokens, total, drafted = policy.best_window(alpha, per_token, fixed_ms, load, mode, fill)
+    survival = fill.survival(policy.k_max)
+    rates = {}
+    for window in range(1, policy.k_max + 1):
+        e = expected_tokens_capped(alpha, survival[:window])
+        n = sum(survival[:window])
+        verify = policy.verify_cost.predict(n, load, waits=mode is m.Mode.DISTRIBUTED)
+        rates[window] = e / window_ms(mode, [n], per_token, fixed_ms, [verify], load)[0]
+    assert k == max(rates, key=rates.__getitem__)
+    assert tokens / total == pytest.approx(rates[k])
+    assert drafted == pytest.approx(sum(survival[:k]))
 
 
 def test_a_drafter_that_stops_itself_keeps_a_wide_window_under_load() -> None:
