@@ -53,7 +53,13 @@ def add_fleet(sessions: sessionmaker[Session], now: datetime) -> DeviceRegistry:
     registry.provision("pi-1", "pi", ["lab", "field"])
     registry.provision("pi-2", "pi")
     registry.mark_online("pi-1", now)
-    registry.record_telemetry("pi-1", now, rtt_ms=14.0, cpu_percent=35.0)
+    registry.record_telemetry(
+        "pi-1",
+        now,
+        rtt_ms=14.0,
+        cpu_percent=35.0,
+        extra={"memory_available_mb": 612.0, "drafts_over_memory": "draft-l2"},
+    )
     registry.set_installed_models("pi-1", ["draft-l1", "lookup"])
     return registry
 

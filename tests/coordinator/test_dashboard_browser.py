@@ -567,6 +567,8 @@ def test_device_page_from_the_fleet(page: Page, rollout_dashboard: RolloutDashbo
     expect(facts.locator(".chip")).to_have_text(["field", "lab"])
     expect(page.locator("#telemetry")).to_contain_text("14 ms")
     expect(page.locator("#telemetry")).to_contain_text("35%")
+    expect(page.locator("#telemetry")).to_contain_text("Memory free612 MB")
+    expect(page.locator("#telemetry")).to_contain_text("Drafts over memorydraft-l2")
 
     draft = page.locator('#drafts tr[data-draft="draft-l1"]')
     expect(draft).to_have_attribute("data-source", "rollout")

@@ -47,6 +47,8 @@
       fact("Battery", t.battery_percent === undefined || t.battery_percent === null ? "–" : `${fmt.num(t.battery_percent)}%`),
       fact("Temperature", t.thermal_c === undefined || t.thermal_c === null ? "–" : `${fmt.num(t.thermal_c, 1)} °C`),
       fact("Quarantined drafts", t.quarantined_drafts || "none"),
+      fact("Memory free", t.memory_available_mb === undefined || t.memory_available_mb === null ? "–" : `${fmt.num(t.memory_available_mb)} MB`),
+      fact("Drafts over memory", t.drafts_over_memory || "none"),
     );
     document.getElementById("telemetry-at").textContent =
       device.telemetry_at ? `reported ${fmt.ago(device.telemetry_at)}` : "no telemetry yet";
