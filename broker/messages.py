@@ -697,11 +697,28 @@ class CommandAck(_Message):
     at: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
+class Refused(str, Enum):
+    """What an ErrorReply refuses: a message by its type (a session opened or closed, a draft),
+    or, where a message could not be read or came over its quota, the channel it came on. The
+    values are the strings the contract has always carried."""
+
+    SESSION_OPEN = "session_open"
+    SESSION_CLOSE = "session_close"
+    DRAFT = "draft"  # a draft, or a message on the draft channel
+    SESSION = "session"  # a message on the session channel that could not be read
+    STATUS = "status"
+    TELEMETRY = "telemetry"
+    ACK = "ack"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 class ErrorReply(_Message):
     """Sent back where a refused message has somewhere to reply (the device's verdict topic)."""
 
     type: Literal["error"] = "error"
-    refused_type: str = Field(max_length=32)
+    refused_type: Refused
     session_id: str | None = Field(default=None, max_length=64)
     round: int | None = None
     reason: str = Field(max_length=1024)

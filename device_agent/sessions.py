@@ -38,7 +38,7 @@ from broker import messages as m
 from broker.topics import DeviceChannel
 from device_agent.admission import MemoryRefused, StandInProposer
 from device_agent.catalog import CatalogError, DrafterCatalog
-from device_agent.drafting import OutOfSync, SessionDrafter, SessionSpec
+from device_agent.drafting import LocalSpell, OutOfSync, SessionDrafter, SessionSpec
 from device_agent.journal import JournalEntry, SessionJournal
 from device_agent.settings import LocalSettings
 from inference.drafters import BUILTIN_DRAFTERS, HYBRID_PREFIX
@@ -333,6 +333,17 @@ class AgentSession:
 
     def _start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"session-{self.session_id}")
+
+    def resume_after_restart(self, spell: LocalSpell | None) -> None:
+        """Run again a session this agent's journal held when it stopped; `spell`: the tokens it
+        generated alone meanwhile, which the coordinator may not have heard of yet."""
+        self.resumed = True
+        self._resume_reason = m.ResumeReason.RESTART
+        if spell is not None:
+            self._report_due = True
+            self._unreported = spell.generated
+            self._offline_since = spell.since
+        self._start()
 
     async def _emit(self, tokens: list[int], rewound: bool = False) -> None:
         if rewound:
@@ -686,7 +697,7 @@ class AgentSession:
         return True
 
     def _on_error(self, error: m.ErrorReply) -> None:
-        if error.refused_type == m.SessionOpen.model_fields["type"].default:
+        if error.refused_type is m.Refused.SESSION_OPEN:
             raise SessionError(f"the coordinator refused the session: {error.reason}")
         window = self.drafter.in_flight
         log.warning(
@@ -858,19 +869,13 @@ class SessionBook:
                 log.error("session %s cannot resume: %s; dropped", session_id, exc)
                 self.journal.forget(session_id)
                 continue
-            session.resumed = True
-            session._resume_reason = m.ResumeReason.RESTART
-            if entry.spell is not None:  # the coordinator may not have heard of it
-                session._report_due = True
-                session._unreported = entry.spell.generated
-                session._offline_since = entry.spell.since
+            session.resume_after_restart(entry.spell)
             log.info(
                 "session %s resumed from the journal: %d tokens committed, %d provisional",
                 session_id,
                 len(entry.generated),
                 len(entry.provisional),
             )
-            session._start()
             resumed.append(session)
         return resumed
 

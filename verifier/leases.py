@@ -391,7 +391,10 @@ class LeaseBook:
             reason,
         )
         reply = m.ErrorReply(
-            refused_type="draft", session_id=held.session_id, round=draft.round, reason=reason
+            refused_type=m.Refused.DRAFT,
+            session_id=held.session_id,
+            round=draft.round,
+            reason=reason,
         )
         self._to_device(held.device_id, reply)
         self._to_device(held.device_id, held.state())

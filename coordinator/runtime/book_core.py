@@ -176,7 +176,7 @@ class BookCore:
     async def _error(
         self,
         device_id: str,
-        refused: str,
+        refused: m.Refused,
         session_id: str | None,
         round_index: int | None,
         reason: str,

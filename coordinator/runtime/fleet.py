@@ -226,7 +226,7 @@ class Fleet:
             f"({refused} refused from all devices so far)"
         )
         log.warning("refused %s from %s: %s", channel.value, device_id, reason)
-        reply = m.ErrorReply(refused_type=channel.value, reason=reason)
+        reply = m.ErrorReply(refused_type=m.Refused(channel.value), reason=reason)
         try:
             await self._publish(device_topic(device_id, DeviceChannel.VERDICT), m.encode(reply))
         except (ConnectionError, BusConnectionError) as exc:

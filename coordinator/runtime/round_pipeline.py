@@ -36,7 +36,9 @@ class RoundPipeline(DirectRounds):
         received_at = time.time()
         live = await self.get(draft.session_id)
         if live is None or live.device_id != device_id:
-            await self._error(device_id, "draft", draft.session_id, draft.round, "unknown session")
+            await self._error(
+                device_id, m.Refused.DRAFT, draft.session_id, draft.round, "unknown session"
+            )
             return
         live.last_heard = time.monotonic()
         if not draft.cloud and self._holder(live) is not None:
@@ -51,7 +53,11 @@ class RoundPipeline(DirectRounds):
                 return
             if live.status is not SessionStatus.ACTIVE:
                 await self._error(
-                    device_id, "draft", live.id, draft.round, f"session is {live.status.value}"
+                    device_id,
+                    m.Refused.DRAFT,
+                    live.id,
+                    draft.round,
+                    f"session is {live.status.value}",
                 )
                 await self._send_state(live)
                 return
@@ -62,7 +68,7 @@ class RoundPipeline(DirectRounds):
                 self.pool.vocab_size() or self.vocab_size,
             )
             if misfit is not None:
-                await self._error(device_id, "draft", live.id, draft.round, misfit)
+                await self._error(device_id, m.Refused.DRAFT, live.id, draft.round, misfit)
                 if draft.round != live.next_round or draft.base_len != live.committed_len:
                     await self._send_state(live)  # out of step: the state resynchronises it
                 return
@@ -74,7 +80,7 @@ class RoundPipeline(DirectRounds):
             if draft.cloud and not plain and not self.can_draft(draft.draft_model):
                 await self._error(
                     device_id,
-                    "draft",
+                    m.Refused.DRAFT,
                     live.id,
                     draft.round,
                     f"no live verifier drafts cloud rounds with {draft.draft_model!r}",
@@ -107,8 +113,23 @@ class RoundPipeline(DirectRounds):
     async def _verify_and_commit(
         self, live: LiveSession, draft: m.Draft, received_at: float
     ) -> bool:
-        """Verify one device-drafted round, persist it, publish its verdict; True when the
-        session goes on as a host stream."""
+        """One device-drafted round: verified, timed, then committed (stop rules, policy,
+        persisted, published); True when the session goes on as a host stream."""
+        verified = await self._verify_draft(live, draft)
+        if verified is None:
+            return False
+        result, round_trip_ms = verified
+        self._time_turn(live, draft, received_at, result)
+        row = self._draft_row(live, draft, result, received_at, round_trip_ms)
+        return await self._commit(
+            live, row, result, draft.tokens, draft.timings.downlink_ms, draft.provisional
+        )
+
+    async def _verify_draft(
+        self, live: LiveSession, draft: m.Draft
+    ) -> tuple[m.VerifyResult, float] | None:
+        """The verifier pool's verdict on the draft, and the round trip to it in ms; None (the
+        device told why) when no verifier answered."""
         request = m.VerifyRequest(
             request_id="pending",
             session_id=live.id,
@@ -126,16 +147,34 @@ class RoundPipeline(DirectRounds):
         except (NoVerifierError, VerificationFailed) as exc:
             # Nothing was committed; the agent re-sends this round when it hears the state.
             log.error("round %d of %s not verified: %s", draft.round, live.id, exc)
-            await self._error(live.device_id, "draft", live.id, draft.round, f"not verified: {exc}")
-            return False
-        round_trip_ms = (time.perf_counter() - queued_at) * 1000.0
-        uplink_ms = max(0.0, (received_at - draft.timings.sent_at) * 1000.0)
+            await self._error(
+                live.device_id, m.Refused.DRAFT, live.id, draft.round, f"not verified: {exc}"
+            )
+            return None
+        return result, (time.perf_counter() - queued_at) * 1000.0
+
+    def _time_turn(
+        self, live: LiveSession, draft: m.Draft, received_at: float, result: m.VerifyResult
+    ) -> None:
+        """The device's turn beyond compute since its previous round (for the policy), and this
+        round's timing for the next one's."""
         live.turn_overhead_ms = None
         if live.last_draft is not None and live.last_draft[1] == draft.round - 1:
             at, _, verify_ms = live.last_draft
             turn_ms = (received_at - at) * 1000.0
             live.turn_overhead_ms = max(0.0, turn_ms - verify_ms - draft.timings.draft_ms)
         live.last_draft = (received_at, draft.round, result.verify_ms)
+
+    def _draft_row(
+        self,
+        live: LiveSession,
+        draft: m.Draft,
+        result: m.VerifyResult,
+        received_at: float,
+        round_trip_ms: float,
+    ) -> Round:
+        """The round's row as the device drafted it, before the stop rules."""
+        uplink_ms = max(0.0, (received_at - draft.timings.sent_at) * 1000.0)
         row = self._round_row(live, draft.round, draft.base_len, result)
         row.draft_tokens = list(draft.tokens)
         row.draft_model = draft.draft_model
@@ -151,9 +190,7 @@ class RoundPipeline(DirectRounds):
         # Everything between handing the draft to the pool and the verifier's compute:
         # transport both ways and the verifier's own queue.
         row.t_queue_ms = max(0.0, round_trip_ms - result.verify_ms)
-        return await self._commit(
-            live, row, result, draft.tokens, draft.timings.downlink_ms, draft.provisional
-        )
+        return row
 
     async def _host_stream(self, live: LiveSession) -> None:
         """Run the session on the verifier host while its policy says cloud or plain: each
@@ -188,7 +225,11 @@ class RoundPipeline(DirectRounds):
         if self._hosted(live):
             # The agent re-sends its cloud request when it hears the state.
             await self._error(
-                live.device_id, "draft", live.id, live.next_round, "the host stream broke off"
+                live.device_id,
+                m.Refused.DRAFT,
+                live.id,
+                live.next_round,
+                "the host stream broke off",
             )
             await self._send_state(live)
 
@@ -268,17 +309,46 @@ class RoundPipeline(DirectRounds):
         downlink_ms: float | None,
         provisional: bool,
     ) -> bool:
-        """Apply the stop rules to a verified round, persist it, then publish its verdict.
+        """A verified round through its steps: the stop rules, the policy's next choice, the
+        row persisted, the session advanced, then its verdict published and the round observed.
         True when the session goes on as a host stream."""
+        kept, finished = self._stop(live, row, result, drafted)
+        self._choose_next(live, row, result, provisional)
+        generated = live.generated + kept
+        status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
+        if not await self._persist(live, row, generated, status, downlink_ms):
+            return False
+        live.generated = generated
+        live.next_round = row.round_index + 1
+        live.status = status
+        live.last_heard = time.monotonic()
+        continues = self._hosted(live)
+        verdict = self._verdict(live, row, result, drafted, finished, continues)
+        live.last_verdict = verdict
+        await self._send_verdict(live, verdict)
+        await self._observe(live, row, drafted, provisional, finished)
+        return continues
+
+    def _stop(
+        self, live: LiveSession, row: Round, result: m.VerifyResult, drafted: tuple[int, ...]
+    ) -> tuple[list[int], bool]:
+        """The stop rules (EOS, max_tokens) on the accepted tokens and the next one: what the
+        round commits, on its row, and whether the session finishes."""
         accepted = list(drafted[: result.n_accepted])
         next_token = result.next_token if result.next_token is not None else accepted.pop()
         kept, finished = apply_stop_rules(
             len(live.generated), accepted, next_token, live.max_tokens, self.eos_id
         )
-        n_accepted = len(kept) - 1
-        row.n_accepted = n_accepted
+        row.n_accepted = len(kept) - 1
         row.next_token = kept[-1]
         row.committed_len = row.base_len + len(kept)
+        return kept, finished
+
+    def _choose_next(
+        self, live: LiveSession, row: Round, result: m.VerifyResult, provisional: bool
+    ) -> None:
+        """The policy learns from the round and chooses the next one's mode, drafter and window;
+        the decision goes on the row, with the pass's own choice and the device's note."""
         pass_choice = (row.policy or {}).get("pass")
         device_note = (row.policy or {}).get("device")
         # A provisional tail is no window the policy chose: it teaches the policy nothing.
@@ -290,8 +360,17 @@ class RoundPipeline(DirectRounds):
             row.policy = {**row.policy, "pass": pass_choice}
         if device_note is not None:
             row.policy = {**row.policy, "device": device_note}
-        generated = live.generated + kept
-        status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
+
+    async def _persist(
+        self,
+        live: LiveSession,
+        row: Round,
+        generated: list[int],
+        status: SessionStatus,
+        downlink_ms: float | None,
+    ) -> bool:
+        """The round and the session's committed tokens in one transaction (before anything is
+        published); False when the round was stored already, the device then told the state."""
         try:
             await self._writer.write(
                 row, generated, status, device_id=live.device_id, downlink_ms=downlink_ms
@@ -303,18 +382,25 @@ class RoundPipeline(DirectRounds):
             await self._reload(live)
             await self._send_state(live)
             return False
-        live.generated = generated
-        live.next_round = row.round_index + 1
-        live.status = status
-        live.last_heard = time.monotonic()
-        continues = self._hosted(live)
+        return True
+
+    def _verdict(
+        self,
+        live: LiveSession,
+        row: Round,
+        result: m.VerifyResult,
+        drafted: tuple[int, ...],
+        finished: bool,
+        continues: bool,
+    ) -> m.Verdict:
+        """The verdict of a committed round, as the device reads it."""
         hosted_round = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
-        verdict = m.Verdict(
+        return m.Verdict(
             session_id=live.id,
             round=row.round_index,
             base_len=row.base_len,
-            n_accepted=n_accepted,
-            next_token=kept[-1],
+            n_accepted=row.n_accepted,
+            next_token=row.next_token,
             committed_len=live.committed_len,
             finished=finished,
             policy=self._agent_policy(live),
@@ -324,12 +410,21 @@ class RoundPipeline(DirectRounds):
             # The features belong to next_token's position: only when the stop rules kept it.
             features=None if finished or hosted_round else result.features,
         )
-        live.last_verdict = verdict
-        await self._send_verdict(live, verdict)
+
+    async def _observe(
+        self,
+        live: LiveSession,
+        row: Round,
+        drafted: tuple[int, ...],
+        provisional: bool,
+        finished: bool,
+    ) -> None:
+        """After the verdict left: the round's observers (metrics, the API's live views), what
+        the target kept of a provisional tail, and a finished session let go."""
         for observe in self.round_observers:
             observe(live, row)
         if provisional:
-            await self._reconciled(live, row.round_index, drafted, n_accepted, kept[-1])
+            await self._reconciled(live, row.round_index, drafted, row.n_accepted, row.next_token)
         if finished:
             self._let_go(live)
             log.info(
@@ -338,7 +433,6 @@ class RoundPipeline(DirectRounds):
                 len(live.generated),
                 live.next_round,
             )
-        return continues
 
     async def _resend_verdict(self, live: LiveSession, draft: m.Draft) -> None:
         """A draft for a round already verified: the stored verdict, never a second commit."""
@@ -350,7 +444,9 @@ class RoundPipeline(DirectRounds):
         if verdict is None or verdict.round != draft.round:
             verdict = await asyncio.to_thread(self.store.stored_verdict, live, draft.round)
         if verdict is None:
-            await self._error(live.device_id, "draft", live.id, draft.round, "unknown round")
+            await self._error(
+                live.device_id, m.Refused.DRAFT, live.id, draft.round, "unknown round"
+            )
             return
         log.info("re-sent the verdict of round %d of %s", draft.round, live.id)
         await self._send_verdict(live, verdict)

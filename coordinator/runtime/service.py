@@ -348,7 +348,7 @@ class Coordinator:
         """Tell the device why, where it has somewhere to hear it; status and acks have none."""
         if channel in (DeviceChannel.STATUS, DeviceChannel.ACK, DeviceChannel.TELEMETRY):
             return
-        reply = m.ErrorReply(refused_type=channel.value, reason=reason[:1024])
+        reply = m.ErrorReply(refused_type=m.Refused(channel.value), reason=reason[:1024])
         try:
             await self.publish(device_topic(device_id, DeviceChannel.VERDICT), m.encode(reply))
         except (ConnectionError, BusConnectionError, m.BusError) as exc:

@@ -120,7 +120,11 @@ class SessionBook(RoundPipeline):
             session_uuid = uuid.UUID(request.session_id)
         except ValueError:
             await self._error(
-                device_id, "session_open", request.session_id, None, "session_id must be a UUID"
+                device_id,
+                m.Refused.SESSION_OPEN,
+                request.session_id,
+                None,
+                "session_id must be a UUID",
             )
             return
         # A resume of a live session is answered from memory and never refused for the rate:
@@ -131,18 +135,24 @@ class SessionBook(RoundPipeline):
         if not live_resume and not self._open_limit.allow(device_id):
             limit = self._open_limit
             reason = f"session opens over quota ({limit.rate:g}/s, burst {limit.burst})"
-            await self._error(device_id, "session_open", request.session_id, None, reason)
+            await self._error(device_id, m.Refused.SESSION_OPEN, request.session_id, None, reason)
             return
         live = await self.get(request.session_id)
         if live is None:
             if not await self._admit(device_id):
                 await self._error(
-                    device_id, "session_open", request.session_id, None, "unregistered device"
+                    device_id,
+                    m.Refused.SESSION_OPEN,
+                    request.session_id,
+                    None,
+                    "unregistered device",
                 )
                 return
             refusal = self._open_refusal(device_id, request)
             if refusal is not None:
-                await self._error(device_id, "session_open", request.session_id, None, refusal)
+                await self._error(
+                    device_id, m.Refused.SESSION_OPEN, request.session_id, None, refusal
+                )
                 return
             self._opening[device_id] += 1
             try:
@@ -171,7 +181,7 @@ class SessionBook(RoundPipeline):
         elif live.device_id != device_id:
             await self._error(
                 device_id,
-                "session_open",
+                m.Refused.SESSION_OPEN,
                 request.session_id,
                 None,
                 "the session belongs to another device",
@@ -208,7 +218,7 @@ class SessionBook(RoundPipeline):
         live = await self.get(request.session_id)
         if live is None or live.device_id != device_id:
             await self._error(
-                device_id, "session_close", request.session_id, None, "unknown session"
+                device_id, m.Refused.SESSION_CLOSE, request.session_id, None, "unknown session"
             )
             return
         async with live.lock:

@@ -132,7 +132,7 @@ acks = st.builds(
 )
 errors = st.builds(
     m.ErrorReply,
-    refused_type=names,
+    refused_type=st.sampled_from(m.Refused),
     session_id=st.none() | session_ids,
     round=st.none() | st.integers(0, 100),
     reason=names,
