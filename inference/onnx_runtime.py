@@ -66,9 +66,11 @@ class OnnxKVCache:
             raise ValueError(f"cannot trim a cache of {self.length} positions to {length}")
         if length == self.length:
             return
-        # A copy, not a view: ORT wants contiguous inputs and the tail's memory can go.
-        self.keys = [np.ascontiguousarray(k[:, :, :length]) for k in self.keys]
-        self.values = [np.ascontiguousarray(v[:, :, :length]) for v in self.values]
+        # A view, not a copy (a rejected window's rollback copied the whole cache, ~14 MB for
+        # SmolLM2-135M at 300 positions): the next pass copies every cache into its batch
+        # anyway, a lone row's made contiguous there, and the positions cut off go with it.
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
 
     def copy(self) -> OnnxKVCache:
         return OnnxKVCache([k.copy() for k in self.keys], [v.copy() for v in self.values])
@@ -197,8 +199,8 @@ class OnnxRuntime:
         for layer in range(c.n_layers):
             for kind in ("key", "value"):
                 parts = [(cache.keys if kind == "key" else cache.values)[layer] for _, cache in own]
-                if batch == 1:
-                    feeds[past_name(layer, kind)] = parts[0]
+                if batch == 1:  # a copy only after a rollback left a view
+                    feeds[past_name(layer, kind)] = np.ascontiguousarray(parts[0])
                 elif not padded:
                     feeds[past_name(layer, kind)] = np.concatenate(parts, axis=0)
                 else:

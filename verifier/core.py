@@ -367,7 +367,8 @@ class VerifierCore:
                 None if params.greedy else sparse_q(request),
                 logits,
                 params,
-                round_rng(spec.seed, request.round),
+                # Greedy draws nothing: seeding a generator per row cost ~0.4% of a pass.
+                _NO_DRAWS if params.greedy else round_rng(spec.seed, request.round),
             )
         except ValueError as exc:  # e.g. a drafted token with q'(x) = 0: the draft lied
             self._rollback(row.session, request, base_len - 1)
@@ -402,6 +403,10 @@ class VerifierCore:
             positions -= session.cache.length
             self._evictions += 1
             log.debug("evicted session %s (%d positions)", session_id, session.cache.length)
+
+
+# The generator handed to greedy verification, which takes the argmax and draws nothing.
+_NO_DRAWS = np.random.default_rng(0)
 
 
 def _wire_features(request: VerifyRequest, hidden: Features) -> str | None:
