@@ -50,14 +50,28 @@ def _die_with(parent: int, sig: signal.Signals) -> Callable[[], None] | None:
 
 
 def popen_tied(
-    argv: list[str], *, log: IO[bytes], sig: signal.Signals = signal.SIGTERM
+    argv: list[str],
+    *,
+    log: IO[bytes],
+    sig: signal.Signals = signal.SIGTERM,
+    env: dict[str, str] | None = None,
+    start_new_session: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start a child that dies with this process, however this process ends (on Linux; elsewhere
-    a plain child): a broker a SIGKILLed `specfleet up` started must not keep its ports."""
+    """Start a child, its output to `log`, that is sent `sig` when this process ends, however it
+    ends (on Linux; elsewhere a plain child): a broker a SIGKILLed `specfleet up` started must not
+    keep its ports. In a session of its own, a child sees no Ctrl-C meant for us, and still ends
+    with us."""
     tie = _die_with(os.getpid(), sig)
 
     def fork() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, stdout=log, stderr=log, preexec_fn=tie)
+        return subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=start_new_session,
+            preexec_fn=tie,
+        )
 
     forker = _forkers.get(os.getpid())
     if forker is None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker.client import BrokerAddress
-from broker.mosquitto import MosquittoError, free_port, wait_for_port
+from broker.mosquitto import MosquittoError, free_port, popen_tied, wait_for_port
 from coordinator.db.registry import DeviceExistsError, DeviceRegistry
 from coordinator.runtime.service import Coordinator, configured_target
 from coordinator.stack import (
@@ -56,14 +56,11 @@ class ChildProcess:
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        """In a session of its own (a Ctrl-C is ours to pass on, in order), and sent SIGTERM if
+        this process ends without stopping it (SIGKILL included), so that it stops as on Ctrl-C
+        instead of running on with nobody to stop it."""
         with self.log_path.open("ab") as log_file:
-            self.process = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            self.process = popen_tied(self.argv, log=log_file, env=self.env, start_new_session=True)
 
     @property
     def pid(self) -> int:
