@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -131,6 +132,19 @@ class DeviceTopicPlugin(BaseTopicPlugin):
 _AUTHENTICATED = "_specfleet_authenticated"
 
 
+class _WalkedWhileChanging(dict[str, list[tuple[Session, int]]]):
+    """amqtt's subscription table, walked over a snapshot: amqtt awaits inside its walks (a
+    broadcast awaits the topic check of each subscriber, a resumed session each retained
+    message), so a client that subscribed meanwhile changed the table under the walk, and the
+    broadcast died with 'dictionary changed size during iteration', its message lost."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(super().__iter__()))
+
+    def items(self) -> Any:  # a list, not a live view
+        return list(super().items())
+
+
 class BindingBroker(Broker):
     """amqtt with credentials checked before any session is touched, and client ids bound to
     usernames (Mosquitto does the same with `use_username_as_clientid`).
@@ -141,6 +155,11 @@ class BindingBroker(Broker):
     table, and an accepted one gets the id `bound_client_id(username, id)`. Several processes
     may still share one account (verifiers of the quickstart), each under its own id.
     """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        table = self._subscriptions  # type: ignore[has-type]  # amqtt's, typed there
+        self._subscriptions = _WalkedWhileChanging(table)
 
     async def _initialize_client_session(
         self, reader: ReaderAdapter, writer: WriterAdapter, remote_address: str, remote_port: int
