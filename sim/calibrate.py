@@ -90,6 +90,7 @@ class RecordedRound:
     t_draft_ms: float | None
     t_verify_ms: float | None = None
     pass_rows: int | None = None  # the rows of its pass, where the round records them
+    t_queue_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def read_database(
                         row.t_draft_ms,
                         row.t_verify_ms,
                         _pass_rows(policy),
+                        row.t_queue_ms,
                     )
                 )
             passes = [
@@ -449,6 +451,36 @@ def fit_run_cost(passes: Sequence[tuple[str | None, int, int, float]]) -> tuple[
     return tuple(full)
 
 
+def fit_emulated_link(
+    rounds: Iterable[RecordedRound], documents: Sequence[dict[str, Any]], service_ms: float
+) -> float | None:
+    """What `bench adaptive`'s emulated links add to a distributed round beyond their profile's
+    RTT (the userspace netem proxy, on the benchmark's shared host): the median over its
+    device-drafted rounds (a session's first left out) of the agent's wait less the pass, the
+    queue, the profile's RTT and the median service time of a round on loopback."""
+    from netem.profiles import PROFILES
+
+    by_round = {(r.session_id.replace("-", ""), r.round_index): r for r in rounds}
+    extra: list[float] = []
+    for document in documents:
+        if document.get("benchmark") != "adaptive":
+            continue
+        blip = str(document.get("settings", {}).get("blip_profile", "wifi"))
+        for s in document.get("sessions", []):
+            phase = "wifi" if s.get("phase") == "blip" else str(s.get("phase"))
+            profile = PROFILES.get(blip if s.get("phase") == "blip" else phase)
+            if profile is None:
+                continue
+            rtt = profile.up.latency_ms + profile.down.latency_ms
+            sid = str(s.get("session_id") or "").replace("-", "")
+            for i, wait in enumerate(s.get("wait_ms", [])):
+                r = by_round.get((sid, i))
+                if i == 0 or r is None or r.mode != "distributed" or r.t_verify_ms is None:
+                    continue
+                extra.append(wait - r.t_verify_ms - (r.t_queue_ms or 0.0) - rtt - service_ms)
+    return max(0.0, statistics.median(extra)) if len(extra) >= 10 else None
+
+
 def fit_host_speed(
     profile: VerifierProfile, passes: Sequence[tuple[str | None, int, int, float]]
 ) -> dict[str, float]:
@@ -525,7 +557,10 @@ def calibrate(
             unfit.append("session open time: no single-session level in the JSON")
     unfit.append("coordinator time per streamed round: not separable here (0.5 ms used)")
     timed = run_passes(rounds, documents)
-    model = fit_run_cost(timed)
+    # The shape of the cost from bench e2e's passes where there are enough (they span 1 to 32
+    # rows; bench adaptive's, 1 to 3), its level in each run from that run's own (host_speed).
+    e2e_timed = [p for p in timed if p[0] is not None and p[0].startswith("e2e ")]
+    model = fit_run_cost(e2e_timed) or fit_run_cost(timed)
     if model is not None:
         a, b, c = model
         profile = profile.model_copy(
@@ -546,6 +581,12 @@ def calibrate(
     else:
         unfit.append("the run's own pass costs: no host-stream round recorded one (profile as is)")
     host_speed = fit_host_speed(profile, [*timed, *plain_passes(documents)])
+    if any(d.get("benchmark") == "adaptive" for d in documents):
+        emulated = fit_emulated_link(rounds, documents, statistics.median(service))
+        if emulated is not None:
+            values["emulated_link_ms"] = emulated
+        else:
+            unfit.append("emulated link: under 10 device-drafted rounds in bench adaptive (0 used)")
     if documents and not host_speed:
         unfit.append("host speed per run: no run of the JSON had 5 passes to time (1.0 used)")
     return Calibration(

@@ -98,6 +98,7 @@ class Link:
         else:
             self.up, self.down = PROFILES[spec.profile].up, PROFILES[spec.profile].down
         self.rng = rng
+        self.extra_ms = 0.0  # each way, beyond the profile (a network emulator's own cost)
         self._outage_ms = spec.outage_s * 1e3
         self._outage_start = self._next_outage(0.0)
         self.reconnect_ms = 0.0  # after an outage, until messages flow again
@@ -136,7 +137,7 @@ class Link:
             self.reconnect_ms = 0.0
         if now >= self._outage_start:  # cut: it goes when the link is back and reconnected
             now = self._outage_start + self._outage_ms + self.reconnect_ms
-        ms = shape.latency_ms + self.rng.uniform(-shape.jitter_ms, shape.jitter_ms)
+        ms = shape.latency_ms + self.extra_ms + self.rng.uniform(-shape.jitter_ms, shape.jitter_ms)
         if shape.rate_kbit_s:
             ms += MESSAGE_BYTES * 8 / shape.rate_kbit_s
         while self.spec.loss and self.rng.random() < self.spec.loss:

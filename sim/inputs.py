@@ -103,6 +103,10 @@ class Calibration(_Strict):
     # After the agent's MQTT client is connected again (its back-off is broker/client.py's),
     # until its session's rounds flow again: the resume.
     reconnect_ms: Ms = 0.0
+    # What bench adaptive's emulated links (a userspace netem proxy per agent, on the
+    # benchmark's shared host) add to a round trip beyond their profile; `sim validate` adds it
+    # to those links. Field links have no proxy: plans leave it out.
+    emulated_link_ms: Ms = 0.0
     # Per benchmark run (`e2e xN`, `adaptive PHASE`): its verifier passes' cost over the
     # calibrated one, the shared host's speed while it ran; `sim validate` replays with it.
     host_speed: dict[str, PositiveMs] = Field(default_factory=dict)

@@ -285,6 +285,7 @@ def replay_adaptive(
     first = next(iter(work.values()))[0]
     for device in devices.values():
         device.link = Link(LinkSpec(profile="lan"), fleet.rng)
+        device.link.extra_ms = calibration.emulated_link_ms / 2
     warm = _Work(first.task, first.prompt_tokens, WARMUP_TOKENS)
     _wave(fleet, [(devices[name], warm, *_config_policy(name)) for name in configs])
     comparisons = []
@@ -296,6 +297,7 @@ def replay_adaptive(
             for device in devices.values():
                 profile = blip_profile if phase == "blip" else phase
                 device.link = Link(LinkSpec(profile=profile), fleet.rng)
+                device.link.extra_ms = calibration.emulated_link_ms / 2
         device = devices[config]
         speed = calibration.host_speed.get(f"adaptive {phase} {config}", 1.0)
         fleet.verifiers[0].speed = speed

@@ -129,3 +129,21 @@ def test_an_adaptive_replay_compares_every_configuration_in_every_phase() -> Non
     assert by["4g distributed:hybrid:4"] < by["lan distributed:hybrid:4"]
     assert by["blip distributed:hybrid:4"] < by["4g distributed:hybrid:4"]
     assert by["blip distributed:hybrid:4"] < 24 / 1.5
+
+
+def test_the_emulated_links_cost_is_what_rounds_waited_beyond_their_parts() -> None:
+    from sim.calibrate import RecordedRound, fit_emulated_link
+
+    rounds = [
+        RecordedRound(
+            "ab", i, "distributed", "hybrid", 2, 1, 4, 0.5, t_verify_ms=30.0, t_queue_ms=5.0
+        )
+        for i in range(12)
+    ]
+    # On 4G (30 ms each way) with a 10 ms service: a 140 ms wait leaves 140 - 30 - 5 - 60 - 10.
+    document = {
+        "benchmark": "adaptive",
+        "sessions": [{"session_id": "ab", "phase": "4g", "wait_ms": [500.0] + [140.0] * 11}],
+    }
+    assert fit_emulated_link(rounds, [document], service_ms=10.0) == pytest.approx(35.0)
+    assert fit_emulated_link(rounds[:5], [document], service_ms=10.0) is None
