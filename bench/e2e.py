@@ -572,6 +572,7 @@ class RunResult:
     # Per verify round (bus arms) or batched decode pass (plain serving): its sessions.
     batch_sizes: list[int] = field(default_factory=list)
     round_modes: dict[str, int] = field(default_factory=dict)  # bus arms: rounds by mode
+    pass_ms: list[float] = field(default_factory=list)  # plain serving: each decode pass's time
 
     @property
     def tokens(self) -> int:
@@ -616,7 +617,7 @@ class RunResult:
         return [v for v in (what(t) for t in self.timings) if not math.isnan(v)]
 
     def summary(self) -> dict[str, Any]:
-        document = {
+        document: dict[str, Any] = {
             "arm": self.config.arm,
             "drafter": self.config.drafter,
             "sessions": self.config.sessions,
@@ -633,6 +634,8 @@ class RunResult:
         }
         if self.config.on_bus:
             document |= self._bus_summary()
+        else:  # what `sim validate` replays plain serving's waves with
+            document |= {"batch_sizes": self.batch_sizes, "pass_ms": self.pass_ms}
         return document
 
     def _bus_summary(self) -> dict[str, Any]:
@@ -744,7 +747,7 @@ class PlainArm:
                 prompts, served.token_ids, served.passes, served.elapsed_s, strict=True
             )
         ]
-        return sessions, served.wall_s, served.batch_sizes
+        return sessions, served.wall_s, served.batch_sizes, served.pass_ms
 
 
 @dataclass
@@ -804,12 +807,13 @@ async def run_level(
                     result.sessions += await runner.bus_wave(config, wave, lambda: bar.update(1))
                     result.wall_s += time.perf_counter() - started
                 else:
-                    sessions, wall_s, batch_sizes = await runner.plain.wave(
+                    sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
                         wave, runner.args.max_tokens
                     )
                     result.sessions += sessions
                     result.wall_s += wall_s
                     result.batch_sizes += batch_sizes
+                    result.pass_ms += pass_ms
                     bar.update(len(wave))
     for result in results.values():
         if result.config.on_bus:

@@ -16,7 +16,7 @@ import multiprocessing
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -54,6 +54,7 @@ class ServedWave:
     elapsed_s: list[float]  # [sessions]: the wave's start until the session's last token
     wall_s: float  # the wave's start until its last session ended
     batch_sizes: list[int]  # [decode steps]: sessions in each batched pass
+    pass_ms: list[float] = field(default_factory=list)  # [decode steps]: each pass's time
 
     @property
     def passes(self) -> list[int]:
@@ -93,13 +94,16 @@ def serve_wave(
         logits = runtime.forward(ids, cache)  # [len(ids), vocab]
         commit(session, int(np.argmax(logits[-1])))
     batch_sizes: list[int] = []
+    pass_ms: list[float] = []
     while running:
         batch, running = running, []
         batch_sizes.append(len(batch))
+        t0 = time.perf_counter()
         rows = runtime.forward_batch([([generated[s][-1]], caches[s]) for s in batch])
+        pass_ms.append((time.perf_counter() - t0) * 1e3)
         for session, logits in zip(batch, rows, strict=True):
             commit(session, int(np.argmax(logits[-1])))
-    return ServedWave(generated, elapsed, max(elapsed), batch_sizes)
+    return ServedWave(generated, elapsed, max(elapsed), batch_sizes, pass_ms)
 
 
 @dataclass(frozen=True)
