@@ -15,7 +15,12 @@ from broker.client import BusConnectionError
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.events import EventLog
 from coordinator.db.models import DeviceKind, DeviceStatus
-from coordinator.db.registry import DeviceNotFoundError, DeviceRegistry, DeviceRetiredError
+from coordinator.db.registry import (
+    DeviceNotFoundError,
+    DeviceRegistry,
+    DeviceRetiredError,
+    TelemetryValue,
+)
 from coordinator.runtime.quotas import Quotas, RateLimiter
 
 log = logging.getLogger(__name__)
@@ -203,7 +208,7 @@ class Fleet:
             memory_percent=telemetry.memory_percent,
             battery_percent=telemetry.battery_percent,
             thermal_c=telemetry.thermal_c,
-            extra=_quarantine(telemetry),
+            extra=_snapshot_extra(telemetry),
         )
         # Telemetry proves the device is alive; if presence had timed out, it is back.
         await self._registry_call(self.registry.mark_online, device_id, at)
@@ -326,8 +331,14 @@ class Fleet:
             log.warning("ignored a message for %s", exc)
 
 
-def _quarantine(telemetry: m.Telemetry) -> dict[str, str] | None:
-    """The drafts the device quarantined, for its telemetry snapshot (the device page shows it)."""
-    if not telemetry.quarantined_drafts:
-        return None
-    return {"quarantined_drafts": ", ".join(telemetry.quarantined_drafts)}
+def _snapshot_extra(telemetry: m.Telemetry) -> dict[str, TelemetryValue] | None:
+    """What the device page shows beside the standard readings, for the telemetry snapshot: the
+    drafts the device quarantined, the memory a new load may take, the drafts that do not fit."""
+    extra: dict[str, TelemetryValue] = {}
+    if telemetry.quarantined_drafts:
+        extra["quarantined_drafts"] = ", ".join(telemetry.quarantined_drafts)
+    if telemetry.memory_available_mb is not None:
+        extra["memory_available_mb"] = telemetry.memory_available_mb
+    if telemetry.drafts_over_memory:
+        extra["drafts_over_memory"] = ", ".join(telemetry.drafts_over_memory)
+    return extra or None

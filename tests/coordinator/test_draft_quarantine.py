@@ -1,4 +1,5 @@
-"""A device's quarantined drafts reach its telemetry snapshot, which the device page shows."""
+"""A device's quarantined drafts and its memory (the MB free, the drafts over it) reach its
+telemetry snapshot, which the device page shows."""
 
 from __future__ import annotations
 
@@ -56,22 +57,27 @@ def test_quarantined_drafts_are_kept_with_the_device_s_telemetry_and_cleared_wit
             raw_device(mosquitto.url, f"dev-{secrets.token_hex(4)}") as device,
         ):
             snapshots = []
-            for cpu, quarantined in (
-                (10.0, ("draft-l1", "draft-l2-tflite")),
-                (11.0, None),
+            for cpu, quarantined, over in (
+                (10.0, ("draft-l1", "draft-l2-tflite"), ("draft-l2",)),
+                (11.0, None, None),
             ):
                 telemetry = m.Telemetry(
                     device_id=device.device_id,
                     at=time.time(),
                     cpu_percent=cpu,
                     quarantined_drafts=quarantined,
+                    memory_available_mb=100.0 if over else None,
+                    drafts_over_memory=over,
                 )
                 snapshots.append(await snapshot_after(coordinator, device, telemetry))
             return snapshots
 
     quarantined, cleared = asyncio.run(main())
     assert quarantined["quarantined_drafts"] == "draft-l1, draft-l2-tflite"
-    assert "quarantined_drafts" not in cleared  # the snapshot is the latest report only
+    assert quarantined["memory_available_mb"] == 100.0
+    assert quarantined["drafts_over_memory"] == "draft-l2"
+    for key in ("quarantined_drafts", "memory_available_mb", "drafts_over_memory"):
+        assert key not in cleared  # the snapshot is the latest report only
 
 
 def test_telemetry_refuses_a_malformed_quarantine_list() -> None:
