@@ -212,7 +212,8 @@ EXAMPLES: dict[str, str] = {
             --profile bench-results/cpu-profile.json --bench-json bench-results/e2e.json
     """,
     "specfleet sim validate": """
-        specfleet sim validate --e2e bench-results/e2e.json
+        specfleet sim validate --measure bench-results/sim-run --json bench-results/validate.json
+        specfleet sim validate --e2e bench-results/e2e.json --adaptive bench-results/adaptive.json
     """,
     "specfleet sim run": """
         specfleet sim run --fleet sim/examples/pi-4g-fleet.toml \\
