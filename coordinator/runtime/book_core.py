@@ -75,6 +75,9 @@ class BookCore:
         # Drafts on demand: sends a device the draft a session asked for and it lacks.
         self.fetches: DraftFetches | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # A shared fleet's fence: whether this coordinator may still act for a device (its
+        # shard's lock is held on a live connection). Alone, it always may.
+        self.acts_for: Callable[[str], bool] = lambda _device_id: True
 
     @property
     def eos_id(self) -> int:

@@ -316,6 +316,11 @@ class RoundPipeline(DirectRounds):
         self._choose_next(live, row, result, provisional)
         generated = live.generated + kept
         status = SessionStatus.FINISHED if finished else SessionStatus.ACTIVE
+        if not self.acts_for(live.device_id):
+            # Fenced: the shard's lock may be another coordinator's now; its new owner answers
+            # the re-sent draft (nothing was stored or published here).
+            log.warning("round %d of %s dropped: shard lock lost", row.round_index, live.id)
+            return False
         if not await self._persist(live, row, generated, status, downlink_ms):
             return False
         live.generated = generated

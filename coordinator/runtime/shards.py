@@ -8,6 +8,14 @@ keepalive), with no lease clock to tune and no table to migrate. The survivors c
 their next step and rebuild those shards' sessions from the database, as a restarted coordinator
 does.
 
+Fencing: a lock held by a connection is only as good as that connection. When the server ends
+it (a restart, pg_terminate_backend, a dead network seen by keepalives), the lock is free for a
+peer at once, while this process learns it only when it next speaks on the connection. So
+`owns()` looks at the idle lock connection's socket before answering: the server's farewell (an
+error, then end of file) makes it readable, and from that moment this coordinator stops acting
+for every shard (no round is persisted or published for them) until its next step gives them up
+and claims afresh on a new connection.
+
 Sharing is fair: each coordinator also holds one presence lock, so every one knows how many
 share the fleet and claims up to its share; one holding more than its share hands the extra
 shards back, after their sessions' in-flight work is done.
@@ -16,9 +24,12 @@ shards back, after their sessions' in-flight work is done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
+import select
+import threading
 import zlib
 from collections.abc import Awaitable, Callable
 
@@ -80,9 +91,38 @@ class ShardLeases:
         self.held: set[int] = set()
         self._presence_key = secrets.randbits(31)
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        # Held while a thread speaks on the lock connection (its socket is then busy by design).
+        self._io = threading.Lock()
+        self._fenced = False
+        self._wake = asyncio.Event()
 
     def owns(self, device_id: str) -> bool:
-        return shard_of(device_id) % self.n_shards in self.held
+        """Whether this coordinator may act for the device now: its shard is held and the lock
+        connection has not been ended by the server (the fence)."""
+        return shard_of(device_id) % self.n_shards in self.held and self.lock_connection_alive()
+
+    def lock_connection_alive(self) -> bool:
+        """False once the server has ended the lock connection: an idle connection that never
+        LISTENs has nothing to read unless the server said goodbye. While a step is talking on
+        it, that step finds a break itself (and gives the shards up)."""
+        if self._fenced:
+            return False
+        conn = self._conn
+        if conn is None or conn.closed:
+            return False
+        if not self._io.acquire(blocking=False):
+            return True
+        try:
+            readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            readable = [True]
+        finally:
+            self._io.release()
+        if readable:
+            log.warning("shard locks: the lock connection was ended; acting for no shard")
+            self._fenced = True
+            self._wake.set()  # give the shards up now rather than at the next step
+        return not readable
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
         """Claim, balance and renew until cancelled; `ready`: wait for the bus first, so that
@@ -92,11 +132,18 @@ class ShardLeases:
         try:
             while True:
                 await self.step()
-                await asyncio.sleep(self.step_s)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.step_s)
         finally:
             await asyncio.to_thread(self._close)
 
     async def step(self) -> None:
+        if self.held and not self.lock_connection_alive():
+            await self._lose(frozenset(self.held))
+        if self._fenced:
+            await asyncio.to_thread(self._close)
+            self._fenced = False
         try:
             release, claimable = await asyncio.to_thread(self._plan)
         except psycopg.Error as exc:
@@ -139,6 +186,10 @@ class ShardLeases:
         return self._conn
 
     def _plan(self) -> tuple[frozenset[int], list[int]]:
+        with self._io:
+            return self._plan_on_connection()
+
+    def _plan_on_connection(self) -> tuple[frozenset[int], list[int]]:
         """Shards to hand back (over our share) and shards to try (free, up to our share)."""
         conn = self._connection()
         rows = conn.execute(
@@ -156,22 +207,25 @@ class ShardLeases:
         return frozenset(), free[: share - len(self.held)]
 
     def _lock(self, shards: list[int]) -> list[int]:
-        conn = self._connection()
-        gained = []
-        for shard in shards:
-            row = conn.execute(
-                "SELECT pg_try_advisory_lock(%s, %s)", (SHARD_LOCKS, shard)
-            ).fetchone()
-            if row is not None and row[0]:
-                gained.append(shard)
-        return gained
+        with self._io:
+            conn = self._connection()
+            gained = []
+            for shard in shards:
+                row = conn.execute(
+                    "SELECT pg_try_advisory_lock(%s, %s)", (SHARD_LOCKS, shard)
+                ).fetchone()
+                if row is not None and row[0]:
+                    gained.append(shard)
+            return gained
 
     def _unlock(self, shards: frozenset[int]) -> None:
-        conn = self._connection()
-        for shard in shards:
-            conn.execute("SELECT pg_advisory_unlock(%s, %s)", (SHARD_LOCKS, shard))
+        with self._io:
+            conn = self._connection()
+            for shard in shards:
+                conn.execute("SELECT pg_advisory_unlock(%s, %s)", (SHARD_LOCKS, shard))
 
     def _close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        with self._io:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None

@@ -64,12 +64,49 @@ def test_shards_are_shared_disjointly_and_taken_over(create_pg_database: Callabl
     assert found["after"] == everything
 
 
+async def _fenced_when_the_lock_connection_ends(url: str) -> dict[str, object]:
+    """The server ends a's lock connection; b takes the freed shard. From then on a must not
+    act for it, before any step of its own has run."""
+    import psycopg
+
+    from coordinator.runtime.shards import _libpq_url
+
+    a, b = Holder(url), Holder(url)
+    await a.leases.step()
+    device = "pi-01"
+    owned_before = a.leases.owns(device)
+    assert a.leases._conn is not None
+    pid = a.leases._conn.info.backend_pid
+    with psycopg.connect(_libpq_url(url), autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    async with asyncio.timeout(10):
+        while not b.leases.owns(device):
+            await b.leases.step()
+            await asyncio.sleep(0.05)
+    # Both may not act for it at once: a's fence holds without a step of its own.
+    both = [a.leases.owns(device) for _ in range(20) if not await asyncio.sleep(0.05)]
+    await a.leases.step()  # a gives its shards up, then shares afresh on a new connection
+    released = set().union(*a.released)
+    a.leases._close()
+    b.leases._close()
+    return {"before": owned_before, "old_owner_acts": any(both), "released": released}
+
+
+def test_the_old_owner_stops_acting_when_its_lock_connection_ends(
+    create_pg_database: Callable[[], str],
+) -> None:
+    found = asyncio.run(_fenced_when_the_lock_connection_ends(create_pg_database()))
+    assert found == {"before": True, "old_owner_acts": False, "released": set(range(N_SHARDS))}
+
+
 def test_ownership_follows_the_device_shard(create_pg_database: Callable[[], str]) -> None:
     holder = Holder(create_pg_database())
+    asyncio.run(holder.leases.step())  # the lock connection is up
     holder.leases.held = {shard_of("pi-01")}
     assert holder.leases.owns("pi-01")
     assert not holder.leases.owns(next(d for d in (f"pi-{i}" for i in range(99))
                                        if shard_of(d) != shard_of("pi-01")))  # fmt: skip
+    holder.leases._close()
 
 
 def test_sqlite_cannot_share_a_fleet(sqlite_url: str) -> None:
