@@ -319,8 +319,17 @@ class Coordinator:
         await self.shards.run(ready=self.connected)
 
     async def _take_shards(self, shards: frozenset[int]) -> None:
-        """Shards just locked: their active sessions come back from the database, and their
-        devices are told where each stands (a draft sent to the old owner is re-sent)."""
+        """Shards just locked: their devices' presence is asked of the broker again (the
+        retained status of every device comes back on a new subscription, and this coordinator
+        now answers those of its new shards), their active sessions come back from the
+        database, and their devices are told where each stands (a draft sent to the old owner is
+        re-sent)."""
+        client = self._client
+        if client is not None:
+            try:
+                await client.subscribe(device_subscription(DeviceChannel.STATUS))
+            except BusConnectionError as exc:  # the reconnect subscribes afresh
+                log.warning("could not ask for the status of taken-over devices: %s", exc)
         rebuilt = await self.book.rebuild(lambda device_id: shard_of(device_id) in shards)
         if rebuilt:
             log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))

@@ -4,6 +4,7 @@ after the handler is done with them, and taken over when a holder's connection d
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 from coordinator_rig import raw_device, rig_settings, running_coordinator
 
-from broker.topics import DeviceChannel
+from broker.topics import DeviceChannel, device_topic
 from coordinator.runtime.shards import N_SHARDS, ShardLeases, ShardsUnavailable, shard_of
 
 
@@ -175,3 +176,54 @@ def test_a_command_from_a_coordinator_that_does_not_own_the_device_is_acked(
 ) -> None:
     found = asyncio.run(_command_from_the_other_coordinator(create_pg_database(), tmp_path))
     assert found == {"ack": True, "owned_by_second": False}
+
+
+async def _presence_at_takeover(url: str, tmp_path: Path) -> dict[str, Any]:
+    """A device announced itself (retained status) before a coordinator held its shard: the
+    coordinator that takes the shard knows it at once, without waiting for its next message."""
+    from broker import messages as m
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+    from coordinator.db.models import DeviceStatus
+    from coordinator.db.registry import DeviceNotFoundError
+
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    device_id = "pi-presence"
+    with PrivateMosquitto() as broker:
+        async with raw_device(broker.url, device_id) as device:
+            status = m.Status(device_id=device_id, state=m.DeviceState.ONLINE, at=time.time(),
+                              kind="phone", drafts=("ngram",), keepalive_s=7)  # fmt: skip
+            await device.client.publish(
+                device_topic(device_id, DeviceChannel.STATUS), m.encode(status), retain=True
+            )
+            settings = rig_settings(tmp_path / "c", engine, broker.url)
+            settings = settings.model_copy(update={"shared_fleet": True})
+            async with running_coordinator(settings, engine) as coordinator:
+                assert coordinator.shards is not None
+                async with asyncio.timeout(30):
+                    while not coordinator.shards.owns(device_id):
+                        await asyncio.sleep(0.1)
+                known = None
+                for _ in range(50):  # 5 s: far less than any keepalive or telemetry period
+                    try:
+                        found = await asyncio.to_thread(coordinator.registry.get, device_id)
+                    except DeviceNotFoundError:
+                        found = None
+                    if found is not None and found.status is DeviceStatus.ONLINE:
+                        known = found
+                        break
+                    await asyncio.sleep(0.1)
+                return {
+                    "online": known is not None,
+                    "drafts": list(known.installed_models) if known else [],
+                    "keepalive_s": coordinator.fleet._keepalive_s.get(device_id),
+                }
+
+
+def test_a_taken_over_device_is_known_at_takeover(
+    create_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    found = asyncio.run(_presence_at_takeover(create_pg_database(), tmp_path))
+    assert found == {"online": True, "drafts": ["ngram"], "keepalive_s": 7}
