@@ -113,7 +113,11 @@ class PassCost:
         nearest = sorted(seen, key=lambda t: (abs(t - positions), t))[:2]
         if len(nearest) == 1:  # one point of this B: the fit's slope from it
             t = nearest[0]
-            return seen[t] + self.fitted(rows, positions) - self.fitted(rows, t)
+            slope = seen[t] + self.fitted(rows, positions) - self.fitted(rows, t)
+            # Below the point, a fit steeper than the point (passes that waited on a loaded
+            # host pulled it up) went negative: -926 ms, which stopped a verifier. The point
+            # scaled by the fit's ratio stays positive; the prediction is never below it.
+            return max(slope, seen[t] * self.fitted(rows, positions) / self.fitted(rows, t))
         (t1, t2) = sorted(nearest)
         slope = max(0.0, (seen[t2] - seen[t1]) / (t2 - t1))
         return max(seen[t1] + slope * (positions - t1), 1e-3)

@@ -526,14 +526,24 @@ class VerifierWorker:
             if turn:
                 fixed = [len(p.request.tokens) or (p.request.cloud_k or 0) for p in batch]
                 fixed += [stream.cap for stream in turn if not stream.adaptive]
-                choice = self.goodput.choose(
-                    [stream.row() for stream in turn if stream.adaptive], fixed
-                )
+                choice = self._choose(turn, fixed)
             self._in_flight = batch
             try:
                 await self._verify(batch, turn, choice)
             finally:
                 self._in_flight = []
+
+    def _choose(self, turn: list[HostStream], fixed: list[int]) -> PassChoice:
+        """The pass's window; plain, with the reason, when the cost model cannot say (a choice
+        that fails must not stop the verifier)."""
+        rows = [stream.row() for stream in turn if stream.adaptive]
+        try:
+            return self.goodput.choose(rows, fixed)
+        except Exception as exc:
+            log.exception("goodput control failed; this pass runs plain")
+            return PassChoice(
+                k=0, rows=len(turn) + len(fixed), reason=f"k=0: goodput control failed: {exc}"[:256]
+            )
 
     async def _verify(
         self, batch: list[_Pending], turn: list[HostStream], choice: PassChoice | None

@@ -146,3 +146,21 @@ def test_unseen_deep_positions_inherit_the_rate_before_them() -> None:
     assert rates[0] == pytest.approx(0.5, abs=0.02) and rates[1] > 0.95
     assert all(rate > 0.95 for rate in rates[2:])
     assert stats.expected_tokens(8, prior=0.5) > 4.5
+
+
+def test_a_shape_with_one_point_below_a_steep_fit_is_predicted_positive() -> None:
+    """One 16-row shape seen cheap, then passes on a loaded host that steepen the fit: below that
+    point, the fit's slope alone predicted a negative cost (-926 ms stopped a verifier)."""
+    cost = PassCost()
+    cost.observe(16, 5, 200.0)
+    for _ in range(40):
+        for shape, pass_ms in (((8, 1), 200.0), ((8, 9), 3000.0), ((32, 1), 400.0)):
+            cost.observe(*shape, pass_ms)
+        cost.observe(32, 9, 9000.0)
+    assert cost.fitted(16, 5) - cost.fitted(16, 1) > 200.0  # the slope alone would go below 0
+    predicted = cost.predict(16, 1)
+    assert 0.0 < predicted <= 200.0
+    choice = GoodputControl()
+    choice.cost = cost
+    picked = choice.choose([StreamRow("hybrid", "chat", 4, 0.5)] * 16, [])
+    assert picked.cost_ms > 0 and all(g < float("inf") for g in picked.goodput.values())
