@@ -8,8 +8,9 @@ tightest of the agent's cgroup and its ancestors). `proc_root` and `sys_root` ar
 What a draft costs resident is estimated from its manifest: the model file times
 RESIDENT_FACTOR (ONNX Runtime widens fp16 weights and keeps an arena; LiteRT maps the file and
 grows its buffers on the first passes), plus the KV cache of KV_CONTEXT_TOKENS positions in
-fp32, plus an interpreter when the draft runs in a child process of its own. A draft is
-admitted when that plus the margin fits.
+fp32, plus an interpreter when the draft runs in a child process of its own
+(inference.resident, which the coordinator's policy uses too). A draft is admitted when that
+plus the margin fits.
 
 `StandInProposer` is what a session drafts with while the drafter it asked for cannot run: not
 on this device yet (being fetched), or too big for the memory free now. The copying fallback
@@ -24,27 +25,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from device_agent.draft_supervisor import SupervisedProposer
 from inference.proposers import Candidates, HybridProposer, Proposer
+from inference.resident import MB as MB  # the agent's and its tests' unit
+from inference.resident import resident_bytes as resident_bytes  # the catalog's estimate
 
 log = logging.getLogger(__name__)
 
 PROC = Path("/proc")
 SYS = Path("/sys")
-MB = 1024 * 1024
-# Measured here (draft-l1 / draft-l2 on ONNX Runtime 1.x, CPU): 105 / 161 MB resident after the
-# load for 42 / 54 MB files, 108 / 171 MB after 500 positions; LiteRT reached 138 MB for
-# draft-l2 after the same passes. 3x the file covers both.
-RESIDENT_FACTOR = 3.0
-# The KV cache a session of up to this many positions (prompt and answer) holds, fp32.
-KV_CONTEXT_TOKENS = 2048
-# A draft child process: Python with numpy and the runtime imported (54 MB measured), before
-# the model.
-CHILD_PROCESS_BYTES = 56 * MB
 # A stand-in looks at most this often whether its drafter can run now (a look reads /proc).
 STAND_IN_LOOK_EVERY_S = 0.5
 
@@ -122,20 +114,6 @@ def read_memory(proc_root: Path = PROC, sys_root: Path = SYS) -> MemoryReading:
     if room is not None and (available is None or room < available):
         return MemoryReading(room, "cgroup")
     return MemoryReading(available, "meminfo" if available is not None else "")
-
-
-def resident_bytes(manifest: Any, isolated: bool, context_tokens: int = KV_CONTEXT_TOKENS) -> int:
-    """The estimated resident cost of loading a draft or head from its manifest."""
-    config = manifest.config
-    per_position = (
-        2
-        * int(config.get("n_layers", 0))
-        * int(config.get("n_kv_heads", config.get("n_heads", 0)))
-        * int(config.get("head_dim", 0))
-        * 4
-    )
-    weights = int(manifest.size_bytes * RESIDENT_FACTOR)
-    return weights + per_position * context_tokens + (CHILD_PROCESS_BYTES if isolated else 0)
 
 
 @dataclass(frozen=True)

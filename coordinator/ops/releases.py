@@ -215,6 +215,16 @@ def _stored_manifest(path: Path, what: str) -> ModelManifest:
         raise ReleaseStoreError(f"{what}: the stored artifact is unusable ({exc})") from None
 
 
+def released_manifest(home: Path, name: str) -> ModelManifest | None:
+    """The manifest of `name`'s current release, None with no usable one."""
+    current = _read_index(home, name)["current"]
+    if current is None:
+        return None
+    entry = _read_index(home, name)["versions"][str(current)]
+    path = artifact_path(home, entry["sha256"])
+    return _stored_manifest(path, f"{name} {current}") if path.is_file() else None
+
+
 def rollback_release(home: Path, name: str, version: int) -> StoredRelease:
     """Sign a rollback of `name` from its current version to the older, stored `version`."""
     index = _read_index(home, name)

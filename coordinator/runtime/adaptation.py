@@ -107,4 +107,9 @@ class AdaptiveBook(BookCore):
             host_drafts=self.host_drafts() if m.Mode.CLOUD in live.modes else (),
             plain=m.Mode.PLAIN in live.modes or m.Mode.CLOUD in live.modes,
         )
+        if decision.fetch is not None and self.fetches is not None:
+            # Drafts on demand, asked by the policy: the session drafts on with what the device
+            # has; the drafter is rated with those once the device's status lists it.
+            self.policy.wants.fetching(live.device_id, decision.fetch)
+            log.info("session %s: %s", live.id, self.fetches.want(live.device_id, decision.fetch))
         return decision.policy, decision.to_json()

@@ -101,6 +101,8 @@ class Decision:
     reason: str
     # The device limit that kept drafting off it (too hot, battery low, power saver), if any.
     device_limit: str | None = None
+    # A drafter the device lacks, rated better than what it has: to be fetched for it.
+    fetch: str | None = None
 
     @property
     def policy(self) -> m.Policy:

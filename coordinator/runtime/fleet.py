@@ -38,6 +38,7 @@ Publish = Callable[[str, bytes], Awaitable[None]]
 RttObserver = Callable[[str, float], None]  # (device id, RTT in ms)
 DraftsObserver = Callable[[str, Sequence[str]], None]  # (device id, drafts installed)
 TelemetryObserver = Callable[[str, m.Telemetry], None]  # (device id, its latest telemetry)
+KindObserver = Callable[[str, str], None]  # (device id, its class: Status.kind)
 
 
 def utcnow() -> datetime:
@@ -136,6 +137,7 @@ class Fleet:
         # Who else learns from presence and telemetry (the adaptive policy).
         self.rtt_observers: list[RttObserver] = []
         self.drafts_observers: list[DraftsObserver] = []
+        self.kind_observers: list[KindObserver] = []
         self.telemetry_observers: list[TelemetryObserver] = []
         self.telemetry_limit = RateLimiter(quotas.telemetry_per_s, quotas.telemetry_burst)
         self._refusal_replies = RateLimiter(1.0 / REFUSAL_REPLY_INTERVAL_S, 1)
@@ -164,8 +166,11 @@ class Fleet:
                 await self._registry_call(
                     self.registry.set_installed_models, device_id, status.drafts
                 )
-                for observe_drafts in self.drafts_observers:
-                    observe_drafts(device_id, status.drafts)
+            for observe_kind in self.kind_observers:
+                observe_kind(device_id, status.kind)
+            # None installed is news too: the policy then knows every release is missing there.
+            for observe_drafts in self.drafts_observers:
+                observe_drafts(device_id, status.drafts)
         else:
             await self._registry_call(
                 self.registry.mark_offline, device_id, now, status.reason or "offline"

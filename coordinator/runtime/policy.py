@@ -48,6 +48,7 @@ from coordinator.runtime.decisions import (
     spare_the_device,
 )
 from coordinator.runtime.device_conditions import DeviceCondition
+from coordinator.runtime.draft_wants import DraftWants
 from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
@@ -64,35 +65,25 @@ from coordinator.runtime.round_model import (
 
 BUILTIN_DRAFTS = ("lookup", "ngram", "hybrid")  # inference.drafters.BUILTIN_DRAFTERS
 
-
 SWITCH_MARGIN = 1.1  # another draft must promise 10% more tokens/s before we switch to it
 
-
 REFUSED_AFTER_ROUNDS = 3  # rounds a device may keep its old draft after we asked for another
-
 
 # Rounds of a host stream between two decisions on whether it should leave the host: its window
 # is the verifier's choice pass by pass, and a decision costs ~0.4 ms of the coordinator.
 STREAM_DECISION_EVERY = 8
 
-
 HOST = "@host"  # the verifier host, where cloud rounds are drafted, in the draft-cost table
-
 
 TIME_DECAY = 0.8
 
-
 PRIOR_DRAFT_MS_PER_TOKEN = {"lookup": 0.05, "ngram": 0.1, "hybrid": 0.2}
-
 
 PRIOR_NEURAL_DRAFT_MS_PER_TOKEN = 8.0
 
-
 PRIOR_RTT_MS = 20.0
 
-
 PRIOR_QUEUE_MS = 1.0
-
 
 # Below this draft confidence (the draft's own top probability) the agent stops the window.
 MIN_CONFIDENCE = 0.3
@@ -153,6 +144,7 @@ class AdaptivePolicy:
         self._over_memory: dict[str, tuple[tuple[str, ...], float | None]] = {}
         # device -> draft -> why its fetch failed (drafts on demand), while it backs off
         self._fetch_failed: dict[str, dict[str, str]] = {}
+        self.wants = DraftWants()  # drafters devices lack that the fleet can deliver
 
     # --- what we learn --------------------------------------------------------------------
 
@@ -160,10 +152,13 @@ class AdaptivePolicy:
         """The drafts a device reports installed (its status message)."""
         self._device_drafts[device_id] = tuple(drafts)
         self._refused.pop(device_id, None)
+        self.wants.installed(device_id, drafts)
 
     def observe_telemetry(self, device_id: str, telemetry: m.Telemetry) -> None:
         """Heat, power and memory from the device's telemetry (its RTT comes through
         observe_rtt)."""
+        if telemetry.memory_available_mb is not None:
+            self.wants.free_mb[device_id] = telemetry.memory_available_mb
         if telemetry.drafts_over_memory:
             self._over_memory[device_id] = (
                 telemetry.drafts_over_memory,
@@ -189,6 +184,7 @@ class AdaptivePolicy:
             failed.pop(draft, None)
         else:
             failed[draft] = reason
+            self.wants.failed(device_id, draft)
 
     def memory_note(self, device_id: str) -> str | None:
         """Which of the device's drafts its free memory leaves out, or None."""
@@ -222,6 +218,9 @@ class AdaptivePolicy:
             fill = self._fill.setdefault((round_.device_id, round_.draft_model), ProposalLength())
             fill.update(round_.window, round_.k)
         cloud = round_.mode in m.HOST_MODES
+        if round_.mode is not m.Mode.PLAIN:
+            per_token = round_.t_draft_ms / round_.k if round_.k > 0 and not cloud else None
+            self.wants.observe(round_, per_token)
         if round_.k > 0:
             self._draft_cost(HOST if cloud else round_.device_id, round_.draft_model).update(
                 round_.t_draft_ms / round_.k, TIME_DECAY
@@ -265,8 +264,17 @@ class AdaptivePolicy:
         return self._rtt_ms.setdefault(device_id, Ewma(PRIOR_RTT_MS))
 
     def _draft_cost(self, device_id: str, draft: str) -> Ewma:
+        key = (device_id, draft)
+        return self._draft_ms.get(key) or self._draft_ms.setdefault(key, Ewma(self._ms(*key)))
+
+    def _ms(self, device_id: str, draft: str) -> float:
+        """A token's draft cost: the device's own, else its class's, else the prior."""
+        cost = self._draft_ms.get((device_id, draft))
+        if cost is not None:
+            return cost.value
         prior = PRIOR_DRAFT_MS_PER_TOKEN.get(draft, PRIOR_NEURAL_DRAFT_MS_PER_TOKEN)
-        return self._draft_ms.setdefault((device_id, draft), Ewma(prior))
+        by_class = None if device_id == HOST else self.wants.class_cost(device_id, draft)
+        return prior if by_class is None else by_class
 
     # --- what we decide -------------------------------------------------------------------
 
@@ -281,6 +289,9 @@ class AdaptivePolicy:
                     accepted=sum(r.accepted for r in seen), tried=sum(r.tried for r in seen)
                 )
                 return pooled.alpha
+            fleet = self.wants.alpha(draft, task_type)  # what the fleet sees of it on the task
+            if fleet is not None:
+                return fleet
             # A draft this device never ran: what its other drafts see on this task, held as
             # lightly as the prior, so that a draft is tried on its merits, not on hope.
             device = [r for (_, t), r in rates.items() if t == task_type]
@@ -353,7 +364,7 @@ class AdaptivePolicy:
     ) -> Candidate:
         alpha = self.alpha(device_id, draft, task_type)
         cloud = mode is m.Mode.CLOUD
-        per_token = self._draft_cost(HOST if cloud else device_id, draft).value
+        per_token = self._ms(HOST if cloud else device_id, draft)
         fill = self._fill.get((device_id, draft))
         k, tokens, total_ms, drafted = self.best_window(
             alpha,
@@ -417,6 +428,14 @@ class AdaptivePolicy:
             m.Mode.PLAIN: plain_candidates,
         }
         limit = self.device_limit(device_id)
+        fixed = (rtt_ms, queue_ms, load)
+        wanted, wants_note = self.wants.wanted(
+            device_id,
+            self._device_drafts.get(device_id),
+            self._fetch_failed.get(device_id, {}),
+            distributed if limit is None else [],  # a device spared fetches nothing
+            lambda d: self._candidate(m.Mode.DISTRIBUTED, device_id, d, task_type, *fixed),
+        )
         if limit is not None:
             host = [*cloud, *plain_candidates]
             by_mode[m.Mode.DISTRIBUTED] = spare_the_device(distributed, host)
@@ -457,6 +476,8 @@ class AdaptivePolicy:
         memory = self.memory_note(device_id)
         if memory is not None:
             reason = f"{reason}; {memory}: not asked for"
+        if wants_note is not None:
+            reason = f"{reason}; {wants_note}"
         return Decision(
             mode=mode,
             draft_model=chosen.draft_model,
@@ -474,4 +495,5 @@ class AdaptivePolicy:
             candidates=(*by_mode[m.Mode.DISTRIBUTED], *cloud, *plain_candidates),
             reason=reason,
             device_limit=limit,
+            fetch=wanted,
         )

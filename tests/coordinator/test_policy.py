@@ -199,7 +199,9 @@ def test_alpha_is_kept_per_task_and_pooled_for_a_new_task() -> None:
     code, chat = policy.alpha(DEVICE, "lookup", "code"), policy.alpha(DEVICE, "lookup", "chat")
     assert code > 0.9 and chat < 0.1
     assert chat < policy.alpha(DEVICE, "lookup", "math") < code
-    assert policy.alpha("other-device", "lookup", "code") == pytest.approx(0.5)
+    # A device that never ran lookup: what the fleet sees of it on the task, else the prior.
+    assert policy.alpha("other-device", "lookup", "code") == pytest.approx(code)
+    assert policy.alpha("other-device", "lookup", "math") == pytest.approx(0.5)
 
 
 def test_switches_to_a_draft_that_pays_and_remembers_one_the_device_lacks() -> None:
