@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -31,6 +32,7 @@ from coordinator.db.events import EventLog
 from coordinator.db.models import SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from coordinator.runtime.draft_fetches import DraftFetches
+from coordinator.runtime.draft_wants import deliverable_drafts
 from coordinator.runtime.fleet import Fleet
 from coordinator.runtime.quotas import Quotas
 from coordinator.runtime.session_state import LiveSession
@@ -62,6 +64,10 @@ EXPECTED_ON_DEVICE_CHANNEL: dict[DeviceChannel, tuple[type[Any], ...]] = {
 }
 
 DeviceHandler = Callable[[str, Any], Awaitable[None]]
+
+# A close sent on to the session's owner (a shared fleet): how long its answer is waited for
+# before this coordinator closes the session itself (no coordinator held the device's shard).
+FORWARDED_CLOSE_WAIT_S = 5.0
 
 
 def configured_target(settings: Settings) -> TargetIdentity | None:
@@ -127,6 +133,11 @@ class Coordinator:
         self.fleet.rtt_observers.append(self.book.policy.observe_rtt)
         self.fleet.drafts_observers.append(self.book.policy.set_device_drafts)
         self.fleet.telemetry_observers.append(self.book.policy.observe_telemetry)
+        self.fleet.kind_observers.append(self.book.policy.wants.kinds.__setitem__)
+        # What drafts on demand can send, for the policy to rate on devices that lack it.
+        self.book.policy.wants.deliverable = deliverable_drafts(
+            settings.home, settings.resolved_models_dir
+        )
         self.book.fetches = DraftFetches(
             settings.home,
             settings.resolved_models_dir,
@@ -334,6 +345,25 @@ class Coordinator:
         if rebuilt:
             log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))
             await self.book.announce(rebuilt)
+
+    async def close_session(self, device_id: str, close: m.SessionClose) -> None:
+        """A close asked of this coordinator (the API's cancel), made by the session's owner:
+        in a shared fleet, the owner of another shard's device hears it on the device's session
+        topic, as if the device had closed it, so its copy in memory goes too (closing only the
+        row here left the owner answering drafts). Closed here after FORWARDED_CLOSE_WAIT_S if
+        the row is still active (no coordinator held the shard)."""
+        if self.shards is None or self.shards.owns(device_id):
+            await self.book.on_session_close(device_id, close)
+            return
+        await self.publish(device_topic(device_id, DeviceChannel.SESSION), m.encode(close))
+        deadline = time.monotonic() + FORWARDED_CLOSE_WAIT_S
+        while time.monotonic() < deadline:
+            stored = await asyncio.to_thread(self.book.store.load, close.session_id)
+            if stored is None or stored.status is not SessionStatus.ACTIVE:
+                return
+            await asyncio.sleep(0.1)
+        log.warning("no owner closed session %s of %s; closed here", close.session_id, device_id)
+        await self.book.on_session_close(device_id, close)
 
     async def _hand_back_shards(self, shards: frozenset[int]) -> None:
         """Before their locks go: let each session's round in flight finish, then forget it

@@ -123,7 +123,7 @@ class ServiceControl:
         if device_id is None:
             raise ControlError(f"no session {session_id}", status=404)
         close = m.SessionClose(session_id=str(session_id), reason=reason[:256])
-        await self._coordinator.book.on_session_close(device_id, close)
+        await self._coordinator.close_session(device_id, close)
         try:
             await self._coordinator.fleet.send_command(
                 device_id,

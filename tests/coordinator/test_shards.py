@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,14 @@ async def _share_then_take_over(url: str) -> dict[str, object]:
     await _steps(b, a, b, rounds=2)
     shared = (set(a.leases.held), set(b.leases.held))
     handed_back = set().union(*a.released)
-    # a dies: its connection closes, and PostgreSQL lets its locks go.
+    # a dies: its connection closes, and PostgreSQL lets its locks go (when its backend has
+    # exited, a moment after the close on a loaded host): b takes them on one of its steps.
     a.leases._close()
-    await _steps(b, rounds=2)
+    for _ in range(50):
+        await _steps(b, rounds=1)
+        if len(b.leases.held) == N_SHARDS:
+            break
+        await asyncio.sleep(0.1)
     taken_over = set(b.leases.held)
     b.leases._close()
     return {"alone": alone, "shared": shared, "handed_back": handed_back, "after": taken_over}
@@ -227,3 +233,68 @@ def test_a_taken_over_device_is_known_at_takeover(
 ) -> None:
     found = asyncio.run(_presence_at_takeover(create_pg_database(), tmp_path))
     assert found == {"online": True, "drafts": ["ngram"], "keepalive_s": 7}
+
+
+async def _cancel_from_the_other_coordinator(url: str, tmp_path: Path) -> dict[str, Any]:
+    """A session open on its owner; the other coordinator's API cancels it. The owner's copy in
+    memory must go with the row (else it answers the device's drafts on a cancelled session)."""
+    from broker import messages as m
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+    from coordinator.web.control import ServiceControl
+
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    half = N_SHARDS // 2
+    with PrivateMosquitto() as broker:
+        shared = [
+            rig_settings(tmp_path / name, engine, broker.url).model_copy(
+                update={"shared_fleet": True}
+            )
+            for name in ("owner", "other")
+        ]
+        async with (
+            running_coordinator(shared[0], engine) as owner,
+            running_coordinator(shared[1], engine) as other,
+        ):
+            assert owner.shards is not None and other.shards is not None
+            async with asyncio.timeout(30):
+                while (len(owner.shards.held), len(other.shards.held)) != (half, half):
+                    await asyncio.sleep(0.2)
+            device_id = next(f"pi-{i}" for i in range(99) if owner.shards.owns(f"pi-{i}"))
+            session_id = uuid.uuid4()
+            async with raw_device(broker.url, device_id) as device:
+                opened = m.SessionOpen(session_id=str(session_id), prompt="hi",
+                                       prompt_ids=(1, 2, 3), draft_model="lookup")  # fmt: skip
+                await device.send(DeviceChannel.SESSION, opened)
+                await device.reply(accept=lambda r: isinstance(r, m.SessionState))
+                live_before = str(session_id) in owner.book.live
+                await ServiceControl(other).cancel_session(
+                    session_id, reason="cancelled by an operator", actor="test"
+                )
+                told = await device.reply(
+                    accept=lambda r: isinstance(r, m.SessionState) and r.status != "active"
+                )
+                async with asyncio.timeout(5):
+                    while str(session_id) in owner.book.live:
+                        await asyncio.sleep(0.1)
+                stored = await asyncio.to_thread(owner.book.store.load, str(session_id))
+                return {
+                    "live_before": live_before,
+                    "owner_copy_gone": str(session_id) not in owner.book.live,
+                    "told": str(getattr(told, "status", "")),
+                    "stored": stored.status.value if stored else None,
+                }
+
+
+def test_a_cancel_from_a_coordinator_that_does_not_own_the_device_ends_the_owners_copy(
+    create_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    found = asyncio.run(_cancel_from_the_other_coordinator(create_pg_database(), tmp_path))
+    assert found == {
+        "live_before": True,
+        "owner_copy_gone": True,
+        "told": "cancelled",
+        "stored": "cancelled",
+    }
