@@ -70,6 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--k", type=int, default=4, help="draft window (default 4)")
     parser.add_argument(
+        "--round-interval-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="each session offers a round every MS (a device's draft time and link): the "
+        "offered rate is sessions x 1000 / MS rounds/s; 0 (default) drafts again at once, "
+        "which measures queueing at saturation rather than the per-round overhead",
+    )
+    parser.add_argument(
         "--alpha",
         type=float,
         default=0.8,
@@ -119,6 +128,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandError("--k must be in 1..64")
     if not 0.0 <= args.alpha <= 1.0:
         raise CommandError("--alpha must be in [0, 1]")
+    if not 0.0 <= args.round_interval_ms <= 60_000:
+        raise CommandError("--round-interval-ms must be in 0..60000")
 
 
 # --- the plan -----------------------------------------------------------------------------------
@@ -147,6 +158,7 @@ def make_plans(args: argparse.Namespace, answers_path: Path, n_answers: int) -> 
                 k=args.k,
                 alpha=args.alpha,
                 max_tokens=args.max_tokens,
+                round_interval_ms=args.round_interval_ms,
             )
         )
     return plans
@@ -243,6 +255,12 @@ def report(
         "rounds": rounds,
         "seconds": duration,
         "rounds_per_s": rounds / duration if rounds else 0.0,
+        "round_interval_ms": args.round_interval_ms,
+        # Offered while every session runs: each asks for a round per interval (none: as fast as
+        # answered, a closed loop at saturation).
+        "offered_rounds_per_s": args.sessions * 1000.0 / args.round_interval_ms
+        if args.round_interval_ms
+        else None,
         "overhead_ms_p50": percentile(latencies, 50),
         "overhead_ms_p99": percentile(latencies, 99),
         "overhead_ms_max": max(latencies, default=float("nan")),
@@ -282,7 +300,10 @@ def table(document: dict[str, Any]) -> str:
             f"of {document['sessions']}",
         ],
         ["rounds", document["rounds"]],
-        ["rounds/s", f"{document['rounds_per_s']:.1f}"],
+        ["round interval ms (offered rounds/s)",
+         f"{document['round_interval_ms']:g} ({document['offered_rounds_per_s']:.0f})"
+         if document["offered_rounds_per_s"] else "0 (saturation: closed loop)"],
+        ["rounds/s served", f"{document['rounds_per_s']:.1f}"],
         ["overhead p50 ms", f"{document['overhead_ms_p50']:.2f}"],
         ["overhead p99 ms", f"{document['overhead_ms_p99']:.2f}"],
         ["errors", document["errors"]],

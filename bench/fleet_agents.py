@@ -74,6 +74,9 @@ class SwarmPlan:
     k: int
     alpha: float
     max_tokens: int
+    # The device's own turn between a verdict and its next draft (drafting, the link): each
+    # session offers a round every this many ms; 0 sends the next draft at once (saturation).
+    round_interval_ms: float = 0.0
 
     @classmethod
     def read(cls, path: Path) -> SwarmPlan:
@@ -188,7 +191,14 @@ class SessionRun:
         committed, round_index, k = state.committed_len, state.next_round, self.swarm.k
         prompt_len = len(self.answer.prompt_ids)
         retries = 0
+        interval_s = self.swarm.round_interval_ms / 1000.0
+        # A paced session starts at a random phase, so that sessions opened together do not
+        # draft in step; each round is offered `interval_s` after the previous one was.
+        next_at = time.monotonic() + self.rng.uniform(0.0, interval_s)
         while True:
+            if interval_s:
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                next_at = max(next_at + interval_s, time.monotonic())
             generated = committed - prompt_len
             tokens = draft_along(self.answer, generated, k, self.swarm.alpha, self.rng)
             draft = m.Draft(

@@ -99,6 +99,7 @@ def _args(**overrides: Any) -> argparse.Namespace:
         ({"agents": 0}, "--agents must be in 1..20000"),
         ({"alpha": 1.5}, "--alpha must be in [0, 1]"),
         ({"processes": 0}, "--processes must be in 1..32"),
+        ({"round_interval_ms": -1.0}, "--round-interval-ms must be in 0..60000"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_reason(overrides: dict[str, Any], reason: str) -> None:
