@@ -3,17 +3,18 @@
 The policy rates the drafters a device has. A drafter the coordinator can release (built in its
 models directory, or released already: `deliverable_drafts`) that the device lacks is rated too,
 from what the fleet knows of it: its acceptance on the session's task across every device that
-ran it (else the prior), its cost per drafted token on devices of the same class (the status
-message's `kind`; else the prior), and whether its estimated resident cost fits the memory the
-device reports free (`inference.resident`, the device's own admission estimate, plus the
-device's default margin). When one promises FETCH_MARGIN times the tokens/s of the best drafter
-the device has, the policy asks for it to be fetched (drafts on demand), once per device and
-drafter: the session keeps drafting with what the device has, and the drafter is rated with the
-others once the device's status lists it. A fetch that failed keeps the drafter out while it
-backs off (`DraftFetches`), and it is asked for again only after that.
+ran it (else its prior: the acceptance its build measured on held-out answers), its cost per
+drafted token on devices of the same class (the status message's `kind`; else the prior), and
+whether its estimated resident cost fits the memory the device reports free
+(`inference.resident`, the device's own admission estimate, plus the device's default margin).
+When one promises FETCH_MARGIN times the tokens/s of the best drafter the device has, the policy
+asks for it to be fetched (drafts on demand), once per device and drafter: the session keeps
+drafting with what the device has, and the drafter is rated with the others once the device's
+status lists it. A fetch that failed keeps the drafter out while it backs off (`DraftFetches`),
+and it is asked for again only after that.
 
-Pure, like the policy: the catalogue is handed in, nothing here reads files but
-`deliverable_drafts`, which the service calls.
+Pure, like the policy: the catalogue is handed in; only `deliverable_drafts`, which the service
+calls, reads files.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class Deliverable:
 
     name: str
     resident_mb: float
+    # What its build measured of it: the share of held-out positions where it predicts the
+    # target's next token (the manifest's `valid_top1`), its acceptance before any round.
+    prior_alpha: float | None = None
 
 
 def deliverable_drafts(home: Path, models_dir: Path) -> dict[str, Deliverable]:
@@ -83,7 +87,12 @@ def deliverable_drafts(home: Path, models_dir: Path) -> dict[str, Deliverable]:
             log.warning("drafts on demand: %s left out: %s", name, exc)
             continue
         if manifest is not None and manifest.role == "draft" and manifest.kind == DECODER:
-            found[name] = Deliverable(name, resident_bytes(manifest, isolated=True) / MB)
+            prior = manifest.extra.get("valid_top1")
+            found[name] = Deliverable(
+                name,
+                resident_bytes(manifest, isolated=True) / MB,
+                float(prior) if isinstance(prior, int | float) and 0 < prior < 1 else None,
+            )
     return found
 
 
@@ -133,9 +142,13 @@ class DraftWants:
                 cost.update(ms, TIME_DECAY)
 
     def alpha(self, draft: str, task: str) -> float | None:
-        """The fleet's acceptance of `draft` on `task`, None when no device ran it on it."""
+        """The fleet's acceptance of `draft` on `task`, else the drafter's prior (what its build
+        measured), else None."""
         rate = self.fleet_alpha.get((draft, task))
-        return None if rate is None else rate.alpha
+        if rate is not None:
+            return rate.alpha
+        deliverable = self.deliverable.get(draft)
+        return None if deliverable is None else deliverable.prior_alpha
 
     def class_cost(self, device_id: str, draft: str) -> float | None:
         kind = self.kinds.get(device_id)
@@ -182,7 +195,8 @@ class DraftWants:
     ) -> tuple[str | None, str | None]:
         """(the drafter to fetch for the device, what the round's reason says of it): the
         lacking one `rate` rates highest (ties: by name), when it promises FETCH_MARGIN times
-        the tokens/s of the best of `installed` (the candidates of what it has); else None, and
+        the tokens/s of the best of `installed` (the candidates of what it has) and no other is
+        being fetched for the device; else None, and
         what is being fetched or left out. `has`: its drafts, None while its status is unheard
         (then nothing is fetched: it may have them all)."""
         if has is None:
@@ -190,7 +204,9 @@ class DraftWants:
         names, notes = self.lacking(device_id, has, left_out)
         best_installed = max(installed, key=lambda c: c.tokens_per_s, default=None)
         wish: FetchWish | None = None
-        if best_installed is not None and names:
+        # One fetch at a time per device: the next is judged against the one being fetched,
+        # once installed.
+        if best_installed is not None and names and not self.asked.get(device_id):
             rated = sorted((rate(n) for n in names), key=lambda c: (-c.tokens_per_s, c.draft_model))
             if rated[0].tokens_per_s > best_installed.tokens_per_s * FETCH_MARGIN:
                 wish = FetchWish(rated[0].draft_model, rated[0], best_installed)

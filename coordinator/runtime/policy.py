@@ -289,7 +289,7 @@ class AdaptivePolicy:
                     accepted=sum(r.accepted for r in seen), tried=sum(r.tried for r in seen)
                 )
                 return pooled.alpha
-            fleet = self.wants.alpha(draft, task_type)  # what the fleet sees of it on the task
+            fleet = self.wants.alpha(draft, task_type)  # the fleet's on the task, or its build's
             if fleet is not None:
                 return fleet
             # A draft this device never ran: what its other drafts see on this task, held as

@@ -83,6 +83,7 @@ def test_the_fleet_delivers_the_decoder_drafts_built_or_released_here(tmp_path: 
     assert "eagle-h1" not in built  # a feature head runs beside the target, not on a device
     manifest = roles[WANTED]
     assert built[WANTED].resident_mb == resident_bytes(manifest, isolated=True) / MB
+    assert built[WANTED].prior_alpha == manifest.extra["valid_top1"]
     # Released here, its directory gone from the models directory: still deliverable.
     home = tmp_path / "home2"
     store_release(home, models_dir / WANTED)
@@ -103,10 +104,13 @@ def test_a_lacking_drafter_rated_past_the_margin_is_fetched_once_then_used() -> 
     assert decision.to_json()["decision"]["fetch"] == WANTED
     # Deterministic: the same inputs give the same decision, word for word.
     assert _policy() is not policy and _decide(_policy()).to_json() == decision.to_json()
-    # The book asks the fetcher and says so: not asked again while the fetch runs.
+    # The book asks the fetcher and says so: not asked again while the fetch runs, nor any
+    # other drafter for the device (draft-l2, on its build's figure, also beats hybrid here).
     policy.wants.fetching(PHONE, WANTED)
+    policy.wants.deliverable["draft-l2"] = Deliverable("draft-l2", DRAFT_MB, prior_alpha=0.9)
     again = _decide(policy)
     assert again.fetch is None
+    policy.wants.deliverable["draft-l2"] = _deliverable("draft-l2")
     assert f"being fetched for this device: {WANTED}" in again.reason
     # Installed and verified (the device's status lists it): rated with the others, chosen.
     policy.set_device_drafts(PHONE, [WANTED])
@@ -125,6 +129,22 @@ def test_the_lacking_drafter_is_rated_from_the_fleet_and_the_device_class() -> N
     pi = policy._candidate(m.Mode.DISTRIBUTED, PI, WANTED, "chat", 20.0, 1.0, 1.0)
     assert phone.draft_ms_per_token == pytest.approx(3.0)
     assert pi.draft_ms_per_token == pytest.approx(8.0)
+
+
+def test_with_no_device_having_run_it_a_drafter_is_rated_on_its_builds_acceptance() -> None:
+    policy = AdaptivePolicy()
+    policy.wants.deliverable = {WANTED: Deliverable(WANTED, DRAFT_MB, prior_alpha=0.56)}
+    policy.set_device_drafts(PHONE, [])
+    for i in range(20):
+        policy.observe(_round(PHONE, "hybrid", 0, 0.8, i))
+    # Neither the phone nor the fleet ran draft-l1: its build's figure, not hybrid's misses.
+    assert policy.alpha(PHONE, WANTED, "chat") == pytest.approx(0.56)
+    decision = _decide(policy)
+    assert decision.fetch == WANTED, decision.reason
+    # Once the fleet has run it, what the fleet saw wins over the build's figure.
+    for i in range(20):
+        policy.observe(_round(PEER, WANTED, 0, 12.0, i))
+    assert policy.alpha(PHONE, WANTED, "chat") < 0.1
 
 
 def test_a_drafter_not_past_the_margin_or_not_fitting_is_not_fetched() -> None:
