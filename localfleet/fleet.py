@@ -150,7 +150,9 @@ class FleetProcesses:
         self.coordinator_child = child
         return child
 
-    def start_verifier(self, verifier_id: str, *, threads: int = 1) -> ChildProcess:
+    def start_verifier(
+        self, verifier_id: str, *, threads: int = 1, extra: Sequence[str] = ()
+    ) -> ChildProcess:
         argv = [
             sys.executable,
             "-m",
@@ -166,6 +168,7 @@ class FleetProcesses:
             str(threads),
             "--database-url",
             self.settings.database_url,
+            *extra,
         ]
         env = self._child_env()
         # Secrets go in the environment, not argv, where `ps` shows them to every user.
@@ -299,6 +302,7 @@ async def local_fleet(
     external_broker: str | None = None,
     behind_netem: Collection[str] = (),
     agent_flags: Sequence[str] = (),
+    verifier_flags: Sequence[str] = (),
     local_broker: LocalBrokerChoice = "amqtt",
 ) -> AsyncIterator[LocalFleet]:
     """Start everything, yield once all are up, stop everything on exit.
@@ -307,7 +311,7 @@ async def local_fleet(
     (`local_broker`: "auto" is a private Mosquitto with the production config where one is
     installed, else the embedded amqtt). The agents named in `behind_netem` reach the broker
     through a `NetworkEmulator` of their own, running in this event loop (`fleet.links`);
-    `agent_flags` go to every agent's command.
+    `agent_flags` go to every agent's command, `verifier_flags` to every verifier's.
     """
     for noisy in NOISY_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -345,7 +349,7 @@ async def local_fleet(
     try:
         await asyncio.wait_for(coordinator.connected.wait(), 30)
         for verifier_id in verifier_ids:
-            fleet.start_verifier(verifier_id)
+            fleet.start_verifier(verifier_id, extra=verifier_flags)
         upstream = BrokerAddress.from_url(fleet.device_broker_url or broker_url)
         for spec in agents:
             agent_broker = None

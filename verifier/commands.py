@@ -100,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"memory for KV caches (default: {child.MAX_CACHE_MB})",
     )
     parser.add_argument(
+        "--no-cloud-drafts",
+        action="store_true",
+        help="draft no cloud rounds here (load no drafter): sessions draft on their devices "
+        "or run plain",
+    )
+    parser.add_argument(
         "--threads",
         type=_positive_int,
         default=None,
@@ -193,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
                 threads=args.threads or len(os.sched_getaffinity(0)),
                 max_sessions=args.max_sessions,
                 max_cache_mb=args.max_cache_mb,
+                cloud_drafts=not args.no_cloud_drafts,
             ),
         )
     except ValueError as exc:
