@@ -379,6 +379,13 @@ class Coordinator:
     async def _guarded(self, handler: DeviceHandler, device_id: str, message: Any) -> None:
         try:
             await handler(device_id, message)
+        except (ConnectionError, BusConnectionError) as exc:
+            # The link dropped, or the coordinator stopped, before a reply's PUBACK came back
+            # (it can wait behind a flood of inbound messages). Nothing is lost: the sender asks
+            # again when no answer comes, and a reconnect resynchronises the sessions.
+            log.warning(
+                "%s from %s: the reply may not have gone out: %s", message.type, device_id, exc
+            )
         except Exception:
             log.exception("%s from %s failed", message.type, device_id)
 
