@@ -64,6 +64,9 @@ class Deliverable:
     # What its build measured of it: the share of held-out positions where it predicts the
     # target's next token (the manifest's `valid_top1`), its acceptance before any round.
     prior_alpha: float | None = None
+    # The drafter it is a build of (the manifest's `extra.draft`: draft-l1-tflite is draft-l1 for
+    # LiteRT): a device that has or is fetching one build is not sent another.
+    family: str = ""
 
 
 def deliverable_drafts(home: Path, models_dir: Path) -> dict[str, Deliverable]:
@@ -92,6 +95,7 @@ def deliverable_drafts(home: Path, models_dir: Path) -> dict[str, Deliverable]:
                 name,
                 resident_bytes(manifest, isolated=True) / MB,
                 float(prior) if isinstance(prior, int | float) and 0 < prior < 1 else None,
+                str(manifest.extra.get("draft") or name),
             )
     return found
 
@@ -172,10 +176,11 @@ class DraftWants:
         Not those it has, is fetching already, or `left_out` (failed fetches backing off)."""
         skip = {d.removeprefix("hybrid+") for d in (*has, *left_out)}
         skip |= self.asked.get(device_id, set())
+        held = {self._family(d) for d in (*has, *self.asked.get(device_id, set()))}
         free = self.free_mb.get(device_id)
         names, notes = [], []
         for name, draft in sorted(self.deliverable.items()):
-            if name in skip:
+            if name in skip or (draft.family or name) in held:
                 continue
             if free is not None and draft.resident_mb + DEVICE_MEMORY_MARGIN_MB > free:
                 notes.append(
@@ -184,6 +189,11 @@ class DraftWants:
                 continue
             names.append(name)
         return names, notes
+
+    def _family(self, draft: str) -> str:
+        name = draft.removeprefix("hybrid+")
+        deliverable = self.deliverable.get(name)
+        return deliverable.family if deliverable is not None and deliverable.family else name
 
     def wanted(
         self,

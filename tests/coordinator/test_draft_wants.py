@@ -84,6 +84,9 @@ def test_the_fleet_delivers_the_decoder_drafts_built_or_released_here(tmp_path: 
     manifest = roles[WANTED]
     assert built[WANTED].resident_mb == resident_bytes(manifest, isolated=True) / MB
     assert built[WANTED].prior_alpha == manifest.extra["valid_top1"]
+    assert built[WANTED].family == WANTED
+    if "draft-l1-tflite" in built:
+        assert built["draft-l1-tflite"].family == WANTED  # the same drafter for LiteRT
     # Released here, its directory gone from the models directory: still deliverable.
     home = tmp_path / "home2"
     store_release(home, models_dir / WANTED)
@@ -112,7 +115,11 @@ def test_a_lacking_drafter_rated_past_the_margin_is_fetched_once_then_used() -> 
     assert again.fetch is None
     policy.wants.deliverable["draft-l2"] = _deliverable("draft-l2")
     assert f"being fetched for this device: {WANTED}" in again.reason
-    # Installed and verified (the device's status lists it): rated with the others, chosen.
+    # Installed and verified (the device's status lists it): rated with the others, chosen;
+    # another build of the same drafter (for another runtime) is not fetched on top of it.
+    policy.wants.deliverable["draft-l1-tflite"] = Deliverable(
+        "draft-l1-tflite", DRAFT_MB, prior_alpha=0.99, family=WANTED
+    )
     policy.set_device_drafts(PHONE, [WANTED])
     installed = _decide(policy)
     assert installed.fetch is None and "fetch" not in installed.reason
