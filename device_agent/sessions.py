@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -55,6 +56,23 @@ LOCAL_STEP_TOKENS = 8  # tokens generated alone between two looks at the inbox
 
 Publish = Callable[[DeviceChannel, m.Message], Awaitable[bool]]
 T = TypeVar("T")
+
+
+class Phase(Enum):
+    """Where a session stands in its exchange with the coordinator: what it waits for next."""
+
+    OPENING = "opening"  # the open goes out and the first window is drafted meanwhile
+    AWAITING_STATE = "awaiting_state"  # an open is out: a SessionState answers it
+    AWAITING_VERDICT = "awaiting_verdict"  # a window is out (or streamed): a verdict answers it
+    DONE = "done"
+
+
+class Report(Enum):
+    """The coordinator's knowledge of a spell of local mode (SessionOpen.fallback)."""
+
+    NONE = "none"  # nothing to report
+    DUE = "due"  # provisional tokens the coordinator has not been told of
+    SENT = "sent"  # told in an open; settled once a SessionState answers
 
 
 class SessionError(Exception):
@@ -223,7 +241,10 @@ class AgentSession:
         self.turnaround_ms: list[float] = []
         self._refusals = 0
         self._close_reason = ""
-        # Local mode and what the coordinator has been told of it.
+        self.phase = Phase.OPENING
+        # Local mode (generating alone) is not a phase: the open or window that was out when
+        # the coordinator went quiet is still what it owes when it answers again, so the phase
+        # runs on beneath it. The report of the spell outlives both until a state settles it.
         self.local = False
         self.resumed = False
         self.fallbacks = 0
@@ -233,8 +254,7 @@ class AgentSession:
         self._heard_at = time.monotonic()  # the coordinator's last answer (or the last reconnect)
         self._offline_since = 0.0  # unix time of the last answer before local mode began
         self._unreported = 0  # provisional tokens the coordinator has not been told of
-        self._report_due = False
-        self._report_sent = False
+        self._report = Report.NONE
         self._resume_reason: m.ResumeReason | None = None  # for the next open that goes out
         self._provisional_text: IncrementalDetokenizer | None = None
 
@@ -340,7 +360,7 @@ class AgentSession:
         self.resumed = True
         self._resume_reason = m.ResumeReason.RESTART
         if spell is not None:
-            self._report_due = True
+            self._report = Report.DUE
             self._unreported = spell.generated
             self._offline_since = spell.since
         self._start()
@@ -402,6 +422,7 @@ class AgentSession:
 
     async def _finish(self, status: str, error: str = "") -> None:
         tail = self._detokenizer.flush()
+        self.phase = Phase.DONE
         self.status = status
         self.error = error
         self.ended_at = time.monotonic()
@@ -480,7 +501,7 @@ class AgentSession:
             update["resume"] = reason
         if not self.book.catalog.has(self.spec.draft_model):
             update["draft_missing"] = True  # drafts on demand: the coordinator may send it
-        if self._report_due:
+        if self._report is not Report.NONE:
             update["fallback"] = m.Fallback(
                 provisional_tokens=min(self._unreported, m.MAX_DRAFT_TOKENS),
                 offline_s=max(0.0, time.time() - self._offline_since),
@@ -490,7 +511,14 @@ class AgentSession:
         )
         if published:
             self._resume_reason = None
-            self._report_sent = self._report_sent or self._report_due
+            if self._report is Report.DUE:
+                self._report = Report.SENT
+
+    def _retry_s(self) -> float:
+        """How long the answer the phase waits for may take before the request goes again."""
+        if self.phase is Phase.AWAITING_STATE:
+            return OPEN_TIMEOUT_S
+        return self.book.settings.round_timeout_s
 
     def _fallback_after_s(self) -> float:
         return self.book.settings.fallback_after_s
@@ -520,10 +548,9 @@ class AgentSession:
         await self._settle()
         self.local = True
         self.fallbacks += 1
-        if not self._report_due:
+        if self._report is Report.NONE:
             self._offline_since = time.time() - (time.monotonic() - self._heard_at)
-            self._report_due = True
-            self._report_sent = False
+            self._report = Report.DUE
         tokens = self.drafter.start_local()
         spell = self.drafter.spell
         if spell is not None and not spell.since:
@@ -552,7 +579,6 @@ class AgentSession:
 
     async def _run(self) -> None:
         timeouts = 0
-        awaiting_state = True
         settings = self.book.settings
         try:
             if self.resumed:  # the stream starts over: what the journal holds comes first
@@ -565,6 +591,7 @@ class AgentSession:
             # confirms that nothing is committed yet.
             await self._drafting(self.drafter.draft)
             self.status = "active"
+            self.phase = Phase.AWAITING_STATE
             self._heard_at = time.monotonic()
             retry_at = self._heard_at + OPEN_TIMEOUT_S
             while not self.drafter.finished:
@@ -578,17 +605,20 @@ class AgentSession:
                         await self._enter_local()
                     if now < retry_at:
                         continue
-                    wait = OPEN_TIMEOUT_S if awaiting_state else settings.round_timeout_s
-                    retry_at = now + wait
+                    retry_at = now + self._retry_s()
                     if not self.book.bus_up:
                         continue  # nothing goes out while the link is down; its return resyncs
                     timeouts += 1
                     if timeouts > settings.round_retries:
                         reason = f"no answer from the coordinator after {timeouts} tries"
                         raise SessionError(reason) from None
-                    if awaiting_state or self.drafter.in_flight is None or self.local:
+                    if (
+                        self.phase is Phase.AWAITING_STATE
+                        or self.drafter.in_flight is None
+                        or self.local
+                    ):
                         log.info("session %s: no state yet; opening again", self.session_id)
-                        awaiting_state = True
+                        self.phase = Phase.AWAITING_STATE
                         await self._open(m.ResumeReason.RETRY)
                     else:
                         log.info("session %s: no verdict yet; sending again", self.session_id)
@@ -599,7 +629,7 @@ class AgentSession:
                 if isinstance(message, _Reconnected):
                     # The link is back: stop generating alone and ask for the state, which the
                     # coordinator gets fallback_after_s to send before local mode resumes.
-                    awaiting_state = True
+                    self.phase = Phase.AWAITING_STATE
                     self.local = False
                     self._heard_at = time.monotonic()
                     await self._open(m.ResumeReason.RECONNECT)
@@ -610,21 +640,20 @@ class AgentSession:
                     log.info("session %s: the coordinator answers again", self.session_id)
                     self.local = False
                 if isinstance(message, m.SessionState):
-                    awaiting_state = False
-                    if self._report_sent:
-                        self._report_due = self._report_sent = False
+                    self.phase = Phase.AWAITING_VERDICT
+                    if self._report is Report.SENT:
+                        self._report = Report.NONE
                         self._unreported = 0
                     await self._on_state(message)
                 elif isinstance(message, m.Verdict):
                     if not await self._on_verdict(message, arrived):
-                        awaiting_state = True
+                        self.phase = Phase.AWAITING_STATE
                         await self._open(m.ResumeReason.RESYNC)
-                    elif self._report_due and not self._report_sent:
+                    elif self._report is Report.DUE:
                         await self._open(m.ResumeReason.FALLBACK)
                 else:
                     self._on_error(message)
-                wait = OPEN_TIMEOUT_S if awaiting_state else settings.round_timeout_s
-                retry_at = time.monotonic() + wait
+                retry_at = time.monotonic() + self._retry_s()
             await self._finish(self.drafter.status)
         except asyncio.CancelledError:
             await self._settle()
