@@ -374,6 +374,7 @@ def shards_settled(database_url: str, n: int) -> bool:
         rows = conn.execute(
             "SELECT classid::bigint, count(*), count(DISTINCT pid) FROM pg_locks "
             "WHERE locktype = 'advisory' AND granted AND classid::bigint IN (%s, %s) "
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
             "GROUP BY classid",
             (SHARD_LOCKS, PRESENCE_LOCKS),
         ).fetchall()

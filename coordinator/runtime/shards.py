@@ -194,7 +194,9 @@ class ShardLeases:
         conn = self._connection()
         rows = conn.execute(
             "SELECT classid::bigint, objid::bigint, pid FROM pg_locks "
-            "WHERE locktype = 'advisory' AND granted AND classid::bigint IN (%s, %s)",
+            "WHERE locktype = 'advisory' AND granted AND classid::bigint IN (%s, %s) "
+            # pg_locks spans the server: another fleet's database is not ours to count.
+            "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             (SHARD_LOCKS, PRESENCE_LOCKS),
         ).fetchall()
         sharers = max(1, sum(1 for classid, _, _ in rows if classid == PRESENCE_LOCKS))

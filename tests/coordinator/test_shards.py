@@ -298,3 +298,20 @@ def test_a_cancel_from_a_coordinator_that_does_not_own_the_device_ends_the_owner
         "told": "cancelled",
         "stored": "cancelled",
     }
+
+
+async def _two_fleets(first_url: str, second_url: str) -> tuple[int, int]:
+    a, b = Holder(first_url), Holder(second_url)
+    await _steps(a, b, rounds=2)
+    held = len(a.leases.held), len(b.leases.held)
+    a.leases._close()
+    b.leases._close()
+    return held
+
+
+def test_fleets_in_other_databases_of_the_server_do_not_share_shards(
+    create_pg_database: Callable[[], str],
+) -> None:
+    """pg_locks lists the whole server's locks: a coordinator counts only its own database's."""
+    held = asyncio.run(_two_fleets(create_pg_database(), create_pg_database()))
+    assert held == (N_SHARDS, N_SHARDS)
