@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 # ~0.2 ms: WAL with synchronous=NORMAL writes no fsync per commit). It waits at most this long
 # for another writer's lock; past it, the batch goes to the writer's thread as on PostgreSQL.
 INLINE_BUSY_TIMEOUT_MS = 20
+# The inline connection never checkpoints the WAL itself (a checkpoint writes the database file
+# and syncs it, which can take seconds on a busy disk: the event loop would miss heartbeats);
+# the writer's thread runs a passive checkpoint after this many inline batches instead.
+INLINE_CHECKPOINT_EVERY = 256
 
 
 # Bound by name once, executed for every batch: the round rows, the sessions' committed tokens,
@@ -148,6 +152,8 @@ class RoundWriter:
                 if self.inline and self._commit_inline(batch):
                     failures: list[Exception | None] = [None] * len(batch)
                     self.inline_batches += 1
+                    if self.inline_batches % INLINE_CHECKPOINT_EVERY == 0:
+                        thread.submit(self._checkpoint)
                 else:
                     failures = await loop.run_in_executor(thread, self._commit_batch, batch)
                 self.batches += 1
@@ -176,6 +182,7 @@ class RoundWriter:
             if connection is None:
                 connection = self._inline_connection = self._engine.connect()
                 connection.exec_driver_sql(f"PRAGMA busy_timeout={INLINE_BUSY_TIMEOUT_MS}")
+                connection.exec_driver_sql("PRAGMA wal_autocheckpoint=0")
                 connection.commit()
             self._commit(batch, connection)
             return True
@@ -292,6 +299,18 @@ class RoundWriter:
                             at=now,
                         )
                     db.flush()
+
+    def _checkpoint(self) -> None:
+        """A passive WAL checkpoint on the writer thread's connection (SQLite): it copies what
+        no reader needs back into the database file, without waiting on anyone."""
+        try:
+            if self._connection is None:
+                self._connection = self._engine.connect()
+            self._connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+            self._connection.commit()
+        except Exception:
+            log.warning("WAL checkpoint failed; the next one retries", exc_info=True)
+            self._close()
 
     def _close(self) -> None:
         connection, self._connection = self._connection, None
