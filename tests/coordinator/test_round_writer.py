@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from coordinator.db import round_writer
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import DecodingSession, Event, Round, SessionMode, SessionStatus
 from coordinator.db.registry import DeviceRegistry
@@ -205,11 +206,12 @@ def test_a_finished_session_gets_its_end_and_event_with_its_last_round(
 
 
 def test_sqlite_commits_inline_and_a_locked_database_goes_to_the_writer_thread(
-    sqlite_engine: Engine,
+    sqlite_engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """On SQLite a round commits on the event loop's thread; while another connection holds the
     write lock past the inline wait, the round goes to the writer's thread, which waits for the
-    lock and commits it."""
+    lock and commits it. The WAL is checkpointed on the writer's thread, never inline."""
+    monkeypatch.setattr(round_writer, "INLINE_CHECKPOINT_EVERY", 1)
     sessions = make_sessionmaker(sqlite_engine)
     DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
     session_id = open_session(sessions)
@@ -248,6 +250,7 @@ def test_sqlite_commits_inline_and_a_locked_database_goes_to_the_writer_thread(
 
     asyncio.run(main())
     assert counts == {"inline_after_first": 1, "inline_after_second": 1, "batches": 2}
+    assert "WAL checkpoint failed" not in caplog.text
     with sessions() as db:
         row = db.get(DecodingSession, session_id)
         assert row is not None and row.committed_ids == [7, 9, 7, 9]
