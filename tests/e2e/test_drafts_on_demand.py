@@ -17,32 +17,33 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
-from rounds_check import assert_rounds_rebuild
+from on_demand_fleet import (
+    answer,
+    artifact_api,
+    device_notes,
+    fetches_for,
+    installed,
+    on_demand_settings,
+    start_agent,
+    start_own_agent,
+    until,
+)
 from test_dsd_bus import shared_prompts, target_answer
 
-from broker.mosquitto import PrivateMosquitto, free_port
-from coordinator.db.models import Round
+from broker.mosquitto import PrivateMosquitto
 from coordinator.ops.releases import (
     artifact_path,
     load_or_create_release_key,
     release_public_key_pem,
     store_release,
 )
-from core.settings import Settings
-from device_agent.catalog import find_tokenizer_dir
 from inference.artifacts import default_models_dir
-from localfleet.demo import ask
-from localfleet.fleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
+from localfleet.fleet import START_TIMEOUT_S, AgentSpec, local_fleet
 
 MAX_TOKENS = 24
 FETCHED = "draft-l1"  # sent whole and installed
@@ -64,100 +65,14 @@ def _request(prompt: dict[str, str], draft: str) -> dict[str, Any]:
     }
 
 
-@asynccontextmanager
-async def _artifact_api(fleet: LocalFleet, port: int) -> AsyncIterator[None]:
-    """The coordinator's artifact route, as `specfleet up` serves it."""
-    from coordinator.web.api.routes import artifacts
-
-    app = FastAPI()
-    app.state.settings = fleet.settings
-    app.state.sessions = fleet.coordinator.sessions
-    app.include_router(artifacts.router, prefix="/api/v1")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    serving = asyncio.create_task(server.serve(), name="artifact-api")
-    try:
-        while not server.started:
-            assert not serving.done(), "the artifact API did not start"
-            await asyncio.sleep(0.05)
-        yield
-    finally:
-        server.should_exit = True
-        await serving
-
-
-def _start(fleet: LocalFleet, spec: AgentSpec, tmp_path: Path, *flags: str, **config: Path) -> None:
-    """Provision and start an agent; `config` goes to a TOML file of its own."""
-    registry = fleet.coordinator.registry
-    _, credential = registry.provision(spec.device_id, "phone", (), actor="test")
-    fleet.credentials[spec.device_id] = credential
-    extra = ["--telemetry-interval", "1", *flags]
-    if config:
-        toml = tmp_path / f"{spec.device_id}.toml"
-        toml.write_text("".join(f'{key} = "{value}"\n' for key, value in config.items()))
-        extra += ["--config", str(toml)]
-    fleet.start_agent(spec, broker_url=fleet.broker_url, extra=extra)
-
-
-def _start_own(
-    fleet: LocalFleet, spec: AgentSpec, tmp_path: Path, key_file: Path, models_dir: Path
-) -> None:
-    """An agent with a models directory of its own (no drafts), the target's tokenizer, and
-    `key_file` to check releases with."""
-    tokenizer_dir = find_tokenizer_dir(models_dir)
-    assert tokenizer_dir is not None
-    own = tmp_path / f"{spec.device_id}-models"
-    own.mkdir()
-    # The flag: the fleet's environment names the shared models directory, which beats a file.
-    _start(
-        fleet, spec, tmp_path, "--models-dir", str(own),
-        release_key_file=key_file, tokenizer_dir=tokenizer_dir,
-    )  # fmt: skip
-
-
-async def _answer(
-    fleet: LocalFleet, client: httpx.AsyncClient, spec: AgentSpec, request: dict[str, Any]
-) -> tuple[dict[str, Any], list[Round]]:
-    port = fleet.agent_ports[spec.device_id]
-    answer = await ask(client, port, request, spec.device_id, False)
-    assert answer["status"] == "finished", answer
-    with fleet.coordinator.sessions() as db:
-        _, rounds = assert_rounds_rebuild(db, answer["session_id"], answer["token_ids"])
-        db.expunge_all()
-    return answer, rounds
-
-
-async def _until(what: str, done: Any, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.2)
-
-
-def _fetches(fleet: LocalFleet, device_id: str) -> list[Any]:
-    fetches = fleet.coordinator.book.fetches
-    assert fetches is not None
-    return [o for o in fetches.outcomes if o.device_id == device_id]
-
-
-def _notes(rounds: list[Round]) -> list[str]:
-    return [r.policy["device"]["note"] for r in rounds if r.policy and "device" in r.policy]
-
-
 def test_drafts_on_demand_and_memory_admission(tmp_path: Path) -> None:
     models_dir = default_models_dir()
     for name in (FETCHED, ALTERED):
         if not (models_dir / name / "manifest.json").is_file():
             pytest.skip(f"{name} is not built in {models_dir}")
     prompts = shared_prompts()
-    home = tmp_path / "home"
-    settings = Settings(
-        home=home,
-        coordinator_id=f"c-{uuid.uuid4().hex[:8]}",
-        http_port=free_port(),
-        models_dir=models_dir,  # the coordinator releases the drafts built here
-    )
-    key_file = tmp_path / "release-key.pub.pem"
-    key_file.write_bytes(release_public_key_pem(home))
+    settings, key_file = on_demand_settings(tmp_path, models_dir)
+    home = settings.home
     # Another coordinator's key: what that device checks our signatures with.
     wrong_key = tmp_path / "wrong-key.pub.pem"
     wrong_key.write_bytes(release_public_key_pem(tmp_path / "another-coordinator"))
@@ -180,39 +95,38 @@ def test_drafts_on_demand_and_memory_admission(tmp_path: Path) -> None:
             async with local_fleet(
                 settings, [], ["od-verifier"], workdir=tmp_path / "fleet",
                 external_broker=mosquitto.url,
-            ) as fleet, _artifact_api(fleet, settings.http_port):  # fmt: skip
-                _start_own(fleet, GOOD, tmp_path, key_file, models_dir)
-                _start_own(fleet, WRONG_KEY, tmp_path, wrong_key, models_dir)
-                _start_own(fleet, ALTERED_STORE, tmp_path, key_file, models_dir)
-                _start(fleet, LOW_MEMORY, tmp_path, "--proc-root", str(proc_root))
+            ) as fleet, artifact_api(fleet, settings.http_port):  # fmt: skip
+                start_own_agent(fleet, GOOD, tmp_path, key_file, models_dir)
+                start_own_agent(fleet, WRONG_KEY, tmp_path, wrong_key, models_dir)
+                start_own_agent(fleet, ALTERED_STORE, tmp_path, key_file, models_dir)
+                start_agent(fleet, LOW_MEMORY, tmp_path, "--proc-root", str(proc_root))
                 await fleet.wait_agents(time.monotonic() + START_TIMEOUT_S)
                 async with httpx.AsyncClient() as client:
                     # (a) the device lacks FETCHED: asked for, fetched, installed, then used.
-                    first = await _answer(fleet, client, GOOD, _request(prompts[0], FETCHED))
-                    await _until("the fetch", lambda: _fetches(fleet, GOOD.device_id))
-                    second = await _answer(fleet, client, GOOD, _request(prompts[1], FETCHED))
-                    seen["good"] = (first, second, _fetches(fleet, GOOD.device_id))
+                    first = await answer(fleet, client, GOOD, _request(prompts[0], FETCHED))
+                    await until("the fetch", lambda: fetches_for(fleet, GOOD.device_id))
+                    second = await answer(fleet, client, GOOD, _request(prompts[1], FETCHED))
+                    seen["good"] = (first, second, fetches_for(fleet, GOOD.device_id))
                     # (b) refused fetches leave the device as it was; no second try meanwhile.
                     for spec, draft in ((WRONG_KEY, FETCHED), (ALTERED_STORE, ALTERED)):
-                        runs = [await _answer(fleet, client, spec, _request(prompts[0], draft))]
-                        await _until("the fetch", lambda s=spec: _fetches(fleet, s.device_id))
-                        runs.append(await _answer(fleet, client, spec, _request(prompts[1], draft)))
-                        seen[spec.device_id] = (runs, _fetches(fleet, spec.device_id))
+                        runs = [await answer(fleet, client, spec, _request(prompts[0], draft))]
+                        await until("the fetch", lambda s=spec: fetches_for(fleet, s.device_id))
+                        runs.append(await answer(fleet, client, spec, _request(prompts[1], draft)))
+                        seen[spec.device_id] = (runs, fetches_for(fleet, spec.device_id))
                     # (c) too little memory for draft-l2: the copying hybrid drafts, and says why.
                     policy = fleet.coordinator.book.policy
-                    await _until(
+                    await until(
                         "the memory telemetry",
                         lambda: policy.memory_note(LOW_MEMORY.device_id) is not None,
                     )
                     seen["memory_note"] = policy.memory_note(LOW_MEMORY.device_id)
-                    seen["low"] = await _answer(
+                    seen["low"] = await answer(
                         fleet, client, LOW_MEMORY, _request(prompts[0], ALTERED)
                     )
                 seen["models"] = {
-                    spec.device_id: sorted(p.name for p in (tmp_path / f"{spec.device_id}-models")
-                                           .iterdir() if not p.name.startswith("."))
+                    spec.device_id: installed(tmp_path, spec)
                     for spec in (GOOD, WRONG_KEY, ALTERED_STORE)
-                }  # fmt: skip
+                }
         return seen
 
     seen = asyncio.run(main())
@@ -224,9 +138,9 @@ def test_drafts_on_demand_and_memory_admission(tmp_path: Path) -> None:
     assert first["token_ids"] == expected[0] and second["token_ids"] == expected[1]
     assert [o.ok for o in fetched] == [True], fetched
     assert first_rounds[0].draft_model == "hybrid"
-    assert _notes(first_rounds)[0] == f"{FETCHED} is not on this device (fetching it)"
+    assert device_notes(first_rounds)[0] == f"{FETCHED} is not on this device (fetching it)"
     assert {r.draft_model for r in second_rounds} == {FETCHED}
-    assert not _notes(second_rounds)
+    assert not device_notes(second_rounds)
     assert seen["models"][GOOD.device_id] == [FETCHED]
 
     # (b) Refused: the device is as it was, the answers exact, and one fetch only was sent.
@@ -242,7 +156,7 @@ def test_drafts_on_demand_and_memory_admission(tmp_path: Path) -> None:
         for _, rounds in runs:
             assert {r.draft_model for r in rounds} == {"hybrid"}
         # The first session's rounds wait for the fetch; the second's say that it failed, why.
-        first_notes, second_notes = (_notes(rounds) for _, rounds in runs)
+        first_notes, second_notes = (device_notes(rounds) for _, rounds in runs)
         assert first_notes[0].endswith("is not on this device (fetching it)"), first_notes
         assert second_notes and all(
             "is not on this device: its fetch failed (" in note and reason in note
@@ -254,7 +168,7 @@ def test_drafts_on_demand_and_memory_admission(tmp_path: Path) -> None:
     low, low_rounds = seen["low"]
     assert low["token_ids"] == expected[0]
     assert {r.draft_model for r in low_rounds} == {"hybrid"}
-    notes = _notes(low_rounds)
+    notes = device_notes(low_rounds)
     assert len(notes) == len(low_rounds)
     assert all(
         note.startswith(f"memory: {ALTERED} needs ") and "100 MB available (margin 64 MB)" in note
