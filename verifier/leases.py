@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 
 from broker import messages as m
-from coordinator.db.models import Round, SessionMode, SessionStatus
+from coordinator.db.models import Round, SessionStatus
 from coordinator.db.round_writer import RoundWriter
 from inference.speculative import apply_stop_rules
 
@@ -275,7 +275,7 @@ class LeaseBook:
             q_ids=[list(r) for r in draft.q_ids] if draft.q_ids else None,
             q_probs=[list(r) for r in draft.q_probs] if draft.q_probs else None,
             k=len(draft.tokens),
-            mode=SessionMode.DISTRIBUTED,
+            mode=m.Mode.DISTRIBUTED,
             n_accepted=len(kept) - 1,
             next_token=kept[-1],
             committed_len=draft.base_len + len(kept),

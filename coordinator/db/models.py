@@ -114,11 +114,6 @@ class DeviceDeploymentState(str, enum.Enum):
     ROLLED_BACK = "rolled_back"
 
 
-# A session's and a round's mode as stored: the bus's modes themselves (one idea, one enum),
-# under the name the tables' code has always used.
-SessionMode = Mode
-
-
 class SessionStatus(str, enum.Enum):
     ACTIVE = "active"
     SUSPENDED = "suspended"  # its device dropped; it resumes from committed_len
@@ -214,7 +209,7 @@ class DecodingSession(Base):
     top_p: Mapped[float]
     seed: Mapped[int] = mapped_column(sa.BigInteger)
     max_tokens: Mapped[int]
-    mode: Mapped[SessionMode] = mapped_column(_enum(SessionMode, "session_mode"))
+    mode: Mapped[Mode] = mapped_column(_enum(Mode, "session_mode"))
     draft_model: Mapped[str | None] = mapped_column(sa.String(128))
     k: Mapped[int]
     status: Mapped[SessionStatus] = mapped_column(
@@ -241,10 +236,10 @@ class Round(Base):
     draft_model: Mapped[str | None] = mapped_column(sa.String(128))
     k: Mapped[int]
     # Who drafted: the device (distributed) or the verifier host (cloud, `k` tokens of its own).
-    mode: Mapped[SessionMode] = mapped_column(
-        _enum(SessionMode, "session_mode"),
-        default=SessionMode.DISTRIBUTED,
-        server_default=SessionMode.DISTRIBUTED.value,
+    mode: Mapped[Mode] = mapped_column(
+        _enum(Mode, "session_mode"),
+        default=Mode.DISTRIBUTED,
+        server_default=Mode.DISTRIBUTED.value,
     )
     n_accepted: Mapped[int]
     next_token: Mapped[int]

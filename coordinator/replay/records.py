@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
+from broker.messages import Mode
+from coordinator.db.models import DecodingSession, Round, SessionStatus
 from coordinator.runtime.metrics import RoundLegs
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class RoundRecord:
     next_token: int
     committed_len: int
     provisional: bool
-    mode: SessionMode  # who drafted: the device, or the verifier host (cloud)
+    mode: Mode  # who drafted: the device, or the verifier host (cloud)
     q_ids: tuple[tuple[int, ...], ...] | None  # [k, K]
     q_probs: tuple[tuple[float, ...], ...] | None  # [k, K]
     verifier_id: str | None
@@ -134,7 +135,7 @@ class SessionRecord:
     top_p: float
     seed: int
     max_tokens: int
-    mode: SessionMode
+    mode: Mode
     draft_model: str | None
     k: int
     status: SessionStatus

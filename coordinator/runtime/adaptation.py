@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from broker import messages as m
-from coordinator.db.models import Round, SessionMode
+from coordinator.db.models import Round
 from coordinator.runtime.book_core import BookCore
 from coordinator.runtime.decisions import opening_candidate
 from coordinator.runtime.policy import STREAM_DECISION_EVERY, RoundObservation
@@ -50,10 +50,10 @@ class AdaptiveBook(BookCore):
                 # A pass that also prefilled (this session's first, or another's in the batch)
                 # says nothing of what verifying a window costs.
                 prefill=prefilled or row.round_index == 0,
-                overhead_ms=live.turn_overhead_ms if row.mode is SessionMode.DISTRIBUTED else None,
+                overhead_ms=live.turn_overhead_ms if row.mode is m.Mode.DISTRIBUTED else None,
             )
         )
-        hosted = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
+        hosted = row.mode in (m.Mode.CLOUD, m.Mode.PLAIN)
         if hosted and row.round_index % STREAM_DECISION_EVERY:
             # A host stream's window is the verifier's choice, pass by pass; whether to leave
             # the host is asked every few rounds (a decision costs ~0.4 ms of this process).

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker import messages as m
 from broker.client import BusConnectionError
-from coordinator.db.models import Round, SessionMode, SessionStatus
+from coordinator.db.models import Round, SessionStatus
 from coordinator.runtime.adaptation import AdaptiveBook
 from coordinator.runtime.book_core import Publish
 from coordinator.runtime.session_state import ADOPTED, LiveSession
@@ -170,8 +170,10 @@ class DirectRounds(AdaptiveBook):
                 live.turn_overhead_ms = done.overhead_ms
                 before = live.policy
                 live.policy, record = self._adapt(live, row, done.batch_prefilled > 0)
-                # A decision that changes nothing stays here: the one in force is recorded.
-                if live.policy != before or not live.decision_sent:
+                # A decision that changes nothing stays here: the one in force is recorded. One
+                # that has a drafter fetched for the device is recorded too (it says why).
+                asks = record.get("decision", {}).get("fetch") is not None
+                if live.policy != before or not live.decision_sent or asks:
                     await self._repolicy(live, record)
                     live.decision_sent = True
             live.last_verdict = None
@@ -217,7 +219,7 @@ class DirectRounds(AdaptiveBook):
             draft_model=done.draft_model,
             provisional=done.provisional,
             k=done.drafted,
-            mode=SessionMode.DISTRIBUTED,
+            mode=m.Mode.DISTRIBUTED,
             n_accepted=done.n_accepted,
             next_token=done.committed[-1],
             committed_len=done.base_len + len(done.committed),

@@ -11,7 +11,7 @@ import uuid
 import sqlalchemy as sa
 
 from broker import messages as m
-from coordinator.db.models import Round, SessionMode, SessionStatus
+from coordinator.db.models import Round, SessionStatus
 from coordinator.runtime.direct_rounds import DirectRounds
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from coordinator.runtime.session_state import LiveSession
@@ -182,7 +182,7 @@ class RoundPipeline(DirectRounds):
         row.q_ids = [list(r) for r in draft.q_ids] if draft.q_ids else None
         row.q_probs = [list(r) for r in draft.q_probs] if draft.q_probs else None
         row.k = len(draft.tokens)
-        row.mode = SessionMode.DISTRIBUTED
+        row.mode = m.Mode.DISTRIBUTED
         row.t_draft_ms = draft.timings.draft_ms
         row.t_uplink_ms = uplink_ms if draft.timings.sent_at else None
         if draft.drafter_note:  # why the device drafted with another drafter (memory, a fetch)
@@ -278,7 +278,7 @@ class RoundPipeline(DirectRounds):
         # Plain: no drafter was asked for, or the pass chose none (a fixed window cut to 0 at
         # the end of the output is still the session's cloud mode).
         plain = request.cloud_draft is None or (adaptive and window == 0)
-        row.mode = SessionMode.PLAIN if plain else SessionMode.CLOUD
+        row.mode = m.Mode.PLAIN if plain else m.Mode.CLOUD
         row.t_draft_ms = result.draft_ms
         row.t_queue_ms = result.queue_ms
         if result.pass_choice is not None:
@@ -399,7 +399,7 @@ class RoundPipeline(DirectRounds):
         continues: bool,
     ) -> m.Verdict:
         """The verdict of a committed round, as the device reads it."""
-        hosted_round = row.mode in (SessionMode.CLOUD, SessionMode.PLAIN)
+        hosted_round = row.mode in (m.Mode.CLOUD, m.Mode.PLAIN)
         return m.Verdict(
             session_id=live.id,
             round=row.round_index,

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker import messages as m
 from coordinator.db.events import append_event
-from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
+from coordinator.db.models import DecodingSession, Round, SessionStatus, utcnow
 from coordinator.runtime.session_state import LiveSession, restore
 
 DEFAULT_K = 4
@@ -97,7 +97,7 @@ class SessionStore:
             finished=finished,
             policy=m.Policy.model_validate(row.policy) if row.policy else None,
             verifier_id=row.verifier_id or "",
-            draft_tokens=tuple(row.draft_tokens) if row.mode is SessionMode.CLOUD else None,
+            draft_tokens=tuple(row.draft_tokens) if row.mode is m.Mode.CLOUD else None,
         )
 
     def finish(

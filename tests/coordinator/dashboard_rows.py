@@ -12,12 +12,12 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker.messages import Mode
 from coordinator.db.models import (
     DecodingSession,
     DeploymentState,
     DeviceDeploymentState,
     Round,
-    SessionMode,
     SessionStatus,
 )
 from coordinator.db.registry import DeviceRegistry
@@ -92,7 +92,7 @@ def add_session(
     answer: str = ANSWER,
     task_type: str = "qa",
     status: SessionStatus = SessionStatus.FINISHED,
-    mode: SessionMode = SessionMode.DISTRIBUTED,
+    mode: Mode = Mode.DISTRIBUTED,
     draft_model: str = "lookup",
     pattern: Sequence[tuple[int, int, bool]] = ROUND_PATTERN,
     temperature: float = 0.0,

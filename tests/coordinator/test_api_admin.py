@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker.messages import Mode
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import (
     Admin,
@@ -26,7 +27,6 @@ from coordinator.db.models import (
     Event,
     Model,
     ModelRole,
-    SessionMode,
     SessionStatus,
     utcnow,
 )
@@ -67,7 +67,7 @@ class DatabaseControl:
             top_p=request.top_p,
             seed=request.seed or 7,
             max_tokens=request.max_tokens,
-            mode=SessionMode.DISTRIBUTED,
+            mode=Mode.DISTRIBUTED,
             draft_model=request.draft_model or "lookup",
             k=request.k or 4,
             status=SessionStatus.ACTIVE,
@@ -112,7 +112,7 @@ def api(pg_clean_engine: Engine) -> Iterator[Fixture]:
         device_id="pi-2",
         created_at=recent(70),
         status=SessionStatus.CANCELLED,
-        mode=SessionMode.CLOUD,
+        mode=Mode.CLOUD,
         draft_model="draft-l1",
     )
     store = AdminStore(sessions)

@@ -33,9 +33,10 @@ from fastapi import FastAPI
 from playwright.sync_api import Browser, Page, Playwright, Route, expect, sync_playwright
 from sqlalchemy.engine import Engine
 
+from broker.messages import Mode
 from broker.mosquitto import free_port
 from coordinator.db.engine import make_sessionmaker
-from coordinator.db.models import AdminRole, DeviceDeploymentState, SessionMode, SessionStatus
+from coordinator.db.models import AdminRole, DeviceDeploymentState, SessionStatus
 from coordinator.ops.rollout import Deployments
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
@@ -144,7 +145,7 @@ def dashboard(pg_clean_engine: Engine) -> Iterator[Dashboard]:
         device_id="pi-2",
         created_at=recent(200),
         status=SessionStatus.CANCELLED,
-        mode=SessionMode.CLOUD,
+        mode=Mode.CLOUD,
         draft_model="draft-l1",
         pattern=((4, 1, False), (4, 3, False)),
     )

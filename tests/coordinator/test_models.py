@@ -9,6 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from broker.messages import Mode
 from coordinator.db.models import (
     DecodingSession,
     Deployment,
@@ -19,7 +20,6 @@ from coordinator.db.models import (
     Model,
     ModelRole,
     Round,
-    SessionMode,
     SessionStatus,
 )
 
@@ -40,7 +40,7 @@ def _session(device_id: str = "pi-1") -> DecodingSession:
         top_p=0.95,
         seed=2**40 + 3,
         max_tokens=128,
-        mode=SessionMode.DISTRIBUTED,
+        mode=Mode.DISTRIBUTED,
         draft_model="draft-s",
         k=4,
     )

@@ -19,9 +19,10 @@ from dashboard_rows import StoredSession, add_fleet, add_session, chat_tokenizer
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker.messages import Mode
 from coordinator import replay
 from coordinator.db.engine import make_sessionmaker
-from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus, utcnow
+from coordinator.db.models import DecodingSession, Round, SessionStatus, utcnow
 from inference.artifacts import default_models_dir
 from inference.drafters import make_proposer
 from inference.onnx_runtime import OnnxRuntime
@@ -319,7 +320,7 @@ def record_session(
                 top_p=1.0,
                 seed=seed,
                 max_tokens=max_tokens,
-                mode=SessionMode.DISTRIBUTED,
+                mode=Mode.DISTRIBUTED,
                 draft_model=drafter,
                 k=4,
                 status=SessionStatus.FINISHED,

@@ -13,9 +13,10 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from broker.messages import Mode
 from coordinator.db import round_writer
 from coordinator.db.engine import make_sessionmaker
-from coordinator.db.models import DecodingSession, Event, Round, SessionMode, SessionStatus
+from coordinator.db.models import DecodingSession, Event, Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from coordinator.db.round_writer import RoundWriter
 
@@ -45,7 +46,7 @@ def open_session(sessions: sessionmaker[Session]) -> uuid.UUID:
                 top_p=1.0,
                 seed=0,
                 max_tokens=64,
-                mode=SessionMode.DISTRIBUTED,
+                mode=Mode.DISTRIBUTED,
                 draft_model="lookup",
                 k=2,
                 status=SessionStatus.ACTIVE,

@@ -25,10 +25,11 @@ from broker.client import (
     ConnectOptions,
     connect,
 )
+from broker.messages import Mode
 from broker.mosquitto import PrivateMosquitto, free_port
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.engine import make_sessionmaker
-from coordinator.db.models import DecodingSession, Event, SessionMode, SessionStatus
+from coordinator.db.models import DecodingSession, Event, SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from coordinator.ops.provisioning import parse_acl
 from coordinator.runtime.service import Coordinator
@@ -246,7 +247,7 @@ def _open_session_row(engine: Engine, device_id: str, status: SessionStatus) -> 
         top_p=1.0,
         seed=7,
         max_tokens=8,
-        mode=SessionMode.DISTRIBUTED,
+        mode=Mode.DISTRIBUTED,
         draft_model="lookup",
         k=4,
         status=status,

@@ -22,7 +22,7 @@ from test_dsd_bus import shared_prompts, target_answer
 
 from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
-from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
+from coordinator.db.models import DecodingSession, Round, SessionStatus
 from coordinator.db.registry import DeviceExistsError
 from core.settings import Settings
 from localfleet.demo import ask
@@ -127,19 +127,19 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
         modes = [r.mode for r in rounds]
         if answer.get("mode") == "plain":
             # No drafter anywhere: one token a round, every round streamed from one request.
-            assert set(modes) == {SessionMode.PLAIN}
+            assert set(modes) == {m.Mode.PLAIN}
             assert all(r.draft_tokens == [] and r.n_accepted == 0 for r in rounds)
             assert len(rounds) == len(expected) and drafts[answer["session_id"]] == 1
         elif answer["device"] == CLOUD:
-            assert set(modes) == {SessionMode.CLOUD}
+            assert set(modes) == {m.Mode.CLOUD}
             # One request, every round streamed: far fewer Drafts than rounds.
             assert drafts[answer["session_id"]] == 1 < len(rounds)
             assert all(r.t_draft_ms is not None and r.verifier_id for r in rounds)
         else:
             # The adaptive session opens with an empty window, then the policy, having measured
             # the 4G link, moves the drafting to the verifier host, and says why on the round.
-            assert modes[0] is SessionMode.DISTRIBUTED and rounds[0].k == 0
-            assert SessionMode.CLOUD in modes, [r.policy for r in rounds]
+            assert modes[0] is m.Mode.DISTRIBUTED and rounds[0].k == 0
+            assert m.Mode.CLOUD in modes, [r.policy for r in rounds]
             switch = next(r for r in rounds if r.policy and r.policy["mode"] == "cloud")
             decision = switch.policy["decision"] if switch.policy else {}
             assert decision["rtt_ms"] > 20.0

@@ -18,8 +18,9 @@ import httpx
 from rounds_check import assert_rounds_rebuild
 from test_dsd_bus import shared_prompts, target_answer
 
+from broker.messages import Mode
 from broker.mosquitto import PrivateMosquitto
-from coordinator.db.models import Round, SessionMode
+from coordinator.db.models import Round
 from core.settings import Settings
 from localfleet.demo import ask
 from localfleet.fleet import START_TIMEOUT_S, AgentSpec, LocalFleet, local_fleet
@@ -100,11 +101,11 @@ def test_a_hot_device_has_its_drafting_moved_to_the_host_and_says_why(tmp_path: 
     expected = list(target_answer(prompt["prompt"], MAX_TOKENS))
     for answer in (cool, hot):
         assert answer["token_ids"] == expected
-    assert {r.mode for r in cool_rounds} == {SessionMode.DISTRIBUTED}
+    assert {r.mode for r in cool_rounds} == {Mode.DISTRIBUTED}
     # Hot: after its opening round the device drafts nothing; every later round ran on the
     # verifier host, and the decision that moved it names the limit and the reading.
     later = hot_rounds[1:]
-    assert later and all(r.mode in (SessionMode.CLOUD, SessionMode.PLAIN) for r in later)
+    assert later and all(r.mode in (Mode.CLOUD, Mode.PLAIN) for r in later)
     reasons = [
         r.policy["decision"]["reason"] for r in hot_rounds if r.policy and "decision" in r.policy
     ]

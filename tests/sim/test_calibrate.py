@@ -9,12 +9,12 @@ import pytest
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session as DbSession
 
+from broker.messages import Mode
 from coordinator.db.models import (
     DecodingSession,
     Device,
     DeviceKind,
     Round,
-    SessionMode,
     SessionStatus,
 )
 from sim.calibrate import calibrate
@@ -34,7 +34,7 @@ def _store(engine: Engine) -> None:
             DecodingSession(
                 id=session_id, device_id="dev-1", task_type="code", prompt="p",
                 prompt_ids=list(range(20)), temperature=0.0, top_p=1.0, seed=1, max_tokens=90,
-                mode=SessionMode.DISTRIBUTED, draft_model="hybrid", k=4,
+                mode=Mode.DISTRIBUTED, draft_model="hybrid", k=4,
                 status=SessionStatus.FINISHED, committed_ids=list(range(90)), committed_len=110,
             )
         )  # fmt: skip
@@ -44,7 +44,7 @@ def _store(engine: Engine) -> None:
                 Round(
                     session_id=session_id, round_index=i, base_len=20 + 3 * i,
                     draft_tokens=[1, 2, 3, 4], draft_model="hybrid", k=4,
-                    mode=SessionMode.DISTRIBUTED, n_accepted=2, next_token=5,
+                    mode=Mode.DISTRIBUTED, n_accepted=2, next_token=5,
                     committed_len=23 + 3 * i, t_draft_ms=2.0, policy={"k": 4},
                 )
             )  # fmt: skip

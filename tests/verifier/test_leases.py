@@ -15,7 +15,7 @@ from broker import messages as m
 from broker.mosquitto import PrivateMosquitto
 from broker.topics import DeviceChannel, device_topic
 from coordinator.db.engine import make_sessionmaker
-from coordinator.db.models import DecodingSession, Round, SessionMode, SessionStatus
+from coordinator.db.models import DecodingSession, Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from verifier.worker import VerifierWorker
 
@@ -40,7 +40,7 @@ def _open(engine: Engine) -> str:
                 top_p=1.0,
                 seed=0,
                 max_tokens=32,
-                mode=SessionMode.DISTRIBUTED,
+                mode=m.Mode.DISTRIBUTED,
                 draft_model="lookup",
                 k=3,
                 status=SessionStatus.ACTIVE,
@@ -184,7 +184,7 @@ def _persist_round_elsewhere(engine: Engine, session_id: str, committed: list[in
                 draft_tokens=committed[:-1],
                 draft_model="lookup",
                 k=len(committed) - 1,
-                mode=SessionMode.DISTRIBUTED,
+                mode=m.Mode.DISTRIBUTED,
                 n_accepted=len(committed) - 1,
                 next_token=committed[-1],
                 committed_len=len(row.prompt_ids) + len(committed),

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.messages import Mode
 from coordinator.db.models import (
     AdminRole,
     DeploymentState,
@@ -15,7 +16,6 @@ from coordinator.db.models import (
     DeviceKind,
     DeviceStatus,
     ModelRole,
-    SessionMode,
     SessionStatus,
 )
 from coordinator.replay import TokenKind
@@ -115,7 +115,7 @@ class SessionPublic(BaseModel):
     device_id: str
     task_type: str
     prompt: str
-    mode: SessionMode
+    mode: Mode
     status: SessionStatus
     draft_model: str | None
     k: int

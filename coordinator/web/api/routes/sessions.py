@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
+from broker.messages import Mode
 from broker.topics import DEVICE_ID_PATTERN
 from coordinator.db.events import append_event
 from coordinator.db.models import (
@@ -25,7 +26,6 @@ from coordinator.db.models import (
     Device,
     DeviceStatus,
     Round,
-    SessionMode,
     SessionStatus,
 )
 from coordinator.live import ControlError, SessionStartRequest
@@ -112,7 +112,7 @@ def session_public(row: DecodingSession, rounds: int, drafted: int, accepted: in
 def list_sessions(
     db: SessionDep,
     status: SessionStatus | None = None,
-    mode: SessionMode | None = None,
+    mode: Mode | None = None,
     device_id: Annotated[str | None, Query(pattern=DEVICE_ID_PATTERN.pattern)] = None,
     task_type: Annotated[str | None, Query(min_length=1, max_length=32)] = None,
     draft_model: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
