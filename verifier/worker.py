@@ -527,11 +527,43 @@ class VerifierWorker:
                 fixed = [len(p.request.tokens) or (p.request.cloud_k or 0) for p in batch]
                 fixed += [stream.cap for stream in turn if not stream.adaptive]
                 choice = self._choose(turn, fixed)
-            self._in_flight = batch
-            try:
-                await self._verify(batch, turn, choice)
-            finally:
-                self._in_flight = []
+                if batch and self._apart(batch, turn, choice):
+                    # The device-drafted windows first, in a pass of their own: they would
+                    # widen every row of the streams' pass to theirs.
+                    await self._verify_tracked(batch, [], None)
+                    batch, choice = [], self._choose(turn, [])
+            await self._verify_tracked(batch, turn, choice)
+
+    async def _verify_tracked(
+        self, batch: list[_Pending], turn: list[HostStream], choice: PassChoice | None
+    ) -> None:
+        self._in_flight = batch
+        try:
+            await self._verify(batch, turn, choice)
+        finally:
+            self._in_flight = []
+
+    def _apart(self, batch: list[_Pending], turn: list[HostStream], together: PassChoice) -> bool:
+        """Whether the device-drafted rows of `batch` and the streams of `turn` commit more
+        tokens per second in two passes than in one. Every row of a pass is padded to its widest
+        window, so one device window of 8 made a pass of 31 plain streams score 9 positions
+        each (25 s a pass on a loaded host, where plain took 0.6 s)."""
+        if any(not stream.adaptive for stream in turn):
+            return False  # a fixed-window stream is as wide as a device's: keep them together
+        if together.cost_ms <= 0 or str(together.k) not in together.goodput:
+            return False  # the choice fell back to plain without a prediction
+        widths = [len(p.request.tokens) or (p.request.cloud_k or 0) for p in batch]
+        try:
+            alone = self.goodput.choose([stream.row() for stream in turn], [])
+            device_ms = self.goodput.cost.predict(len(batch), max(widths) + 1)
+        except Exception:
+            log.exception("goodput control failed; the pass stays whole")
+            return False
+        device_tokens = sum(1.0 + 0.5 * k for k in widths)  # as `choose` scores a device row
+        tokens_together = together.goodput[str(together.k)] * together.cost_ms
+        tokens_apart = alone.goodput[str(alone.k)] * alone.cost_ms + device_tokens * 1000.0
+        apart_ms = alone.cost_ms + device_ms
+        return apart_ms > 0 and tokens_apart / apart_ms > tokens_together / together.cost_ms
 
     def _choose(self, turn: list[HostStream], fixed: list[int]) -> PassChoice:
         """The pass's window; plain, with the reason, when the cost model cannot say (a choice

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from broker.client import BrokerAddress
+from broker.messages import StreamSpec, VerifyRequest
 from verifier.goodput import (
     SPECULATION_MARGIN,
     GoodputControl,
@@ -11,6 +13,8 @@ from verifier.goodput import (
     PositionAcceptance,
     StreamRow,
 )
+from verifier.streams import HostStream
+from verifier.worker import VerifierWorker, WorkerConfig, _Pending
 
 # DESIGN.md, "What a batch costs on this machine": (rows, tokens per row) -> ms.
 TABLE = {
@@ -119,8 +123,8 @@ def test_a_shape_seen_is_predicted_from_its_own_passes() -> None:
         for (rows, positions), ms in TABLE.items():
             if rows > 1:
                 cost.observe(rows, positions, ms)
-        for positions, ms in lone.items():
-            cost.observe(1, positions, ms)
+        for positions, lone_ms in lone.items():
+            cost.observe(1, positions, lone_ms)
     assert cost.predict(1, 5) == pytest.approx(48.0, abs=1.0)  # between its own points
     assert cost.predict(1, 9) == pytest.approx(52.0, abs=1.0)
     assert cost.predict(16, 4) == pytest.approx((183 + 267) / 2, rel=0.05)
@@ -164,3 +168,40 @@ def test_a_shape_with_one_point_below_a_steep_fit_is_predicted_positive() -> Non
     choice.cost = cost
     picked = choice.choose([StreamRow("hybrid", "chat", 4, 0.5)] * 16, [])
     assert picked.cost_ms > 0 and all(g < float("inf") for g in picked.goodput.values())
+
+
+def _plain_stream(index: int) -> HostStream:
+    opening = VerifyRequest(
+        request_id=f"stream-{index}",
+        session_id=f"s-{index}",
+        round=0,
+        context_ids=(1, 2, 3),
+        tokens=(),
+        stream=StreamSpec(rounds=8, max_new=32, eos_id=2),
+    )
+    return HostStream.open(opening, 0.0)
+
+
+def _device_round(tokens: int) -> _Pending:
+    request = VerifyRequest(
+        request_id="device-round",
+        session_id="device-session",
+        round=3,
+        context_ids=(1, 2, 3),
+        tokens=tuple(range(5, 5 + tokens)),
+    )
+    return _Pending(request, 0.0)
+
+
+def test_a_wide_device_window_gets_a_pass_of_its_own_beside_many_plain_streams() -> None:
+    """Every row of a pass is padded to its widest window: one device window of 8 beside 31
+    plain streams would make all 32 rows score 9 positions. Two passes commit more there; beside
+    one stream, one pass does."""
+    worker = VerifierWorker(WorkerConfig("apart-test"), BrokerAddress("127.0.0.1", 1))
+    worker.goodput = fitted()
+    device = [_device_round(8)]
+    many = [_plain_stream(i) for i in range(31)]
+    together = worker._choose(many, [8])
+    assert worker._apart(device, many, together)
+    one = many[:1]
+    assert not worker._apart(device, one, worker._choose(one, [8]))
