@@ -40,7 +40,9 @@ PROMPT = "Name three primary colours."
 MAX_TOKENS = 16
 ONLINE_TIMEOUT_S = 60.0
 
-pytestmark = pytest.mark.timeout(400)
+# In the slow set (the default suite's budget): the default suite installs the same wheel in
+# test_agent_wheel and test_agent_package and brings the agent online; this one also decodes.
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 
 def ask(root: Path, port: int, draft: str) -> dict[str, object]:
