@@ -11,33 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from tests.processes import alive, children_of
+
 START_S = 180.0
 STOP_S = 60.0
-
-
-def children_of(pid: int) -> set[int]:
-    """Every live process whose parent is `pid`, read from /proc."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces, so split after its closing paren.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.add(int(entry.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def test_sigterm_stops_the_soak_and_every_process_it_started(tmp_path: Path) -> None:
@@ -49,7 +26,7 @@ def test_sigterm_stops_the_soak_and_every_process_it_started(tmp_path: Path) -> 
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    started: set[int] = set()
+    started: dict[int, str] = {}
     try:
         deadline = time.monotonic() + START_S
         # Mosquitto, the coordinator and the verifier; then the first sessions run.

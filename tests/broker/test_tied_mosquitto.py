@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from broker.mosquitto import PrivateMosquitto
+from tests.processes import alive
 
 GONE_S = 5.0
 
@@ -32,15 +33,6 @@ OWNER = textwrap.dedent(
     time.sleep(600)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def parent_of(pid: int) -> int:

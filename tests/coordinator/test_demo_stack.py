@@ -18,6 +18,7 @@ import pytest
 from broker.mosquitto import free_port
 from coordinator.stack_broker import mosquitto_binary
 from inference.artifacts import default_models_dir
+from tests.processes import alive, children_of
 
 RUN_S = 600.0
 START_S = 300.0
@@ -39,30 +40,6 @@ def _env(home: Path) -> dict[str, str]:
 
 def _demo(*argv: str) -> list[str]:
     return [sys.executable, "-m", "specfleet", "demo", "--agents", "1", "--verifiers", "1", *argv]
-
-
-def children_of(pid: int) -> dict[int, str]:
-    """Every live process whose parent is `pid` (pid -> its command name), from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found[int(entry.name)] = stat[stat.index("(") + 1 : stat.rindex(")")]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def test_the_demo_runs_mosquitto_and_ends_without_a_warning(tmp_path: Path) -> None:

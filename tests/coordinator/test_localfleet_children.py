@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import alive
+
 GONE_S = 5.0
 
 # Starts a child the way a local fleet does (its own session, its output to a log), says its
@@ -43,14 +45,6 @@ OWNER = textwrap.dedent(
     time.sleep(600)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal")

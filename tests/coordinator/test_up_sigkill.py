@@ -15,18 +15,10 @@ import pytest
 
 from broker.mosquitto import free_port
 from coordinator.stack_broker import mosquitto_binary
+from tests.processes import alive
 
 START_S = 60.0
 GONE_S = 5.0
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def mosquitto_children(parent: int) -> list[int]:
