@@ -155,9 +155,16 @@ class PositionAcceptance:
     """P(token i is drafted and accepted | tokens 1..i-1 were), for i = 1..MAX, decayed."""
 
     positions: list[_Position] = field(default_factory=list)
+    # prior -> E(0..j) from one pass over the rates (expected_by_window), until the next
+    # observe: a pass scores each kind of stream at every window, and its kinds share a few
+    # (drafter, task) statistics that change only when a round of theirs is observed.
+    _expected: dict[float, list[float]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def observe(self, window: int, drafted: int, accepted: int, forget: float) -> None:
         """A round with a window of `window`, `drafted` tokens proposed, `accepted` kept."""
+        self._expected.clear()
         while len(self.positions) < window:
             self.positions.append(_Position())
         for i in range(min(window, accepted + 1)):
@@ -174,19 +181,33 @@ class PositionAcceptance:
         the next ones right too; a fixed prior there made wide windows look worse than they
         are, and they were then never tried."""
         out: list[float] = []
+        unseen = _Position()
+        pull = prior
         for i in range(k):
-            seen = self.positions[i] if i < len(self.positions) else _Position()
-            pull = prior if i == 0 else out[-1]
-            out.append((seen.accepted + pull * PRIOR_WEIGHT) / (seen.reached + PRIOR_WEIGHT))
+            seen = self.positions[i] if i < len(self.positions) else unseen
+            pull = (seen.accepted + pull * PRIOR_WEIGHT) / (seen.reached + PRIOR_WEIGHT)
+            out.append(pull)
         return out
 
-    def expected_tokens(self, k: int, prior: float) -> float:
-        """E(k) = 1 + sum over i of the chance that tokens 1..i are all accepted."""
+    def expected_by_window(self, k: int, prior: float) -> list[float]:
+        """E(j) for j = 0..k (at least; more when a wider window was asked since the last
+        observe). A window's rates are the first ones of any wider window's, so one pass gives
+        every E(j), each the same sum expected_tokens(j) makes."""
+        cached = self._expected.get(prior)
+        if cached is not None and len(cached) > k:
+            return cached
+        values = [1.0]
         total, survive = 1.0, 1.0
         for rate in self.rates(k, prior):
             survive *= rate
             total += survive
-        return total
+            values.append(total)
+        self._expected[prior] = values
+        return values
+
+    def expected_tokens(self, k: int, prior: float) -> float:
+        """E(k) = 1 + sum over i of the chance that tokens 1..i are all accepted."""
+        return self.expected_by_window(k, prior)[k]
 
 
 @dataclass(frozen=True)
@@ -208,6 +229,8 @@ class GoodputControl:
         self._accept: dict[tuple[str, str], PositionAcceptance] = {}
         self._draft_ms: dict[str, float] = {}
         self._accept_forget = _decay(ACCEPT_HALF_LIFE)
+        self._unseen = PositionAcceptance()  # what a (draft, task) not seen yet is scored on
+        self._names = {k: str(k) for k in self.windows}  # goodput's keys
 
     # -- learning ---------------------------------------------------------------------------
 
@@ -232,8 +255,12 @@ class GoodputControl:
     def expected_tokens(self, row: StreamRow, k: int) -> float:
         if row.draft is None or k <= 0:
             return 1.0
-        stats = self._accept.get((row.draft, row.task_type), PositionAcceptance())
-        return stats.expected_tokens(min(k, row.cap), row.prior)
+        return self._stats(row.draft, row.task_type).expected_tokens(min(k, row.cap), row.prior)
+
+    def _stats(self, draft: str, task_type: str) -> PositionAcceptance:
+        """The acceptance seen for (draft, task), or none seen (never stored: a round's
+        observe_round makes its own)."""
+        return self._accept.get((draft, task_type)) or self._unseen
 
     def draft_ms(self, draft: str) -> float:
         return self._draft_ms.get(draft, PRIOR_DRAFT_MS_PER_TOKEN)
@@ -250,31 +277,49 @@ class GoodputControl:
         fixed_tokens = sum(1.0 + 0.5 * k for k in fixed)
         top_cap = max((s.cap for s in streams if s.draft is not None), default=0)
         # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
-        # once per window (this runs between two passes, while the target waits).
-        kinds = Counter(streams)
+        # once per window (this runs between two passes, while the target waits). A kind is
+        # StreamRow's fields as a tuple, which hashes and compares as the row does, in C.
+        kinds = Counter((s.draft, s.task_type, s.cap, s.prior) for s in streams)
+        windows = [k for k in self.windows if k <= top_cap or k <= 0]
+        widest = max(windows, default=0)
+        # Per kind: its count, cap, E(j) for every j up to the widest window it can take (one
+        # pass over its rates, kept by its statistics until they change), and its drafting
+        # cost per window token.
+        scored = [
+            (
+                count,
+                cap,
+                None
+                if draft is None
+                else self._stats(draft, task).expected_by_window(max(0, min(widest, cap)), prior),
+                None if draft is None else count * self.draft_ms(draft),
+            )
+            for (draft, task, cap, prior), count in kinds.items()
+        ]
         goodput: dict[str, float] = {}
         cost_at: dict[int, float] = {}
-        for k in self.windows:
-            if k > top_cap and k > 0:
-                continue
+        for k in windows:
+            # E(min(k, cap)) of each kind, 1 for a plain one or k = 0 (a cap below 0 drafts
+            # nothing: E(0)); summed in the kinds' order, as sum() of each row kind's would.
             tokens = fixed_tokens + sum(
-                count * self.expected_tokens(kind, k) for kind, count in kinds.items()
+                [
+                    count * (1.0 if by_window is None or k <= 0 else by_window[max(0, min(k, cap))])
+                    for count, cap, by_window, _ in scored
+                ]
             )
             drafting = sum(
-                count * self.draft_ms(kind.draft) * min(k, kind.cap)
-                for kind, count in kinds.items()
-                if kind.draft is not None
+                [count_ms * min(k, cap) for _, cap, _, count_ms in scored if count_ms is not None]
             )
             ms = self.cost.predict(rows, max(k, widest_fixed) + 1) + drafting
             cost_at[k] = ms
-            goodput[str(k)] = tokens / ms * 1000.0 if ms > 0 else math.inf
+            goodput[self._names[k]] = tokens / ms * 1000.0 if ms > 0 else math.inf
         plain = goodput["0"]
 
         def worth(k: int) -> float:
             """A window's goodput, discounted by the certainty it needs: the more it adds to
             the pass, the more a wrong estimate costs (a lone row's window adds ~2%)."""
             extra = max(0.0, cost_at[k] / cost_at[0] - 1.0)
-            return goodput[str(k)] / (1.0 + SPECULATION_MARGIN * extra)
+            return goodput[self._names[k]] / (1.0 + SPECULATION_MARGIN * extra)
 
         best = max((int(k) for k in goodput), key=lambda k: (worth(k), -k))
         if best > 0 and worth(best) <= plain:

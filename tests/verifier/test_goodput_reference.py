@@ -1,0 +1,157 @@
+"""Goodput control's pass rule against the rule written out plainly: every kind of stream scored
+at every window from its acceptance per position, nothing kept between passes. The rule keeps
+E(j) per (drafter, task) until a round of theirs is observed; its choices, predictions and
+reasons must be these, bit for bit, and a change in acceptance must reach the next choice."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+
+from broker.messages import PassChoice
+from verifier.goodput import (
+    PRIOR_WEIGHT,
+    SPECULATION_MARGIN,
+    GoodputControl,
+    PositionAcceptance,
+    StreamRow,
+)
+
+DRAFTS = ("hybrid", "ngram", "draft-l1")
+TASKS = ("chat", "code", "math")
+PRIORS = (0.5, 0.3, 0.8)
+
+
+def reference_expected(stats: PositionAcceptance | None, k: int, prior: float) -> float:
+    """E(k) = 1 + sum_i prod_{j <= i} rate_j, each rate pulled towards the one before it."""
+    positions = stats.positions if stats is not None else []
+    rates: list[float] = []
+    for i in range(k):
+        reached, accepted = (
+            (positions[i].reached, positions[i].accepted) if i < len(positions) else (0.0, 0.0)
+        )
+        pull = prior if i == 0 else rates[-1]
+        rates.append((accepted + pull * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT))
+    total, survive = 1.0, 1.0
+    for rate in rates:
+        survive *= rate
+        total += survive
+    return total
+
+
+def reference_choose(
+    control: GoodputControl, streams: Sequence[StreamRow], fixed: list[int]
+) -> PassChoice:
+    rows = len(streams) + len(fixed)
+    widest_fixed = max(fixed, default=0)
+    fixed_tokens = sum(1.0 + 0.5 * k for k in fixed)
+    top_cap = max((s.cap for s in streams if s.draft is not None), default=0)
+    kinds = Counter(streams)
+
+    def expected(kind: StreamRow, k: int) -> float:
+        if kind.draft is None or k <= 0:
+            return 1.0
+        stats = control._accept.get((kind.draft, kind.task_type))
+        return reference_expected(stats, min(k, kind.cap), kind.prior)
+
+    goodput: dict[str, float] = {}
+    cost_at: dict[int, float] = {}
+    for k in control.windows:
+        if k > top_cap and k > 0:
+            continue
+        tokens = fixed_tokens + sum(count * expected(kind, k) for kind, count in kinds.items())
+        drafting = sum(
+            count * control.draft_ms(kind.draft) * min(k, kind.cap)
+            for kind, count in kinds.items()
+            if kind.draft is not None
+        )
+        ms = control.cost.predict(rows, max(k, widest_fixed) + 1) + drafting
+        cost_at[k] = ms
+        goodput[str(k)] = tokens / ms * 1000.0 if ms > 0 else math.inf
+    plain = goodput["0"]
+
+    def worth(k: int) -> float:
+        extra = max(0.0, cost_at[k] / cost_at[0] - 1.0)
+        return goodput[str(k)] / (1.0 + SPECULATION_MARGIN * extra)
+
+    best = max((int(k) for k in goodput), key=lambda k: (worth(k), -k))
+    if best > 0 and worth(best) <= plain:
+        best = 0
+    reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
+        "" if best == 0 else f" (plain {plain:.1f})"
+    )
+    return PassChoice(
+        k=best, rows=rows, goodput=goodput, cost_ms=cost_at[best], reason=reason[:256]
+    )
+
+
+def random_streams(rng: random.Random) -> list[StreamRow]:
+    streams = []
+    for _ in range(rng.randint(1, 32)):
+        plain = rng.random() < 0.15
+        streams.append(
+            StreamRow(
+                None if plain else rng.choice(DRAFTS),
+                rng.choice(TASKS),
+                rng.choice((0, 1, 2, 3, 5, 8, 8, 8)),
+                rng.choice(PRIORS),
+            )
+        )
+    return streams
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_pass_rule_chooses_as_the_plain_rule_over_many_random_passes(seed: int) -> None:
+    rng = random.Random(seed)
+    control = GoodputControl()
+    differences = 0
+    for step in range(200):
+        streams = random_streams(rng)
+        fixed = [rng.randint(0, 8) for _ in range(rng.choice((0, 0, 1, 3)))]
+        # A pass is chosen twice between observations (the kept E(j) are used the second time).
+        for _ in range(2):
+            assert control.choose(streams, fixed) == reference_choose(control, streams, fixed)
+        for row in streams:
+            if row.draft is not None and rng.random() < 0.5:
+                window = rng.randint(1, 8)
+                drafted = rng.randint(0, window)
+                accepted = rng.randint(0, drafted)
+                control.observe_round(row.draft, row.task_type, window, drafted, accepted)
+                differences += 1
+        rows = len(streams) + len(fixed)
+        control.observe_pass(rows, rng.randint(1, 9), rng.uniform(20.0, 800.0))
+        if step % 50 == 0:
+            control.observe_draft_ms(rng.choice(DRAFTS), rng.randint(1, 8), rng.uniform(0.1, 9.0))
+        for draft in DRAFTS:
+            for task in TASKS:
+                for k in range(9):
+                    row = StreamRow(draft, task, 8, PRIORS[k % 3])
+                    stats = control._accept.get((draft, task))
+                    assert control.expected_tokens(row, k) == reference_expected(
+                        stats, k, row.prior
+                    )
+    assert differences > 0
+
+
+def test_acceptance_observed_after_a_choice_changes_the_next_choice() -> None:
+    control = GoodputControl()
+    for rows, positions, ms in ((8, 1, 60.0), (8, 9, 61.0), (1, 1, 40.0), (1, 9, 41.0)):
+        for _ in range(20):
+            control.observe_pass(rows, positions, ms)
+    streams = [StreamRow("hybrid", "code", 8, 0.5)] * 8
+    # Every drafted token rejected: the windows' E(j) are kept, and plain decoding wins.
+    for _ in range(300):
+        control.observe_round("hybrid", "code", 8, 8, 0)
+    rejected = control.choose(streams, [])
+    assert rejected.k == 0
+    # Then every one accepted: the kept E(j) must give way, and a window wins.
+    for _ in range(300):
+        control.observe_round("hybrid", "code", 8, 8, 8)
+    accepted = control.choose(streams, [])
+    assert accepted.k > 0
+    assert accepted.goodput["8"] > 3 * rejected.goodput["8"]
+    assert accepted == reference_choose(control, streams, [])
