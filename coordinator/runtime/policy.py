@@ -58,7 +58,6 @@ from coordinator.runtime.round_model import (
     Ewma,
     ProposalLength,
     VerifyCost,
-    drafted_by_window,
     expected_tokens_by_window,
     window_ms,
 )
@@ -145,6 +144,9 @@ class AdaptivePolicy:
         # device -> draft -> why its fetch failed (drafts on demand), while it backs off
         self._fetch_failed: dict[str, dict[str, str]] = {}
         self.wants = DraftWants()  # drafters devices lack that the fleet can deliver
+        # Never updated: the fill of a drafter not seen on a device, the prior (one that fills
+        # its window); it keeps its curve for every decision that rates such a drafter.
+        self._unseen_fill = ProposalLength()
 
     # --- what we learn --------------------------------------------------------------------
 
@@ -333,9 +335,8 @@ class AdaptivePolicy:
         queue in distributed mode, and the RTT's share plus queue in cloud mode. Without `fill`
         the drafter fills its window. E, n(k), t_verify and T come from round_model's functions
         and VerifyCost.predict_windows, the ones the tests check."""
-        survival = fill.survival(self.k_max) if fill is not None else [1.0] * self.k_max
+        survival, drafted_k = (self._unseen_fill if fill is None else fill).curve(self.k_max)
         waits = mode not in m.HOST_MODES
-        drafted_k = drafted_by_window(survival)
         verify_k = self.verify_cost.predict_windows(drafted_k, load, waits)
         windows = zip(
             expected_tokens_by_window(alpha, survival),
@@ -344,11 +345,13 @@ class AdaptivePolicy:
             strict=True,
         )
         best: tuple[int, float, float, float] | None = None
+        best_rate = 0.0
         for k, (tokens, drafted, total) in enumerate(windows, start=1):
             if k < K_MIN:
                 continue
-            if best is None or tokens / total > best[1] / best[2]:
-                best = (k, tokens, total, drafted)
+            rate = tokens / total
+            if best is None or rate > best_rate:
+                best, best_rate = (k, tokens, total, drafted), rate
         assert best is not None
         return best
 
@@ -365,14 +368,13 @@ class AdaptivePolicy:
         alpha = self.alpha(device_id, draft, task_type)
         cloud = mode is m.Mode.CLOUD
         per_token = self._ms(HOST if cloud else device_id, draft)
-        fill = self._fill.get((device_id, draft))
         k, tokens, total_ms, drafted = self.best_window(
             alpha,
             per_token,
             self.fixed_ms(mode, device_id, rtt_ms, queue_ms),
             load,
             mode,
-            fill or ProposalLength(),
+            self._fill.get((device_id, draft), self._unseen_fill),
         )
         rate = tokens / total_ms * 1000.0 if total_ms > 0 else math.inf
         return Candidate(draft, alpha, per_token, k, tokens, total_ms, rate, mode, drafted)

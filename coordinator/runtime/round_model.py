@@ -128,10 +128,15 @@ class VerifyCost:
         waits: bool = True,
     ) -> None:
         x = self.features(k, load, waits)
+        xtx, xty = self.xtx, self.xty
         for i in range(5):
-            self.xty[i] = self.xty[i] * decay + x[i] * verify_ms
-            for j in range(5):
-                self.xtx[i][j] = self.xtx[i][j] * decay + x[i] * x[j]
+            x_i = x[i]
+            xty[i] = xty[i] * decay + x_i * verify_ms
+            row = xtx[i]
+            # X'X is symmetric, and x_i x_j is x_j x_i bit for bit: each pair is computed once
+            # (this runs on every round the coordinator hears).
+            for j in range(i, 5):
+                row[j] = xtx[j][i] = row[j] * decay + x_i * x[j]
         self.rounds = self.rounds * decay + 1.0
         self._solved = None
 
@@ -169,14 +174,19 @@ class ProposalLength:
 
     allowed: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
     drafted: list[float] = field(default_factory=lambda: [0.0] * (K_MAX + 1))  # [K_MAX + 1]
+    # (k, S(1..i) for i = 1..k, n(i) for i = 1..k), kept until the next update: a decision
+    # rates this drafter's windows in both modes, and most drafters of a device are never run.
+    _curve: tuple[int, list[float], list[float]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def update(self, window: int, n_drafted: int, decay: float = ALPHA_DECAY) -> None:
         window = min(K_MAX, max(window, n_drafted))
         if window <= 0:
             return
-        for i in range(1, K_MAX + 1):
-            self.allowed[i] *= decay
-            self.drafted[i] *= decay
+        self._curve = None
+        self.allowed[1:] = [value * decay for value in self.allowed[1:]]
+        self.drafted[1:] = [value * decay for value in self.drafted[1:]]
         for i in range(1, min(window, n_drafted + 1) + 1):
             self.allowed[i] += 1.0
             if i <= n_drafted:
@@ -188,12 +198,19 @@ class ProposalLength:
 
     def survival(self, k: int) -> list[float]:
         """S(1..i) for i = 1..k: the chance that the drafter proposes at least i tokens."""
-        values: list[float] = []
-        reach = 1.0
-        for i in range(1, k + 1):
-            reach *= self.go_on(min(i, K_MAX))
-            values.append(reach)
-        return values
+        return list(self.curve(k)[0])
+
+    def curve(self, k: int) -> tuple[list[float], list[float]]:
+        """(survival(k), drafted_by_window of it), kept until the next update; callers
+        read them and must not change them."""
+        if self._curve is None or self._curve[0] != k:
+            values: list[float] = []
+            reach = 1.0
+            for i in range(1, k + 1):
+                reach *= self.go_on(min(i, K_MAX))
+                values.append(reach)
+            self._curve = (k, values, drafted_by_window(values))
+        return self._curve[1], self._curve[2]
 
 
 def expected_tokens_capped(alpha: float, survival: Sequence[float]) -> float:

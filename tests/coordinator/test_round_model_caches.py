@@ -1,0 +1,94 @@
+"""What the round model keeps between updates: a drafter's fill curve until its next round, and
+X'X computed once per symmetric pair. Each must equal the plain computation, and an update must
+reach the next decision."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
+from coordinator.runtime.round_model import (
+    K_MAX,
+    ProposalLength,
+    VerifyCost,
+    drafted_by_window,
+)
+
+
+def reference_survival(fill: ProposalLength, k: int) -> list[float]:
+    values, reach = [], 1.0
+    for i in range(1, k + 1):
+        reach *= (fill.drafted[min(i, K_MAX)] + 1.0) / (fill.allowed[min(i, K_MAX)] + 1.0)
+        values.append(reach)
+    return values
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fill_curve_is_the_plain_one_after_every_update(seed: int) -> None:
+    rng = random.Random(seed)
+    fill = ProposalLength()
+    for _ in range(300):
+        window = rng.randint(0, 16)
+        fill.update(window, rng.randint(0, window))
+        k = rng.choice((4, 8, 16, 20))
+        survival, drafted = fill.curve(k)
+        assert survival == reference_survival(fill, k)
+        assert drafted == drafted_by_window(reference_survival(fill, k))
+        assert fill.survival(k) == survival
+
+
+def test_a_drafter_seen_stopping_short_changes_the_next_decision() -> None:
+    policy = AdaptivePolicy()
+
+    def observe(k: int) -> None:
+        policy.observe(
+            RoundObservation(
+                session_id="s",
+                device_id="phone",
+                draft_model="lookup",
+                task_type="chat",
+                k=k,
+                n_accepted=k,
+                t_draft_ms=0.05 * k,
+                t_uplink_ms=10.0,
+                t_queue_ms=1.0,
+                t_verify_ms=30.0,
+                verifier_load=1.0,
+                window=8,
+            )
+        )
+
+    def lookup_drafted() -> float:
+        decision = policy.decide("s", "phone", "chat", "lookup", 1.0)
+        return next(c for c in decision.candidates if c.draft_model == "lookup").drafted
+
+    observe(8)
+    full = lookup_drafted()
+    assert lookup_drafted() == full  # kept: nothing observed in between
+    for _ in range(10):
+        observe(0)  # the drafter proposed nothing: its curve must drop
+    assert lookup_drafted() < full / 2
+
+
+def reference_update(cost: VerifyCost, k: int, load: float, ms: float, waits: bool) -> None:
+    x = cost.features(k, load, waits)
+    for i in range(5):
+        cost.xty[i] = cost.xty[i] * 0.98 + x[i] * ms
+        for j in range(5):
+            cost.xtx[i][j] = cost.xtx[i][j] * 0.98 + x[i] * x[j]
+    cost.rounds = cost.rounds * 0.98 + 1.0
+    cost._solved = None
+
+
+def test_verify_cost_updates_as_the_full_matrix_would() -> None:
+    rng = random.Random(5)
+    kept, plain = VerifyCost(), VerifyCost()
+    for _ in range(500):
+        k, load = rng.randint(0, 16), rng.uniform(0.0, 40.0)
+        ms, waits = rng.uniform(10.0, 900.0), rng.random() < 0.5
+        kept.update(k, load, ms, waits=waits)
+        reference_update(plain, k, load, ms, waits)
+        assert kept.xtx == plain.xtx and kept.xty == plain.xty
+        assert kept.coefficients() == plain.coefficients()
