@@ -432,6 +432,7 @@ class CoordinatorProbes:
         )
         book = coordinator.book
         pool = coordinator.verifiers
+        self.pool = pool
         handle_draft = coordinator.device_handlers[m.Draft]
         handle_open = coordinator.device_handlers[m.SessionOpen]
         pool_verify = pool.verify
@@ -560,6 +561,57 @@ class CoordinatorProbes:
 # -- running sessions -------------------------------------------------------------------------
 
 
+TARGET_COUNTERS = ("passes", "busy_s", "rows", "positions")
+STATUS_WAIT_S = 3.0  # a heartbeat comes every second; past this the counters are left out
+
+
+@dataclass
+class TargetUse:
+    """What the target did in a run: its passes, the seconds it computed, and their rows and
+    positions (padding included). Busy over the run's wall time is how much of the verifier's
+    compute the fleet kept in use; plain serving keeps it near 1."""
+
+    passes: int = 0
+    busy_s: float = 0.0
+    rows: int = 0
+    positions: int = 0
+    missing: int = 0  # waves whose counters no heartbeat gave
+
+    def add(self, before: dict[str, float] | None, after: dict[str, float] | None) -> None:
+        if before is None or after is None:
+            self.missing += 1
+            return
+        self.passes += int(after["passes"] - before["passes"])
+        self.busy_s += after["busy_s"] - before["busy_s"]
+        self.rows += int(after["rows"] - before["rows"])
+        self.positions += int(after["positions"] - before["positions"])
+
+    def document(self, wall_s: float) -> dict[str, float | int]:
+        return {
+            "passes": self.passes,
+            "busy_s": self.busy_s,
+            "busy": self.busy_s / wall_s if wall_s > 0 else float("nan"),
+            "rows_per_pass": self.rows / self.passes if self.passes else float("nan"),
+            "positions_per_row": self.positions / self.rows if self.rows else float("nan"),
+            "waves_missing": self.missing,
+        }
+
+
+async def target_counters(pool: Any, since: float) -> dict[str, float] | None:
+    """The verifiers' target counters, summed, from heartbeats sent after `since` (time.time()):
+    taken between waves, when no pass runs, they are exact."""
+    deadline = time.monotonic() + STATUS_WAIT_S
+    while time.monotonic() < deadline:
+        statuses = [info.status for info in pool.live()]
+        if statuses and all(status.at > since for status in statuses):
+            return {
+                name: sum(float(getattr(status, name)) for status in statuses)
+                for name in TARGET_COUNTERS
+            }
+        await asyncio.sleep(0.05)
+    return None
+
+
 @dataclass
 class RunResult:
     config: RunConfig
@@ -573,6 +625,8 @@ class RunResult:
     batch_sizes: list[int] = field(default_factory=list)
     round_modes: dict[str, int] = field(default_factory=dict)  # bus arms: rounds by mode
     pass_ms: list[float] = field(default_factory=list)  # plain serving: each decode pass's time
+    # Bus arms: the verifier's target over the run's waves (TargetUse); plain serving: its passes.
+    target: TargetUse = field(default_factory=lambda: TargetUse())
 
     @property
     def tokens(self) -> int:
@@ -631,6 +685,7 @@ class RunResult:
             "session_tokens_per_s": self.session_tokens_per_s,
             "tokens_per_round": self.tokens / self.rounds if self.rounds else float("nan"),
             "mean_batch": self.mean_batch,
+            "target": self.target.document(self.wall_s),
         }
         if self.config.on_bus:
             document |= self._bus_summary()
@@ -803,9 +858,12 @@ async def run_level(
             for config in configs if number % 2 == 0 else configs[::-1]:
                 result = results[config]
                 if config.on_bus:
+                    before = await target_counters(runner.probes.pool, time.time())
                     started = time.perf_counter()
                     result.sessions += await runner.bus_wave(config, wave, lambda: bar.update(1))
                     result.wall_s += time.perf_counter() - started
+                    after = await target_counters(runner.probes.pool, time.time())
+                    result.target.add(before, after)
                 else:
                     sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
                         wave, runner.args.max_tokens
@@ -814,6 +872,10 @@ async def run_level(
                     result.wall_s += wall_s
                     result.batch_sizes += batch_sizes
                     result.pass_ms += pass_ms
+                    result.target.passes += len(pass_ms)
+                    result.target.busy_s += sum(pass_ms) / 1e3
+                    result.target.rows += sum(batch_sizes)
+                    result.target.positions += sum(batch_sizes)
                     bar.update(len(wave))
     for result in results.values():
         if result.config.on_bus:
@@ -1214,6 +1276,26 @@ def adaptive_modes(
     return (("sessions", "rounds", *columns), rows), by_level
 
 
+def target_use(results: Sequence[RunResult]) -> Table:
+    """Part 6: per run, how much of its wall time the target computed, and its passes' shape."""
+    rows = []
+    for r in results:
+        use = r.target.document(r.wall_s)
+        rows.append(
+            [
+                r.config.label,
+                f"{use['busy']:.0%}",
+                use["passes"],
+                f"{use['rows_per_pass']:.1f}",
+                f"{use['positions_per_row']:.2f}",
+                f"{r.tokens / use['passes']:.1f}" if use["passes"] else "-",
+                use["waves_missing"],
+            ]
+        )
+    columns = ("run", "busy", "passes", "rows/pass", "positions/row", "tokens/pass", "no counters")
+    return columns, rows
+
+
 @dataclass(frozen=True)
 class Identity:
     """Every answer against plain serving's answer to the same prompt."""
@@ -1318,6 +1400,11 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
         _print_table("4. proactive drafting on vs off (turn: agent turnaround p50, ms)", table)
     table, modes = adaptive_modes(results, levels)
     _print_table("5. the adaptive arm's rounds by mode (from the database)", table)
+    _print_table(
+        "6. the target's use: busy = its compute / the run's wall time (plain serving: decode "
+        "passes, prefills left out); positions per row include each pass's padding",
+        target_use(results),
+    )
 
     identity = identity_check(results)
     drafted_target_rounds = sum(r.drafted_rounds for r in results if r.config.arm == "target")

@@ -454,6 +454,13 @@ class VerifierStatus(_Message):
     # the vocabulary a session's drafter must share (refused at open otherwise).
     eos_id: TokenId | None = None
     vocab: VocabHash = ""
+    # Since the verifier started: its passes, the target's seconds in them and idle between
+    # them, and the rows and positions (padding included) of the passes without a prefill.
+    passes: int = Field(default=0, ge=0)
+    busy_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    idle_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    rows: int = Field(default=0, ge=0)
+    positions: int = Field(default=0, ge=0)
 
 
 MAX_STREAM_ROUNDS = 256

@@ -79,6 +79,9 @@ class ChildReply:
     verifications: list[Verification]  # in the order of the batch
     compute_ms: float  # verify_batch inside the child, the pipe excluded
     stats: CoreStats
+    # How long the child sat idle before this batch came: from its last reply sent to this
+    # batch read. The target's time lost between passes, whatever the worker was doing.
+    idle_ms: float = 0.0
 
 
 def child_main(conn: Connection, config: ChildConfig) -> None:
@@ -138,6 +141,7 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         _send_or_exit(conn, ChildFailed(f"{type(exc).__name__}: {exc}"))
         return
     _send_or_exit(conn, ready)
+    replied = time.perf_counter()
     while True:
         try:
             batch: list[VerifyRequest] | None = conn.recv()
@@ -147,9 +151,11 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             return
         t0 = time.perf_counter()
         verifications = core.verify_batch(batch)
-        reply = ChildReply(verifications, (time.perf_counter() - t0) * 1e3, core.stats())
+        compute_ms = (time.perf_counter() - t0) * 1e3
+        reply = ChildReply(verifications, compute_ms, core.stats(), (t0 - replied) * 1e3)
         if not _send_or_exit(conn, reply):
             return
+        replied = time.perf_counter()
 
 
 # The pass shapes timed at start: enough distinct (rows, positions) for the three terms of

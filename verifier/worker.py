@@ -203,6 +203,13 @@ class WorkerCounters:
     failed: int = 0  # results published with `error`
     batches: int = 0
     child_restarts: int = 0
+    # The target's time since start: in passes, and idle between them (waiting for work, or
+    # for the worker to send the next pass). busy / (busy + idle) is how much of the
+    # verifier's compute the fleet used.
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    rows: int = 0  # rows over all passes
+    positions: int = 0  # positions over all passes, padding included: rows x the widest
     timings: deque[BatchTiming] = field(default_factory=lambda: deque(maxlen=TIMINGS_KEPT))
 
 
@@ -284,6 +291,11 @@ class VerifierWorker:
             vocab_size=None if loaded is None else loaded.vocab_size,
             eos_id=None if loaded is None else loaded.eos_id,
             vocab="" if loaded is None else loaded.vocab,
+            passes=self.counters.batches,
+            busy_s=self.counters.busy_s,
+            idle_s=self.counters.idle_s,
+            rows=self.counters.rows,
+            positions=self.counters.positions,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -597,8 +609,11 @@ class VerifierWorker:
             await self._restart_child()
             return
         roundtrip_ms = (time.perf_counter() - dispatched) * 1e3
-        self.counters.batches += 1
-        self.counters.timings.append(BatchTiming(len(requests), roundtrip_ms, reply.compute_ms))
+        counters = self.counters
+        counters.batches += 1
+        counters.timings.append(BatchTiming(len(requests), roundtrip_ms, reply.compute_ms))
+        counters.busy_s += reply.compute_ms / 1e3
+        counters.idle_s += reply.idle_ms / 1e3
         self._sessions_cached = reply.stats.sessions_cached
         # Cloud rounds were drafted inside the same call; what the target took is the rest.
         verifications = reply.verifications
@@ -611,6 +626,8 @@ class VerifierWorker:
                 for r, v in zip(requests, verifications, strict=True)
             )
             self.goodput.observe_pass(len(requests), widest + 1, verify_ms)
+            counters.rows += len(requests)
+            counters.positions += len(requests) * (widest + 1)
         pipe_ms = max(0.0, roundtrip_ms - reply.compute_ms)
         for pending, verification in zip(batch, verifications, strict=False):
             self._emit(

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from verifier_helpers import (
     REPO_ROOT,
     BusListener,
@@ -268,6 +269,12 @@ def test_results_of_a_batch_go_out_together_each_delivered_exactly_once(
         # Published side by side, acknowledged one by one: none twice, none lost.
         assert all(listener.deliveries[r.request_id] == 1 for r in [blocker, *requests])
         assert worker.counters.served == len(requests) + 1
+        # The heartbeat counts the target's passes (the blocker's, then the batch's) and the
+        # seconds it computed in them, as the child timed them.
+        status = await listener.status(lambda s: s.passes == 2)
+        computed = sum(timing.compute_ms for timing in worker.counters.timings) / 1e3
+        assert status.busy_s == pytest.approx(computed) and status.busy_s > 0
+        assert status.idle_s >= 0
 
     run_with_worker(mosquitto, body)
 
