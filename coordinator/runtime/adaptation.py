@@ -60,6 +60,20 @@ class AdaptiveBook(BookCore):
             return live.policy, live.policy.model_dump(mode="json")
         return self._decide(live, row.draft_model or live.policy.draft_model, load)
 
+    def _streams_beside(self, session_id: str) -> float:
+        """The host streams a verifier runs beside this session's own, on the live verifiers'
+        mean: what a window drafted on its device would hold up."""
+        live = self.pool.live()
+        if not live:
+            return 0.0
+        streams = sum(
+            1
+            for info in live
+            for stream in info.streams.values()
+            if stream.request.session_id != session_id
+        )
+        return streams / len(live)
+
     def _open_where_best(self, live: LiveSession) -> None:
         """An adaptive session starts in the mode the policy rates best for its device now:
         nothing is switched yet, so no margin against flapping is asked of the host modes, and
@@ -74,6 +88,7 @@ class AdaptiveBook(BookCore):
             load,
             host_drafts=host_drafts,
             plain=True,
+            beside=self._streams_beside(live.id),
         )
         best = opening_candidate(decision)
         if best is None:
@@ -106,6 +121,7 @@ class AdaptiveBook(BookCore):
             current_mode=live.policy.mode,
             host_drafts=self.host_drafts() if m.Mode.CLOUD in live.modes else (),
             plain=m.Mode.PLAIN in live.modes or m.Mode.CLOUD in live.modes,
+            beside=self._streams_beside(live.id),
         )
         if decision.fetch is not None and self.fetches is not None:
             # Drafts on demand, asked by the policy: the session drafts on with what the device

@@ -33,6 +33,9 @@ class Candidate:
     tokens_per_s: float
     mode: m.Mode = m.Mode.DISTRIBUTED
     drafted: float = 0.0  # n(k): the tokens the drafter is expected to propose in a window of k
+    # Distributed: the tokens the verifier's host streams lose to this window (policy module's
+    # docstring); tokens_per_s is (expected_tokens - streams_lost) / round_ms.
+    streams_lost: float = 0.0
 
 
 def opening_candidate(decision: Decision) -> Candidate | None:
@@ -103,6 +106,8 @@ class Decision:
     device_limit: str | None = None
     # A drafter the device lacks, rated better than what it has: to be fetched for it.
     fetch: str | None = None
+    # The host streams beside the session on its verifier, which a device window holds up.
+    streams_beside: float = 0.0
 
     @property
     def policy(self) -> m.Policy:

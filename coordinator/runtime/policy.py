@@ -26,6 +26,10 @@ mode must promise MODE_SWITCH_MARGIN times the tokens/s, and never within MODE_D
 rounds of the last change. Local mode is the device's own while offline; the coordinator, which
 cannot reach an offline device, never chooses it.
 
+A device's window also holds up the host streams beside it on its verifier: what they lose,
+L (batch_cost), comes off its E, and it is rated on (E - L) / T. Alone on its verifier a session
+is rated as before; beside 16 streams on a CPU verifier, a window of 4 costs them ~7 tokens.
+
 The module is pure: no clock, no I/O; callers pass in what they measured.
 
 Its parts: task_types (the task a session is rated under), round_model (E, T and n(k)
@@ -37,9 +41,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from broker import messages as m
+from coordinator.runtime.batch_cost import streams_lost
 from coordinator.runtime.decisions import (
     MODE_DWELL_ROUNDS,
     Candidate,
@@ -49,6 +53,7 @@ from coordinator.runtime.decisions import (
 )
 from coordinator.runtime.device_conditions import DeviceCondition
 from coordinator.runtime.draft_wants import DraftWants
+from coordinator.runtime.observations import RoundObservation as RoundObservation
 from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
@@ -63,9 +68,7 @@ from coordinator.runtime.round_model import (
 )
 
 BUILTIN_DRAFTS = ("lookup", "ngram", "hybrid")  # inference.drafters.BUILTIN_DRAFTERS
-
 SWITCH_MARGIN = 1.1  # another draft must promise 10% more tokens/s before we switch to it
-
 REFUSED_AFTER_ROUNDS = 3  # rounds a device may keep its old draft after we asked for another
 
 # Rounds of a host stream between two decisions on whether it should leave the host: its window
@@ -73,47 +76,15 @@ REFUSED_AFTER_ROUNDS = 3  # rounds a device may keep its old draft after we aske
 STREAM_DECISION_EVERY = 8
 
 HOST = "@host"  # the verifier host, where cloud rounds are drafted, in the draft-cost table
-
 TIME_DECAY = 0.8
 
 PRIOR_DRAFT_MS_PER_TOKEN = {"lookup": 0.05, "ngram": 0.1, "hybrid": 0.2}
-
 PRIOR_NEURAL_DRAFT_MS_PER_TOKEN = 8.0
-
 PRIOR_RTT_MS = 20.0
-
 PRIOR_QUEUE_MS = 1.0
 
 # Below this draft confidence (the draft's own top probability) the agent stops the window.
 MIN_CONFIDENCE = 0.3
-
-
-@dataclass(frozen=True)
-class RoundObservation:
-    """What one verified round measured."""
-
-    session_id: str
-    device_id: str
-    draft_model: str
-    task_type: str
-    k: int  # tokens drafted
-    n_accepted: int
-    t_draft_ms: float
-    t_uplink_ms: float | None  # None when the device sent no clock
-    t_queue_ms: float
-    t_verify_ms: float
-    verifier_load: float
-    mode: m.Mode = m.Mode.DISTRIBUTED  # cloud: t_draft_ms is the verifier host's
-    # The window the round was asked to fill (its cap): how far drafters fill theirs is learned
-    # from it; 0 for a round that drafted by no window of ours (a target-only round).
-    window: int = 0
-    # The verifier prefilled the context (a session's first round): its time is no t_verify(k).
-    prefill: bool = False
-    # A distributed round's turn beyond compute: the time from the previous round's draft
-    # reaching the coordinator to this one's, less that round's verification and this round's
-    # drafting. It holds everything RTT + queue stand for, and what they miss (persisting, both
-    # bus hops to the verifier, the agent's own turn). None when not measured.
-    overhead_ms: float | None = None
 
 
 class AdaptivePolicy:
@@ -330,26 +301,35 @@ class AdaptivePolicy:
         load: float,
         mode: m.Mode = m.Mode.DISTRIBUTED,
         fill: ProposalLength | None = None,
+        beside: float = 0.0,
     ) -> tuple[int, float, float, float]:
         """(k, E, T, n(k)) with the highest E / T for k in [K_MIN, k_max]; `fixed_ms` is RTT +
         queue in distributed mode, and the RTT's share plus queue in cloud mode. Without `fill`
         the drafter fills its window. E, n(k), t_verify and T come from round_model's functions
-        and VerifyCost.predict_windows, the ones the tests check."""
+        and VerifyCost.predict_windows, the ones the tests check. `beside`: the host streams
+        beside the session on its verifier; a device window is rated on E less what it costs
+        them (streams_lost), and E is returned whole."""
         survival, drafted_k = (self._unseen_fill if fill is None else fill).curve(self.k_max)
         waits = mode not in m.HOST_MODES
         verify_k = self.verify_cost.predict_windows(drafted_k, load, waits)
+        lost = (
+            streams_lost(self.verify_cost, drafted_k, load, beside)
+            if beside > 0 and waits
+            else [0.0] * len(drafted_k)
+        )
         windows = zip(
             expected_tokens_by_window(alpha, survival),
             drafted_k,
             window_ms(mode, drafted_k, draft_ms_per_token, fixed_ms, verify_k, load),
+            lost,
             strict=True,
         )
         best: tuple[int, float, float, float] | None = None
         best_rate = 0.0
-        for k, (tokens, drafted, total) in enumerate(windows, start=1):
+        for k, (tokens, drafted, total, loss) in enumerate(windows, start=1):
             if k < K_MIN:
                 continue
-            rate = tokens / total
+            rate = (tokens - loss) / total
             if best is None or rate > best_rate:
                 best, best_rate = (k, tokens, total, drafted), rate
         assert best is not None
@@ -364,6 +344,7 @@ class AdaptivePolicy:
         rtt_ms: float,
         queue_ms: float,
         load: float,
+        beside: float = 0.0,
     ) -> Candidate:
         alpha = self.alpha(device_id, draft, task_type)
         cloud = mode is m.Mode.CLOUD
@@ -375,9 +356,16 @@ class AdaptivePolicy:
             load,
             mode,
             self._fill.get((device_id, draft), self._unseen_fill),
+            beside if mode is m.Mode.DISTRIBUTED else 0.0,
         )
-        rate = tokens / total_ms * 1000.0 if total_ms > 0 else math.inf
-        return Candidate(draft, alpha, per_token, k, tokens, total_ms, rate, mode, drafted)
+        lost = 0.0
+        if beside > 0 and mode is m.Mode.DISTRIBUTED:
+            lost = streams_lost(self.verify_cost, (drafted,), load, beside)[0]
+        net = max(0.0, tokens - lost)
+        rate = net / total_ms * 1000.0 if total_ms > 0 else math.inf
+        return Candidate(
+            draft, alpha, per_token, k, tokens, total_ms, rate, mode, drafted, streams_lost=lost
+        )
 
     def fixed_ms(self, mode: m.Mode, device_id: str, rtt_ms: float, queue_ms: float) -> float:
         """What a round costs beyond drafting and verifying. Distributed: the turn measured on
@@ -407,14 +395,19 @@ class AdaptivePolicy:
         current_mode: m.Mode = m.Mode.DISTRIBUTED,
         host_drafts: Sequence[str] = (),
         plain: bool = False,
+        beside: float = 0.0,
     ) -> Decision:
         """The next round's mode, draft and k. `host_drafts`: what the verifier hosts can draft
-        with (none: no cloud mode); `plain`: whether the agent runs plain mode."""
+        with (none: no cloud mode); `plain`: whether the agent runs plain mode; `beside`: the
+        host streams on the verifier other than this session's, which its device windows
+        would hold up."""
         rtt_ms = self._rtt(device_id).value
         queue_ms = self._queue_ms.value
         load = verifier_load
         distributed = [
-            self._candidate(m.Mode.DISTRIBUTED, device_id, d, task_type, rtt_ms, queue_ms, load)
+            self._candidate(
+                m.Mode.DISTRIBUTED, device_id, d, task_type, rtt_ms, queue_ms, load, beside
+            )
             for d in self.candidate_drafts(device_id, current_draft)
         ]
         cloud = [
@@ -436,7 +429,7 @@ class AdaptivePolicy:
             self._device_drafts.get(device_id),
             self._fetch_failed.get(device_id, {}),
             distributed if limit is None else [],  # a device spared fetches nothing
-            lambda d: self._candidate(m.Mode.DISTRIBUTED, device_id, d, task_type, *fixed),
+            lambda d: self._candidate(m.Mode.DISTRIBUTED, device_id, d, task_type, *fixed, beside),
         )
         if limit is not None:
             host = [*cloud, *plain_candidates]
@@ -498,4 +491,5 @@ class AdaptivePolicy:
             reason=reason,
             device_limit=limit,
             fetch=wanted,
+            streams_beside=beside,
         )

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from broker import messages as m
+from coordinator.runtime.batch_cost import streams_lost
 from coordinator.runtime.decisions import MODE_DWELL_ROUNDS, Candidate, choose_mode
 from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
 from coordinator.runtime.round_model import (
@@ -626,3 +627,43 @@ def test_a_draft_whose_fetch_failed_is_left_out_until_its_backoff_ends() -> None
     assert policy.decide("s1", DEVICE, "chat", "draft-l2", 0.0).draft_model == "draft-l2"
     policy.set_fetch_failure(DEVICE, "draft-l2", None)
     assert policy.decide("s2", DEVICE, "chat", "lookup", 0.0).draft_model == "draft-l2"
+
+
+def test_streams_lost_is_the_cheaper_of_widening_their_pass_and_a_pass_apart() -> None:
+    cost = VerifyCost()  # the prior: t = 25 + 2 k + 5 load + 2 k load
+    assert streams_lost(cost, [1.0, 4.0], 16.0, 0.0) == [0.0, 0.0]
+    stream_pass = cost.predict(0, 16.0, waits=False)
+    lost = streams_lost(cost, [1.0, 4.0], 16.0, 15.0)
+    for drafted, loss in zip([1.0, 4.0], lost, strict=True):
+        widened = cost.predict(drafted, 16.0, waits=False) - stream_pass
+        apart = cost.predict(drafted, 1.0, waits=True)
+        assert loss == pytest.approx(15.0 * min(widened, apart) / stream_pass)
+    # One stream beside: joining its pass costs less than a pass apart.
+    one = streams_lost(cost, [4.0], 1.0, 1.0)[0]
+    alone_pass = cost.predict(0, 1.0, False)
+    assert one == pytest.approx((cost.predict(4, 1.0, False) - alone_pass) / alone_pass)
+    assert cost.predict(4, 1.0, False) - alone_pass < cost.predict(4, 1.0, True)
+    assert streams_lost(cost, [4.0], 16.0, 30.0)[0] == pytest.approx(2 * lost[1])
+
+
+def test_a_device_window_beside_a_busy_batch_of_streams_goes_to_the_host() -> None:
+    """Alone on its verifier, a LAN device drafts (test_rtt_and_host_draft_cost_pick_the_mode);
+    beside 15 host streams the same window would hold them all up, and the session is hosted.
+    The loss is on the record."""
+    policy = _cloud_policy(0.5, 5.0)
+    alone = policy.decide("s1", DEVICE, "chat", "hybrid", 16.0, D, ("hybrid",), plain=True)
+    assert alone.mode is D and alone.streams_beside == 0.0
+    assert all(c.streams_lost == 0.0 for c in alone.candidates)
+    busy = policy.decide(
+        "s2", DEVICE, "chat", "hybrid", 16.0, D, ("hybrid",), plain=True, beside=15.0
+    )
+    assert busy.mode in m.HOST_MODES
+    distributed = [c for c in busy.candidates if c.mode is D]
+    assert distributed and all(c.streams_lost > 0 for c in distributed)
+    for c in distributed:
+        assert c.tokens_per_s == pytest.approx(
+            max(0.0, c.expected_tokens - c.streams_lost) / c.round_ms * 1000.0
+        )
+    record = json.loads(json.dumps(busy.to_json()))
+    assert record["decision"]["streams_beside"] == 15.0
+    assert record["decision"]["candidates"][0]["streams_lost"] > 0
