@@ -27,7 +27,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +142,12 @@ def make_plans(args: argparse.Namespace, answers_path: Path, n_answers: int) -> 
     run = secrets.token_hex(3)
     device_ids = [f"fleet-{run}-{i:05d}" for i in range(args.agents)]
     rng = random.Random(args.seed)
+    # The seed fixes what is drafted; the session ids are new each run, so that a second run
+    # against the same database is not refused as a replay of the first one's sessions.
     sessions = {
-        device_ids[i]: SessionPlan(device_ids[i], rng.randrange(n_answers), rng.getrandbits(63))
+        device_ids[i]: SessionPlan(
+            device_ids[i], rng.randrange(n_answers), rng.getrandbits(63), str(uuid.uuid4())
+        )
         for i in range(args.sessions)
     }
     plans = []
@@ -168,11 +172,21 @@ def make_plans(args: argparse.Namespace, answers_path: Path, n_answers: int) -> 
 
 
 @dataclass(frozen=True)
+class StoredLegs:
+    """A stored round's legs as the coordinator timed them (ms; None when not recorded)."""
+
+    uplink_ms: float | None  # the draft's sent_at (agent) to its dispatch at the coordinator
+    queue_ms: float | None  # to the verifier and back, beyond its compute (bus hops, its queue)
+    verify_ms: float | None  # the verifier's compute
+
+
+@dataclass(frozen=True)
 class StoredRounds:
     """The database's rounds of this run's sessions: session id -> round indices, as stored."""
 
     by_session: dict[str, list[int]]
     rows: int
+    legs: dict[tuple[str, int], StoredLegs] = field(default_factory=dict)
 
 
 def stored_rounds(database_url: str, session_ids: list[str]) -> StoredRounds:
@@ -183,20 +197,26 @@ def stored_rounds(database_url: str, session_ids: list[str]) -> StoredRounds:
 
     engine = make_engine(database_url)
     by_session: dict[str, list[int]] = defaultdict(list)
+    legs: dict[tuple[str, int], StoredLegs] = {}
     rows = 0
     try:
         with engine.connect() as conn:
             for start in range(0, len(session_ids), 500):
                 chunk = [uuid.UUID(s) for s in session_ids[start : start + 500]]
-                query = sa.select(Round.session_id, Round.round_index).where(
-                    Round.session_id.in_(chunk)
-                )
-                for session_id, round_index in conn.execute(query):
+                query = sa.select(
+                    Round.session_id,
+                    Round.round_index,
+                    Round.t_uplink_ms,
+                    Round.t_queue_ms,
+                    Round.t_verify_ms,
+                ).where(Round.session_id.in_(chunk))
+                for session_id, round_index, uplink, queue, verify in conn.execute(query):
                     by_session[str(session_id)].append(round_index)
+                    legs[(str(session_id), round_index)] = StoredLegs(uplink, queue, verify)
                     rows += 1
     finally:
         engine.dispose()
-    return StoredRounds({k: sorted(v) for k, v in by_session.items()}, rows)
+    return StoredRounds({k: sorted(v) for k, v in by_session.items()}, rows, legs)
 
 
 def check_rounds(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[str, int]:
@@ -215,6 +235,37 @@ def check_rounds(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[s
     return {"lost": lost, "duplicated": duplicated, "gaps": gaps, "unconfirmed": unconfirmed}
 
 
+def round_legs(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[str, list[float]]:
+    """Each answered round's time split by where it went (ms). `overhead` is the round beyond
+    the verifier's compute: the draft's publish to its verdict read by the session, less the
+    stored verify time. It splits into `uplink` (agent publish, broker, the coordinator reading
+    it), `verifier_hops` (coordinator to verifier and back, beyond compute), `coordinator` (the
+    rest inside the coordinator: the round's checks, the group commit, the verdict's encoding)
+    and `downlink` (the verdict's sent_at to the session reading it: broker, the agent's
+    client, and `agent_wait`, the time it sat in the swarm's own queue). Uplink and downlink
+    compare two processes' wall clocks on one host."""
+    legs: dict[str, list[float]] = defaultdict(list)
+    for session in sessions:
+        rows = zip(session["rounds"], session["latencies_ms"], session["downlink_ms"],
+                   session["agent_wait_ms"], strict=True)  # fmt: skip
+        for round_index, total, downlink, agent_wait in rows:
+            stored_legs = stored.legs.get((session["session_id"], round_index))
+            verify = (stored_legs.verify_ms if stored_legs else None) or 0.0
+            legs["overhead"].append(max(0.0, total - verify))
+            legs["downlink"].append(downlink)
+            legs["agent_wait"].append(agent_wait)
+            if stored_legs is None or stored_legs.uplink_ms is None or stored_legs.queue_ms is None:
+                continue
+            legs["uplink"].append(stored_legs.uplink_ms)
+            legs["verifier_hops"].append(stored_legs.queue_ms)
+            inside = total - verify - stored_legs.uplink_ms - stored_legs.queue_ms - downlink
+            legs["coordinator"].append(max(0.0, inside))
+    return legs
+
+
+LEGS = ("uplink", "verifier_hops", "coordinator", "downlink", "agent_wait", "loop_lag")
+
+
 def report(
     results: list[dict[str, Any]],
     stored: StoredRounds,
@@ -225,6 +276,8 @@ def report(
     sessions = [s for r in results for s in r["sessions"]]
     latencies = [ms for s in sessions for ms in s["latencies_ms"]]
     rounds = len(latencies)
+    legs = round_legs(sessions, stored)
+    legs["loop_lag"] = [ms for r in results for ms in r["loop_lag_ms"]]
     started = min((r["first_sent"] for r in results if r["first_sent"]), default=0.0)
     ended = max((r["last_answer"] for r in results), default=0.0)
     duration = max(ended - started, 1e-9) if rounds else 0.0
@@ -261,9 +314,21 @@ def report(
         "offered_rounds_per_s": args.sessions * 1000.0 / args.round_interval_ms
         if args.round_interval_ms
         else None,
-        "overhead_ms_p50": percentile(latencies, 50),
-        "overhead_ms_p99": percentile(latencies, 99),
-        "overhead_ms_max": max(latencies, default=float("nan")),
+        # Beyond the verifier's compute (which the replay verifier makes microseconds).
+        "overhead_ms_p50": percentile(legs["overhead"], 50),
+        "overhead_ms_p99": percentile(legs["overhead"], 99),
+        "overhead_ms_max": max(legs["overhead"], default=float("nan")),
+        "round_trip_ms_p50": percentile(latencies, 50),
+        "round_trip_ms_p99": percentile(latencies, 99),
+        # Where the overhead goes (see round_legs); loop_lag: how late the swarms' timers fired.
+        "legs_ms": {
+            leg: {
+                "p50": percentile(legs[leg], 50),
+                "p99": percentile(legs[leg], 99),
+                "n": len(legs[leg]),
+            }
+            for leg in LEGS
+        },
         "refusals": len(refusals),
         "refusal_reasons": sorted(set(refusals))[:20],
         "connect_failures": len(connect_failures),
@@ -306,6 +371,11 @@ def table(document: dict[str, Any]) -> str:
         ["rounds/s served", f"{document['rounds_per_s']:.1f}"],
         ["overhead p50 ms", f"{document['overhead_ms_p50']:.2f}"],
         ["overhead p99 ms", f"{document['overhead_ms_p99']:.2f}"],
+        *(
+            [f"  {leg} p50 / p99 ms",
+             f"{document['legs_ms'][leg]['p50']:.2f} / {document['legs_ms'][leg]['p99']:.2f}"]
+            for leg in LEGS
+        ),
         ["errors", document["errors"]],
         ["  refusals / timeouts", f"{document['refusals']} / {document['timeouts']}"],
         ["  connect failures", document["connect_failures"]],

@@ -17,7 +17,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,7 +46,16 @@ RETRY_AFTER_S = 10.0
 MAX_RETRIES = 3
 # Connecting is the broker's and our CPU's busiest moment: this many handshakes at once.
 CONNECT_CONCURRENCY = 32
+# Each agent's keepalive, on its MQTT connection and in its status (a device sets both). These
+# agents send no telemetry, so their presence is the retained status and the Last Will: the
+# coordinator marks a device offline after 1.5 keepalives of silence, and with a phone's 10 s
+# it marked all 1,000 offline 15 s into a run, one database write each, in the middle of the
+# rounds being measured. Ten minutes covers a run (and spares 1,000 clients' pings).
+KEEPALIVE_S = 600
 DRAFT_MODEL = "recorded"
+# The swarm's own event loop is probed this often while its sessions run: how late a timer
+# fires is how long any of its callbacks (a verdict's included) waits for the loop and the CPU.
+LAG_PROBE_S = 0.01
 
 
 def ready_topic(swarm: str) -> str:
@@ -62,7 +70,8 @@ def done_topic(swarm: str) -> str:
 class SessionPlan:
     device_id: str
     answer_index: int
-    seed: int
+    seed: int  # of the drafts
+    session_id: str  # unique to the run, so that a rerun with the same seed is not refused
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,10 @@ class SessionRecord:
     finished: bool = False
     rounds: list[int] = field(default_factory=list)  # round indices answered, in order
     latencies_ms: list[float] = field(default_factory=list)  # draft sent -> its verdict
+    # Per answered round, as `rounds`: the verdict's `sent_at` (coordinator clock, this host's)
+    # to the session reading it, and of that, the time it sat read in this process's queue.
+    downlink_ms: list[float] = field(default_factory=list)
+    agent_wait_ms: list[float] = field(default_factory=list)
     committed: int = 0  # answer tokens committed
 
 
@@ -114,20 +127,23 @@ class SwarmResult:
     first_sent: float = 0.0
     last_answer: float = 0.0
     sessions: list[SessionRecord] = field(default_factory=list)
+    # How late each LAG_PROBE_S timer fired while the sessions ran (ms, 0.01 ms resolution).
+    loop_lag_ms: list[float] = field(default_factory=list)
 
 
 class Agent:
-    """One device: its connection, its verdict topic's messages in a queue."""
+    """One device: its connection, its verdict topic's messages in a queue, each with the
+    perf_counter at which the client handed it over."""
 
     def __init__(self, device_id: str, client: BusClient) -> None:
         self.device_id = device_id
         self.client = client
-        self.inbox: asyncio.Queue[Incoming] = asyncio.Queue()
+        self.inbox: asyncio.Queue[tuple[float, Incoming]] = asyncio.Queue()
 
     async def pump(self) -> None:
         with contextlib.suppress(BusConnectionError):
             async for incoming in self.client.messages():
-                self.inbox.put_nowait(incoming)
+                self.inbox.put_nowait((time.perf_counter(), incoming))
 
     async def send(self, channel: DeviceChannel, message: m.Message) -> None:
         await self.client.publish(device_topic(self.device_id, channel), m.encode(message))
@@ -140,13 +156,17 @@ async def connected_agent(address: BrokerAddress, device_id: str) -> AsyncIterat
     options = ConnectOptions(
         client_id=device_id,
         will=Will(status, m.encode(offline), retain=True),
-        keepalive_s=30,
+        keepalive_s=KEEPALIVE_S,
         protocol="3.1.1",
     )
     async with connect(address, options) as client:
         await client.subscribe(device_topic(device_id, DeviceChannel.VERDICT))
         online = m.Status(
-            device_id=device_id, state=m.DeviceState.ONLINE, at=time.time(), drafts=(DRAFT_MODEL,)
+            device_id=device_id,
+            state=m.DeviceState.ONLINE,
+            at=time.time(),
+            drafts=(DRAFT_MODEL,),
+            keepalive_s=KEEPALIVE_S,
         )
         await client.publish(status, m.encode(online), retain=True)
         yield Agent(device_id, client)
@@ -164,8 +184,9 @@ class SessionRun:
         self.swarm = swarm
         self.result = result
         self.rng = random.Random(plan.seed)
-        session_id = uuid.UUID(int=self.rng.getrandbits(128), version=4)
-        self.record = SessionRecord(session_id=str(session_id), device_id=agent.device_id)
+        self.record = SessionRecord(session_id=plan.session_id, device_id=agent.device_id)
+        # Of the last reply `_reply` returned: when the client handed it to this process.
+        self.handed_at = 0.0
         result.sessions.append(self.record)
 
     async def run(self) -> None:
@@ -237,7 +258,10 @@ class SessionRun:
                 committed, round_index = reply.committed_len, reply.next_round
                 continue
             assert isinstance(reply, m.Verdict)
-            self.record.latencies_ms.append((time.perf_counter() - sent) * 1000.0)
+            read_at = time.perf_counter()
+            self.record.latencies_ms.append((read_at - sent) * 1000.0)
+            self.record.downlink_ms.append(max(0.0, (time.time() - reply.sent_at) * 1000.0))
+            self.record.agent_wait_ms.append((read_at - self.handed_at) * 1000.0)
             self.record.rounds.append(reply.round)
             self.result.last_answer = time.time()
             committed, round_index = reply.committed_len, reply.round + 1
@@ -260,7 +284,7 @@ class SessionRun:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
-                incoming = await asyncio.wait_for(self.agent.inbox.get(), left)
+                self.handed_at, incoming = await asyncio.wait_for(self.agent.inbox.get(), left)
             except (asyncio.TimeoutError, TimeoutError):
                 break
             reply = m.decode(incoming.payload)
@@ -281,6 +305,15 @@ class SessionRun:
 
 class _Refused(Exception):
     """The coordinator refused the session's message (counted in the result)."""
+
+
+async def _probe_loop_lag(lags_ms: list[float]) -> None:
+    """How late a LAG_PROBE_S sleep wakes, over and over: this swarm's own queueing."""
+    while True:
+        asked = time.perf_counter()
+        await asyncio.sleep(LAG_PROBE_S)
+        late_ms = (time.perf_counter() - asked - LAG_PROBE_S) * 1000.0
+        lags_ms.append(round(max(0.0, late_ms), 2))
 
 
 async def _connect_all(
@@ -331,7 +364,11 @@ async def run_swarm(broker_url: str, plan: SwarmPlan, out: Path) -> None:
             for s in plan.sessions
             if s.device_id in agents
         ]
-        await asyncio.gather(*(r.run() for r in runs))
+        probe = asyncio.create_task(_probe_loop_lag(result.loop_lag_ms), name="loop-lag")
+        try:
+            await asyncio.gather(*(r.run() for r in runs))
+        finally:
+            probe.cancel()
         out.write_text(json.dumps(asdict(result)))
         await control.publish(done_topic(plan.swarm), b"{}")
         async for incoming in control_messages:

@@ -80,6 +80,36 @@ def test_rounds_are_checked_against_the_database() -> None:
     }  # fmt: skip
 
 
+def test_a_round_splits_into_its_legs() -> None:
+    """A 20 ms round whose verifier computed 0.5 ms: uplink 3 and hops 4 (stored by the
+    coordinator), downlink 2.5 of which 1 in the swarm's queue (seen by the agent), and the
+    coordinator's own 10 is the rest; a round stored without legs still has its overhead."""
+    sessions = [{
+        "session_id": "a", "rounds": [0, 1], "latencies_ms": [20.0, 8.0],
+        "downlink_ms": [2.5, 2.0], "agent_wait_ms": [1.0, 0.5],
+    }]  # fmt: skip
+    stored = fleet.StoredRounds(
+        {"a": [0, 1]}, 2,
+        {("a", 0): fleet.StoredLegs(3.0, 4.0, 0.5), ("a", 1): fleet.StoredLegs(None, None, None)},
+    )  # fmt: skip
+    legs = fleet.round_legs(sessions, stored)
+    assert legs["overhead"] == [19.5, 8.0]
+    assert (legs["uplink"], legs["verifier_hops"], legs["coordinator"]) == ([3.0], [4.0], [10.0])
+    assert (legs["downlink"], legs["agent_wait"]) == ([2.5, 2.0], [1.0, 0.5])
+
+
+def test_a_rerun_with_the_same_seed_gets_new_session_ids() -> None:
+    """Session ids are the database's keys: the same seed twice drafts alike, in new sessions
+    (the same ids were refused as another run's sessions)."""
+    first, second = (fleet.make_plans(_args(agents=6, sessions=3, seed=7), DEFAULT_ANSWERS, 64)
+                     for _ in range(2))  # fmt: skip
+    sessions = [[s for plan in plans for s in plan.sessions] for plans in (first, second)]
+    assert [(s.answer_index, s.seed) for s in sessions[0]] == [
+        (s.answer_index, s.seed) for s in sessions[1]
+    ]
+    assert not {s.session_id for s in sessions[0]} & {s.session_id for s in sessions[1]}
+
+
 def _args(**overrides: Any) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     fleet.add_arguments(parser)
