@@ -6,18 +6,19 @@ Used by whoever answers a round: the coordinator, and a verifier that holds a se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-from coordinator.db.events import append_event
-from coordinator.db.models import DecodingSession, Round, SessionStatus, utcnow
+from coordinator.db.events import SYSTEM_ACTOR
+from coordinator.db.models import DecodingSession, Event, Round, SessionStatus, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,8 @@ INLINE_CHECKPOINT_EVERY = 256
 
 # Bound by name once, executed for every batch: the round rows, the sessions' committed tokens,
 # and the downlink leg of the round before (it is known only when the next draft comes).
-_INSERT_ROUNDS = sa.insert(Round)
+# Inline: no RETURNING of the new ids, which nothing reads, and which a pipeline cannot await.
+_INSERT_ROUNDS = sa.insert(Round).inline()
 _UPDATE_SESSION = (
     sa.update(DecodingSession)
     .where(DecodingSession.id == sa.bindparam("b_session"))
@@ -52,6 +54,8 @@ _UPDATE_DOWNLINK = (
     .where(Round.round_index == sa.bindparam("b_round"))
     .values(t_downlink_ms=sa.bindparam("b_downlink_ms"))
 )
+_INSERT_EVENTS = sa.insert(Event).inline()
+SESSION_FINISHED = "session.finished"
 _ROUND_COLUMNS = tuple(column for column in sa.inspect(Round).columns if column.key != "id")
 
 
@@ -88,7 +92,8 @@ class RoundWriter:
     A commit starts as soon as a round is queued (no timer); the rounds queued while it runs
     go together into the next one. The writer has a thread and a database connection of its
     own, and each batch is one transaction of a few prepared statements, each executed once for
-    all its rounds. Durability: PostgreSQL keeps synchronous_commit on; SQLite runs in WAL with
+    all its rounds, sent in one round trip on PostgreSQL (`_pipelined`). Durability:
+    PostgreSQL keeps synchronous_commit on; SQLite runs in WAL with
     synchronous=NORMAL (coordinator.db.engine), so a commit that returned survives a crash of
     the coordinator process (the fault model), while a power cut of the host may lose the last
     ones (never corrupting the file).
@@ -207,51 +212,61 @@ class RoundWriter:
 
     # --- the writer's thread ------------------------------------------------------------------
 
-    def _commit_batch(self, batch: list[_Write]) -> list[Exception | None]:
+    def _commit_batch(
+        self, batch: list[_Write], *, pipelined: bool = True
+    ) -> list[Exception | None]:
         """Commit the batch as one transaction; if that fails, each round alone, so that one bad
-        round (or a connection lost mid-batch) fails no other. One failure per round, or None."""
+        round (or a connection lost mid-batch) fails no other. One failure per round, or None.
+        The rounds alone go unpipelined: in a pipeline, the statements after a failed one fail
+        as 'pipeline aborted', and a round already stored must fail as what it is (an
+        IntegrityError, which its caller answers with the stored state)."""
         try:
-            self._commit_reconnecting(batch)
+            self._commit_reconnecting(batch, pipelined)
             return [None] * len(batch)
         except Exception as exc:
             self._close()
-            if len(batch) == 1:
+            if len(batch) == 1 and not pipelined:
                 log.exception(
                     "could not persist round %d of %s",
                     batch[0].row.round_index,
                     batch[0].row.session_id,
                 )
                 return [exc]
-            log.warning(
-                "could not persist %d rounds together (%s); writing them one by one",
-                len(batch),
-                exc,
-            )
+            if len(batch) > 1:
+                log.warning(
+                    "could not persist %d rounds together (%s); writing them one by one",
+                    len(batch),
+                    exc,
+                )
         failures: list[Exception | None] = []
         for item in batch:
-            failures += self._commit_batch([item])
+            failures += self._commit_batch([item], pipelined=False)
         return failures
 
-    def _commit_reconnecting(self, batch: list[_Write]) -> None:
+    def _commit_reconnecting(self, batch: list[_Write], pipelined: bool) -> None:
         """A connection the database dropped (a restart, a failover, an administrator) is
         noticed only when used: then the batch goes again, once, on a new one."""
         try:
-            self._commit(batch)
+            self._commit(batch, pipelined=pipelined)
         except sa.exc.DBAPIError as exc:
             if not exc.connection_invalidated:
                 raise
             log.warning("the database dropped the writer's connection (%s); reconnecting", exc.orig)
             self._close()
-            self._commit(batch)
+            self._commit(batch, pipelined=pipelined)
 
-    def _commit(self, batch: list[_Write], connection: Connection | None = None) -> None:
-        """One transaction for the batch, on `connection` (default: the writer thread's own)."""
+    def _commit(
+        self, batch: list[_Write], connection: Connection | None = None, *, pipelined: bool = False
+    ) -> None:
+        """One transaction for the batch, on `connection` (default: the writer thread's own);
+        `pipelined`: in one round trip where the driver can (PostgreSQL, `_pipelined`)."""
         if connection is None:
             if self._connection is None:
                 self._connection = self._engine.connect()
             connection = self._connection
         now = utcnow()
-        with connection.begin():
+        pipeline = _pipelined(connection) if pipelined else contextlib.nullcontext()
+        with pipeline, connection.begin():
             # The rounds' foreign key makes a session that vanished fail the insert.
             connection.execute(
                 _INSERT_ROUNDS,
@@ -282,23 +297,21 @@ class RoundWriter:
             ]
             if downlinks:
                 connection.execute(_UPDATE_DOWNLINK, downlinks)
-            finished = [item for item in batch if item.status is SessionStatus.FINISHED]
+            finished = [
+                {
+                    "at": now,
+                    "kind": SESSION_FINISHED,
+                    "device_id": item.device_id,
+                    "session_id": item.row.session_id,
+                    "actor": SYSTEM_ACTOR,
+                    "detail": {"tokens": len(item.generated), "rounds": item.row.round_index + 1},
+                }
+                for item in batch
+                if item.status is SessionStatus.FINISHED
+            ]
             if finished:
-                # Joins the connection's transaction; it commits with the rounds.
-                with Session(bind=connection) as db:
-                    for item in finished:
-                        append_event(
-                            db,
-                            "session.finished",
-                            device_id=item.device_id,
-                            session_id=item.row.session_id,
-                            detail={
-                                "tokens": len(item.generated),
-                                "rounds": item.row.round_index + 1,
-                            },
-                            at=now,
-                        )
-                    db.flush()
+                # In the rounds' transaction: the event commits with the session's end.
+                connection.execute(_INSERT_EVENTS, finished)
 
     def _checkpoint(self) -> None:
         """A passive WAL checkpoint on the writer thread's connection (SQLite): it copies what
@@ -319,6 +332,18 @@ class RoundWriter:
                 connection.close()
             except Exception:
                 log.debug("closing the round writer's connection failed", exc_info=True)
+
+
+def _pipelined(connection: Connection) -> contextlib.AbstractContextManager[Any]:
+    """psycopg's pipeline mode on PostgreSQL: BEGIN, the statements and COMMIT go to the server
+    together and are answered together, one round trip instead of one each (four or five). On a
+    loaded host each round trip is a wake-up of the server's process, then of this thread, that
+    waits for the CPU. Errors still raise, at the commit at the latest, and fail the batch."""
+    driver = connection.connection.driver_connection
+    pipeline = getattr(driver, "pipeline", None)
+    if connection.dialect.name != "postgresql" or pipeline is None:
+        return contextlib.nullcontext()
+    return cast(contextlib.AbstractContextManager[Any], pipeline())
 
 
 def _drain(queue: asyncio.Queue[_Write]) -> list[_Write]:

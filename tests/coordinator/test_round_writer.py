@@ -126,6 +126,38 @@ def test_rounds_queued_together_commit_in_one_transaction(
             assert stored.created_at is not None and stored.t_downlink_ms is None
 
 
+def test_two_rounds_of_one_session_in_one_batch_commit_in_order(
+    sessions: sessionmaker[Session],
+) -> None:
+    """A batch never holds two rounds of a session in the coordinator (the next round waits for
+    this one's verdict), but the writer must not depend on it: in one transaction (pipelined on
+    PostgreSQL) the later round's tokens and the earlier one's downlink are what stays."""
+    session_id = open_session(sessions)
+    other = open_session(sessions)
+
+    async def body(writer: RoundWriter) -> None:
+        await asyncio.sleep(0)  # the writer waits for its first round
+        await asyncio.gather(
+            writer.write(round_row(session_id, 0, 0), [7, 9], SessionStatus.ACTIVE,
+                         device_id=DEVICE),
+            writer.write(round_row(other, 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE),
+            writer.write(round_row(session_id, 1, 2), [7, 9, 7, 9], SessionStatus.ACTIVE,
+                         device_id=DEVICE, downlink_ms=2.5),
+        )  # fmt: skip
+
+    _, batches = run_writer(sessions, body)
+    assert batches == 1
+    with sessions() as db:
+        row = db.get(DecodingSession, session_id)
+        assert row is not None
+        assert (row.committed_ids, row.committed_len) == ([7, 9, 7, 9], len(PROMPT_IDS) + 4)
+        rounds = db.scalars(
+            sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
+        ).all()
+        assert [(r.round_index, r.t_downlink_ms) for r in rounds] == [(0, 2.5), (1, None)]
+        assert db.scalar(sa.select(sa.func.count()).select_from(Round)) == 3
+
+
 def test_a_round_that_cannot_be_stored_fails_alone(sessions: sessionmaker[Session]) -> None:
     good = open_session(sessions)
     stored_twice = open_session(sessions)
