@@ -201,6 +201,16 @@ class DeviceRegistry:
             query = sa.select(Device).where(*clauses).order_by(Device.id).offset(skip).limit(limit)
             return builtins.list(session.scalars(query))
 
+    def online_last_seen(self) -> builtins.list[tuple[str, datetime | None]]:
+        """Every online device's id and when it was last heard: what the presence sweep reads
+        twice a second. Two columns, not whole devices: at 1,000 devices, loading each as an
+        object took the sweep's thread (and the GIL, away from the event loop) tens of ms."""
+        with self._sessions() as session:
+            query = sa.select(Device.id, Device.last_seen).where(
+                Device.status == DeviceStatus.ONLINE
+            )
+            return [(device_id, last_seen) for device_id, last_seen in session.execute(query)]
+
     def count(
         self,
         *,

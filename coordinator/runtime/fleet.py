@@ -282,16 +282,14 @@ class Fleet:
     async def sweep(self) -> None:
         """Mark offline every online device silent for SILENCE_KEEPALIVES keepalives."""
         now = utcnow()
-        online = await asyncio.to_thread(
-            self.registry.list, status=DeviceStatus.ONLINE, limit=10_000
-        )
-        for device in online:
-            keepalive = self._keepalive_s.get(device.id, self.default_keepalive_s)
-            if device.last_seen is None:
+        online = await asyncio.to_thread(self.registry.online_last_seen)
+        for device_id, last_seen in online:
+            keepalive = self._keepalive_s.get(device_id, self.default_keepalive_s)
+            if last_seen is None:
                 continue
-            if now - device.last_seen > timedelta(seconds=SILENCE_KEEPALIVES * keepalive):
+            if now - last_seen > timedelta(seconds=SILENCE_KEEPALIVES * keepalive):
                 await self._registry_call(
-                    self.registry.mark_offline, device.id, now, "silent past its keepalive"
+                    self.registry.mark_offline, device_id, now, "silent past its keepalive"
                 )
 
     async def run_sweeper(self) -> None:
