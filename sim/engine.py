@@ -41,6 +41,8 @@ from verifier.child import PROFILE_SHAPES
 from verifier.goodput import PRIOR_ACCEPT, GoodputControl, StreamRow
 from verifier.worker import BATCH_WINDOW_MS
 
+# A mode's name, as rounds are counted by it (Enum's .value is a descriptor call, every round).
+MODE_NAMES = {mode: mode.value for mode in m.Mode}
 MESSAGE_BYTES = 320  # a draft or a verdict of a few tokens, JSON, with MQTT framing
 TIMELINE_LIMIT = 10_000_000  # events one simulation may run, against a runaway model
 
@@ -63,8 +65,9 @@ class Loop:
 
     def run(self, until: float = math.inf) -> None:
         self.halted = False
-        while self._heap and self._heap[0][0] <= until and not self.halted:
-            when, _, action, args = heapq.heappop(self._heap)
+        heap, pop = self._heap, heapq.heappop
+        while heap and heap[0][0] <= until and not self.halted:
+            when, _, action, args = pop(heap)
             self.now = when
             self.events += 1
             if self.events > TIMELINE_LIMIT:
@@ -391,13 +394,17 @@ class Verifier:
         for session in turn:
             self.last_pass[session.id] = self.passes
         k = 0
+        caps = [self._cap(s) for s in turn]
         if turn:
-            rows = [self._stream_row(s) for s in turn if s.adaptive]
+            rows = [
+                StreamRow(s.policy.draft_model, s.task, cap, PRIOR_ACCEPT)
+                for s, cap in zip(turn, caps, strict=True)
+                if s.adaptive
+            ]
             fixed = [row.drafted for row in batch]
-            fixed += [self._cap(s) for s in turn if not s.adaptive]
+            fixed += [cap for s, cap in zip(turn, caps, strict=True) if not s.adaptive]
             k = self.control.choose(rows, fixed).k
-        for session in turn:
-            cap = self._cap(session)
+        for session, cap in zip(turn, caps, strict=True):
             window = min(k, cap) if session.adaptive else cap
             drafter = session.policy.draft_model
             drafted, accepted = self.fleet.acceptance.draw(drafter, session.task, window)
@@ -417,9 +424,6 @@ class Verifier:
         loop.after(
             verify_ms + prefill + drafting, self._end_pass, batch, positions, verify_ms, prefill
         )
-
-    def _stream_row(self, session: Session) -> StreamRow:
-        return StreamRow(session.policy.draft_model, session.task, self._cap(session), PRIOR_ACCEPT)
 
     def _cap(self, session: Session) -> int:
         if session.policy.mode is not m.Mode.CLOUD:
@@ -512,15 +516,17 @@ class Coordinator:
             return  # closed, or moved back to its device: the result is dropped
         kept = session.commit(row.accepted)
         mode = session.policy.mode if row.window else m.Mode.PLAIN
-        session.rounds_by_mode[mode.value] = session.rounds_by_mode.get(mode.value, 0) + 1
-        if session.finished or session.round % CLOUD_STREAM_ROUNDS == 0:
+        name = MODE_NAMES[mode]
+        session.rounds_by_mode[name] = session.rounds_by_mode.get(name, 0) + 1
+        finished = session.generated >= session.length
+        if finished or session.round % CLOUD_STREAM_ROUNDS == 0:
             verifier.stop_stream(session)
         if session.adaptive:
             self._observe(session, row, verify_ms, mode, prefill=session.round == 1)
-            if not session.finished and session.round % STREAM_DECISION_EVERY == 0:
+            if not finished and session.round % STREAM_DECISION_EVERY == 0:
                 self._decide(session)
         fleet.loop.at(fleet.down_at(session, done), fleet.verdict_arrived, session, True, kept)
-        next_stream = not session.finished and session.round % CLOUD_STREAM_ROUNDS == 0
+        next_stream = not finished and session.round % CLOUD_STREAM_ROUNDS == 0
         if next_stream and session.policy.mode in m.HOST_MODES:  # the agent asks again
             fleet.loop.at(done + 2 * fleet.link_ms(session), verifier.open_stream, session)
 
@@ -699,7 +705,7 @@ class Fleet:
     def direct_round_done(self, verifier: Verifier, row: _Row, verify_ms: float, rows: int) -> None:
         session = row.session
         kept = session.commit(row.accepted)
-        key = m.Mode.DISTRIBUTED.value
+        key = MODE_NAMES[m.Mode.DISTRIBUTED]
         session.rounds_by_mode[key] = session.rounds_by_mode.get(key, 0) + 1
         service = self.service_ms()
         held = service if self._round_cpu_ms is None else min(service, self._round_cpu_ms)

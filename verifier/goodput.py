@@ -282,33 +282,36 @@ class GoodputControl:
         kinds = Counter((s.draft, s.task_type, s.cap, s.prior) for s in streams)
         windows = [k for k in self.windows if k <= top_cap or k <= 0]
         widest = max(windows, default=0)
-        # Per kind: its count, cap, E(j) for every j up to the widest window it can take (one
-        # pass over its rates, kept by its statistics until they change), and its drafting
-        # cost per window token.
-        scored = [
-            (
-                count,
-                cap,
-                None
-                if draft is None
-                else self._stats(draft, task).expected_by_window(max(0, min(widest, cap)), prior),
-                None if draft is None else count * self.draft_ms(draft),
-            )
-            for (draft, task, cap, prior), count in kinds.items()
-        ]
+        # Per kind: its count, the most E(j) it reaches (a plain stream's are all 1, and so
+        # is a cap below 0's, which drafts nothing), E(j) for every j up to it (one pass over
+        # its rates, kept by its statistics until they change), its cap and its drafting cost
+        # per window token.
+        scored = []
+        for (draft, task, cap, prior), count in kinds.items():
+            if draft is None:
+                scored.append((count, 0, [1.0], cap, None))
+            else:
+                reach = max(0, min(widest, cap))
+                by_window = self._stats(draft, task).expected_by_window(reach, prior)
+                scored.append((count, reach, by_window, cap, count * self.draft_ms(draft)))
         goodput: dict[str, float] = {}
         cost_at: dict[int, float] = {}
         for k in windows:
-            # E(min(k, cap)) of each kind, 1 for a plain one or k = 0 (a cap below 0 drafts
-            # nothing: E(0)); summed in the kinds' order, as sum() of each row kind's would.
+            # E(min(k, cap)) of each kind (1 at k <= 0), summed in the kinds' order as sum()
+            # over the rows' kinds would.
+            j = max(0, k)
             tokens = fixed_tokens + sum(
                 [
-                    count * (1.0 if by_window is None or k <= 0 else by_window[max(0, min(k, cap))])
-                    for count, cap, by_window, _ in scored
+                    count * by_window[j if j < reach else reach]
+                    for count, reach, by_window, _, _ in scored
                 ]
             )
             drafting = sum(
-                [count_ms * min(k, cap) for _, cap, _, count_ms in scored if count_ms is not None]
+                [
+                    count_ms * (k if k < cap else cap)
+                    for _, _, _, cap, count_ms in scored
+                    if count_ms is not None
+                ]
             )
             ms = self.cost.predict(rows, max(k, widest_fixed) + 1) + drafting
             cost_at[k] = ms

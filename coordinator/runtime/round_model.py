@@ -128,15 +128,12 @@ class VerifyCost:
         waits: bool = True,
     ) -> None:
         x = self.features(k, load, waits)
-        xtx, xty = self.xtx, self.xty
-        for i in range(5):
-            x_i = x[i]
-            xty[i] = xty[i] * decay + x_i * verify_ms
-            row = xtx[i]
-            # X'X is symmetric, and x_i x_j is x_j x_i bit for bit: each pair is computed once
-            # (this runs on every round the coordinator hears).
-            for j in range(i, 5):
-                row[j] = xtx[j][i] = row[j] * decay + x_i * x[j]
+        # Row by row in comprehensions: this runs on every round the coordinator hears.
+        self.xty[:] = [
+            value * decay + x_i * verify_ms for value, x_i in zip(self.xty, x, strict=True)
+        ]
+        for row, x_i in zip(self.xtx, x, strict=True):
+            row[:] = [value * decay + x_i * x_j for value, x_j in zip(row, x, strict=True)]
         self.rounds = self.rounds * decay + 1.0
         self._solved = None
 
@@ -162,7 +159,8 @@ class VerifyCost:
         a, b, c, d, e = self.coefficients()
         fixed = a + c * load + (e if waits else 0.0)
         per_token = b + d * load
-        return [max(0.0, fixed + per_token * k) for k in ks]
+        # max(0.0, t) written out (a decision predicts hundreds of windows); NaN gives 0.0 too.
+        return [t if t > 0.0 else 0.0 for t in [fixed + per_token * k for k in ks]]
 
 
 @dataclass
@@ -249,15 +247,21 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     n = len(rhs)
     rows = [[*matrix[i], rhs[i]] for i in range(n)]
     for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
-        rows[col], rows[pivot] = rows[pivot], rows[col]
+        pivot = col  # the first row of the largest |value| in this column, as max() picks it
         for r in range(col + 1, n):
-            factor = rows[r][col] / rows[col][col]
-            for c in range(col, n + 1):
-                rows[r][c] -= factor * rows[col][c]
+            if abs(rows[r][col]) > abs(rows[pivot][col]):
+                pivot = r
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        top = rows[col]
+        for r in range(col + 1, n):
+            row = rows[r]
+            factor = row[col] / top[col]
+            row[col:] = [
+                value - factor * above for value, above in zip(row[col:], top[col:], strict=True)
+            ]
     solution = [0.0] * n
     for r in reversed(range(n)):
-        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
+        tail = sum([rows[r][c] * solution[c] for c in range(r + 1, n)])
         solution[r] = (rows[r][n] - tail) / rows[r][r]
     return solution
 

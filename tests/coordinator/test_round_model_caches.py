@@ -13,6 +13,7 @@ from coordinator.runtime.round_model import (
     K_MAX,
     ProposalLength,
     VerifyCost,
+    _solve,
     drafted_by_window,
 )
 
@@ -92,3 +93,37 @@ def test_verify_cost_updates_as_the_full_matrix_would() -> None:
         reference_update(plain, k, load, ms, waits)
         assert kept.xtx == plain.xtx and kept.xty == plain.xty
         assert kept.coefficients() == plain.coefficients()
+
+
+def reference_solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    n = len(rhs)
+    rows = [[*matrix[i], rhs[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            for c in range(col, n + 1):
+                rows[r][c] -= factor * rows[col][c]
+    solution = [0.0] * n
+    for r in reversed(range(n)):
+        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
+        solution[r] = (rows[r][n] - tail) / rows[r][r]
+    return solution
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_solver_gives_gaussian_eliminations_answer_bit_for_bit(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        n = rng.choice((3, 5))
+        # Ties in a column (equal |values|) pick the first row, as max() does.
+        matrix = [
+            [rng.choice((rng.uniform(-50, 50), 2.0, -2.0)) for _ in range(n)] for _ in range(n)
+        ]
+        rhs = [rng.uniform(-100, 100) for _ in range(n)]
+        try:
+            expected = reference_solve([row[:] for row in matrix], rhs[:])
+        except ZeroDivisionError:
+            continue
+        assert _solve(matrix, rhs) == expected
