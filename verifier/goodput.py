@@ -286,7 +286,7 @@ class GoodputControl:
         # is a cap below 0's, which drafts nothing), E(j) for every j up to it (one pass over
         # its rates, kept by its statistics until they change), its cap and its drafting cost
         # per window token.
-        scored = []
+        scored: list[tuple[int, int, list[float], int, float | None]] = []
         for (draft, task, cap, prior), count in kinds.items():
             if draft is None:
                 scored.append((count, 0, [1.0], cap, None))
