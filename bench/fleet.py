@@ -590,6 +590,12 @@ async def _drive(
             budget = START_TIMEOUT_S + CONNECT_S_PER_AGENT * args.agents
             with tqdm(total=args.agents, desc="connecting", unit="agent", file=sys.stderr) as bar:
                 await _collect(inbox, "ready", plans, fleet, coordinators, budget, bar)
+                connected = bar.n
+            device_ids = [d for plan in plans for d in plan.device_ids]
+            with tqdm(total=connected, desc="online", unit="agent", file=sys.stderr) as bar:
+                await _wait_for_presence(
+                    fleet.settings.database_url, device_ids, connected, budget, coordinators, bar
+                )
             rss: list[tuple[float, int]] = []
             started = time.monotonic()
             await control.publish(GO_TOPIC, b"{}")
@@ -605,6 +611,49 @@ async def _drive(
             await control.publish(STOP_TOPIC, b"{}")
     results = [json.loads((workdir / f"{plan.swarm}.result.json").read_text()) for plan in plans]
     return results, rss
+
+
+def devices_online(engine: Any, device_ids: list[str]) -> int:
+    """How many of these devices the registry holds online."""
+    import sqlalchemy as sa
+
+    from coordinator.db.models import Device, DeviceStatus
+
+    online = 0
+    with engine.connect() as conn:
+        for start in range(0, len(device_ids), 500):
+            query = sa.select(sa.func.count()).where(
+                Device.id.in_(device_ids[start : start + 500]),
+                Device.status == DeviceStatus.ONLINE,
+            )
+            online += conn.scalar(query) or 0
+    return online
+
+
+async def _wait_for_presence(
+    database_url: str, device_ids: list[str], connected: int, budget_s: float,
+    coordinators: Coordinators, bar: Any,
+) -> None:  # fmt: skip
+    """Until the coordinators have taken every connected agent's online status (a database
+    write or three each, one status after another on their bus loop): sessions opened before
+    then waited behind 1,000 statuses, and on a loaded host every open timed out (60 s). A
+    fleet's devices come online long before its rounds; this measures the rounds."""
+    from coordinator.db.engine import make_engine
+
+    engine = make_engine(database_url)
+    deadline = time.monotonic() + budget_s
+    try:
+        while (online := await asyncio.to_thread(devices_online, engine, device_ids)) < connected:
+            bar.update(online - bar.n)
+            for child in coordinators.alive():
+                if not child.alive():
+                    raise RuntimeError(f"{child.name} exited: see {child.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{online} of {connected} agents online in time")
+            await asyncio.sleep(1.0)
+        bar.update(online - bar.n)
+    finally:
+        engine.dispose()
 
 
 async def _kill_later(coordinators: Coordinators, args: argparse.Namespace) -> None:
