@@ -8,6 +8,8 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 from broker import messages as m
 from broker.topics import VerifierChannel, verifier_topic
@@ -17,14 +19,18 @@ log = logging.getLogger(__name__)
 # A verifier silent for this many heartbeats is dead; its work goes elsewhere.
 MISSED_HEARTBEATS = 3.0
 WATCH_INTERVAL_S = 0.25
-# How long one verification may take before it is sent again elsewhere.
+# How long one verification may take before it is sent again elsewhere, and how many more such
+# spells it is waited for while its verifier heartbeats with work in hand: a host at full load
+# takes minutes over a wave of prefills, and resending then only doubles its work.
 VERIFY_TIMEOUT_S = 30.0
+BUSY_WAITS = 4
 MAX_ATTEMPTS = 4
 NO_VERIFIER_WAIT_S = 30.0
 # How long a verifier has to take or give back a lease (it answers after the round in flight).
 LEASE_TIMEOUT_S = 5.0
 
 Publish = Callable[[str, bytes], Awaitable[None]]
+T = TypeVar("T")
 
 
 class NoVerifierError(Exception):
@@ -222,7 +228,7 @@ class VerifierPool:
             )
             try:
                 await self._send_work(info.verifier_id, attempt)
-                result = await asyncio.wait_for(future, VERIFY_TIMEOUT_S)
+                result = await self._while_busy(info, partial(asyncio.shield, future), request)
             except asyncio.TimeoutError:
                 last_error = f"{info.verifier_id} timed out"
                 tried.add(info.verifier_id)
@@ -260,7 +266,7 @@ class VerifierPool:
             ended = False
             while not ended:
                 try:
-                    item = await asyncio.wait_for(pending.results.get(), VERIFY_TIMEOUT_S)
+                    item = await self._while_busy(info, pending.results.get, request)
                 except asyncio.TimeoutError:
                     raise StreamLost(f"{info.verifier_id} timed out") from None
                 if isinstance(item, _Reroute):
@@ -278,6 +284,32 @@ class VerifierPool:
                     await self._send_work(info.verifier_id, stop)
                 except Exception as exc:  # the stream ends anyway with the stream's rounds
                     log.debug("could not stop stream %s: %s", attempt.request_id, exc)
+
+    async def _while_busy(
+        self, info: VerifierInfo, wait: Callable[[], Awaitable[T]], request: m.VerifyRequest
+    ) -> T:
+        """`wait()` within VERIFY_TIMEOUT_S, and again (BUSY_WAITS times at most) while the
+        verifier heartbeats with work in hand; asyncio.TimeoutError past that. A verifier that
+        dies meanwhile is failed over by `watch`, which wakes the wait."""
+        for spell in range(BUSY_WAITS + 1):
+            try:
+                return await asyncio.wait_for(wait(), VERIFY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                status = info.status
+                busy = info.alive and status.in_flight + status.queue_depth > 0
+                if not busy or spell == BUSY_WAITS:
+                    raise
+                log.warning(
+                    "%s has not answered round %d of %s in %.0f s; it is busy (%d in flight, "
+                    "%d queued), so it is waited for",
+                    info.verifier_id,
+                    request.round,
+                    request.session_id,
+                    (spell + 1) * VERIFY_TIMEOUT_S,
+                    status.in_flight,
+                    status.queue_depth,
+                )
+        raise AssertionError("unreachable")
 
     async def _wait_for_verifier(self, session_id: str, tried: set[str]) -> VerifierInfo:
         deadline = time.monotonic() + NO_VERIFIER_WAIT_S
