@@ -127,13 +127,32 @@ class VerifyCost:
         decay: float = VERIFY_DECAY,
         waits: bool = True,
     ) -> None:
-        x = self.features(k, load, waits)
-        # Row by row in comprehensions: this runs on every round the coordinator hears.
-        self.xty[:] = [
-            value * decay + x_i * verify_ms for value, x_i in zip(self.xty, x, strict=True)
-        ]
-        for row, x_i in zip(self.xtx, x, strict=True):
-            row[:] = [value * decay + x_i * x_j for value, x_j in zip(row, x, strict=True)]
+        x0, x1, x2, x3, x4 = self.features(k, load, waits)
+        # Written out: this runs on every round the coordinator hears, and loops over the 5 x 5
+        # entries cost more than the arithmetic. X'X is symmetric and x_i x_j is x_j x_i bit for
+        # bit, so each pair is computed once and written to both places.
+        y = self.xty
+        y[0] = y[0] * decay + x0 * verify_ms
+        y[1] = y[1] * decay + x1 * verify_ms
+        y[2] = y[2] * decay + x2 * verify_ms
+        y[3] = y[3] * decay + x3 * verify_ms
+        y[4] = y[4] * decay + x4 * verify_ms
+        r0, r1, r2, r3, r4 = self.xtx
+        r0[0] = r0[0] * decay + x0 * x0
+        r0[1] = r1[0] = r0[1] * decay + x0 * x1
+        r0[2] = r2[0] = r0[2] * decay + x0 * x2
+        r0[3] = r3[0] = r0[3] * decay + x0 * x3
+        r0[4] = r4[0] = r0[4] * decay + x0 * x4
+        r1[1] = r1[1] * decay + x1 * x1
+        r1[2] = r2[1] = r1[2] * decay + x1 * x2
+        r1[3] = r3[1] = r1[3] * decay + x1 * x3
+        r1[4] = r4[1] = r1[4] * decay + x1 * x4
+        r2[2] = r2[2] * decay + x2 * x2
+        r2[3] = r3[2] = r2[3] * decay + x2 * x3
+        r2[4] = r4[2] = r2[4] * decay + x2 * x4
+        r3[3] = r3[3] * decay + x3 * x3
+        r3[4] = r4[3] = r3[4] * decay + x3 * x4
+        r4[4] = r4[4] * decay + x4 * x4
         self.rounds = self.rounds * decay + 1.0
         self._solved = None
 
@@ -160,7 +179,11 @@ class VerifyCost:
         fixed = a + c * load + (e if waits else 0.0)
         per_token = b + d * load
         # max(0.0, t) written out (a decision predicts hundreds of windows); NaN gives 0.0 too.
-        return [t if t > 0.0 else 0.0 for t in [fixed + per_token * k for k in ks]]
+        out = []
+        for k in ks:
+            t = fixed + per_token * k
+            out.append(t if t > 0.0 else 0.0)
+        return out
 
 
 @dataclass
@@ -256,12 +279,11 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
         for r in range(col + 1, n):
             row = rows[r]
             factor = row[col] / top[col]
-            row[col:] = [
-                value - factor * above for value, above in zip(row[col:], top[col:], strict=True)
-            ]
+            for c in range(col, n + 1):
+                row[c] -= factor * top[c]
     solution = [0.0] * n
     for r in reversed(range(n)):
-        tail = sum([rows[r][c] * solution[c] for c in range(r + 1, n)])
+        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
         solution[r] = (rows[r][n] - tail) / rows[r][r]
     return solution
 
