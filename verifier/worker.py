@@ -480,11 +480,18 @@ class VerifierWorker:
         self._outbox.sent(item)
 
     async def _heartbeat(self, client: BusClient) -> None:
+        """A status every heartbeat_s, on a fixed beat: at QoS 0, so that a broker slow to
+        acknowledge (a host at full load) never stretches the beat past what the coordinator
+        counts as dead. Each is retained; the Will says offline."""
+        loop = asyncio.get_running_loop()
+        beat = self.config.heartbeat_s
+        due = loop.time()
         while True:
-            await asyncio.sleep(self.config.heartbeat_s)
-            await client.publish(
-                self.status_topic, encode(self.status(DeviceState.ONLINE)), retain=True
-            )
+            # After a stall the next beat goes at once, and the beat does not try to catch up.
+            due = max(due + beat, loop.time())
+            await asyncio.sleep(due - loop.time())
+            status = encode(self.status(DeviceState.ONLINE))
+            await client.publish(self.status_topic, status, qos=0, retain=True)
 
     # -- batching and the child --------------------------------------------------------------
 
