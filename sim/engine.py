@@ -357,12 +357,14 @@ class Verifier:
         if session.id not in self.streams:
             self.streams[session.id] = session
             self.fleet.total_load += 1
+            self.fleet.total_streams += 1
         self.last_pass.setdefault(session.id, -1)
         self.kick()
 
     def stop_stream(self, session: Session) -> None:
         if self.streams.pop(session.id, None) is not None:
             self.fleet.total_load -= 1
+            self.fleet.total_streams -= 1
 
     def kick(self) -> None:
         if self.busy or self.waiting or not (self.queue or self.streams):
@@ -476,6 +478,13 @@ class Coordinator:
     def _load(self) -> float:
         return self.fleet.mean_load()
 
+    def _beside(self, session: Session) -> float:
+        """The host streams beside the session's own, on the verifiers' mean (as the
+        coordinator's AdaptiveBook counts them)."""
+        fleet = self.fleet
+        own = session.verifier is not None and session.id in session.verifier.streams
+        return (fleet.total_streams - own) / len(fleet.verifiers)
+
     def _host_drafts(self) -> tuple[str, ...]:
         return tuple(self.fleet.calibration.host_draft_ms_per_token) or ("hybrid",)
 
@@ -495,6 +504,7 @@ class Coordinator:
                 self._load(),
                 host_drafts=self._host_drafts(),
                 plain=True,
+                beside=self._beside(session),
             )
             best = opening_candidate(decision)
             if best is not None:
@@ -583,6 +593,7 @@ class Coordinator:
             current_mode=session.policy.mode,
             host_drafts=self._host_drafts(),
             plain=True,
+            beside=self._beside(session),
         )
         before = session.policy.mode
         session.policy = decision.policy
@@ -616,6 +627,7 @@ class Fleet:
         self.calibration = calibration
         self.host_cpu = host_cpu
         self.total_load = 0  # the sum of the verifiers' loads
+        self.total_streams = 0  # the host streams the verifiers run
         self.rng = random.Random(seed)
         self.loop = Loop()
         self.policy = AdaptivePolicy()
