@@ -53,6 +53,11 @@ OPEN_TIMEOUT_S = 10.0  # a SessionOpen with no SessionState after this long is s
 MAX_REFUSALS = 3  # drafts of one round refused this often fail the session
 RECENT_SESSIONS = 32  # finished sessions kept for the local API to read back
 LOCAL_STEP_TOKENS = 8  # tokens generated alone between two looks at the inbox
+# Local mode is for a coordinator gone quiet. A session's first verdict carries its prompt's
+# prefill, which a verifier opening a wave of sessions at once takes seconds over (32 prompts,
+# several seconds on a CPU verifier), and the coordinator has just confirmed the session. So,
+# while the link is up, that verdict gets this many times fallback_after_s before local mode.
+FIRST_VERDICT_GRACE = 4.0
 
 Publish = Callable[[DeviceChannel, m.Message], Awaitable[bool]]
 T = TypeVar("T")
@@ -252,6 +257,8 @@ class AgentSession:
         self.provisional_kept = 0
         self.provisional_replaced = 0
         self._heard_at = time.monotonic()  # the coordinator's last answer (or the last reconnect)
+        self._verdicts = 0  # verdicts heard by this session (in this process)
+        self._confirmed = False  # a SessionState has come: the coordinator holds the session
         self._offline_since = 0.0  # unix time of the last answer before local mode began
         self._unreported = 0  # provisional tokens the coordinator has not been told of
         self._report = Report.NONE
@@ -521,7 +528,13 @@ class AgentSession:
         return self.book.settings.round_timeout_s
 
     def _fallback_after_s(self) -> float:
-        return self.book.settings.fallback_after_s
+        """How long a silence starts local mode: fallback_after_s, and FIRST_VERDICT_GRACE
+        times that while the first verdict, which waits on the prompt's prefill, is due from a
+        coordinator that confirmed the session, over a link that is up."""
+        fallback = self.book.settings.fallback_after_s
+        if self._confirmed and not self._verdicts and self.book.bus_up:
+            return fallback * FIRST_VERDICT_GRACE
+        return fallback
 
     def _wait_s(self, retry_at: float) -> float:
         """How long to wait for the next message before acting on our own."""
@@ -640,12 +653,14 @@ class AgentSession:
                     log.info("session %s: the coordinator answers again", self.session_id)
                     self.local = False
                 if isinstance(message, m.SessionState):
+                    self._confirmed = True
                     self.phase = Phase.AWAITING_VERDICT
                     if self._report is Report.SENT:
                         self._report = Report.NONE
                         self._unreported = 0
                     await self._on_state(message)
                 elif isinstance(message, m.Verdict):
+                    self._verdicts += 1
                     if not await self._on_verdict(message, arrived):
                         self.phase = Phase.AWAITING_STATE
                         await self._open(m.ResumeReason.RESYNC)

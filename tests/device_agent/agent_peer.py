@@ -186,6 +186,7 @@ class Faults:
     drop_verdicts: set[int] = field(default_factory=set)  # rounds whose first verdict is lost
     repeat_verdicts: bool = False  # every verdict is published twice
     silent: bool = False  # answer no open and no draft
+    verdict_delays: dict[int, float] = field(default_factory=dict)  # round -> seconds held back
     refuse_opens: str = ""  # refuse every SessionOpen with this reason
     # Judge this round's draft, then restart the broker before its verdict goes out: the
     # round is committed on this side and the agent must learn it from the SessionState.
@@ -290,6 +291,9 @@ class BusPeer:
                 self.faults.restart_at_round = None
                 self.faults.restart()
                 return
+            delay = self.faults.verdict_delays.pop(message.round, 0.0)
+            if delay:
+                await asyncio.sleep(delay)
             await self.send(device_id, answer)
             if self.faults.repeat_verdicts:
                 await self.send(device_id, answer)

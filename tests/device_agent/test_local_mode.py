@@ -342,3 +342,52 @@ def test_a_session_that_hears_nothing_generates_alone_then_reconciles(
     judged = peer.judge.sessions[summary.session_id].verdicts
     assert sorted(judged) == list(range(len(judged)))
     assert judged[tail.round].n_accepted <= kept
+
+
+@pytest.mark.parametrize(("slow_round", "fallbacks"), [(0, 0), (1, 1)])
+def test_the_first_verdict_waits_on_the_prefill_without_local_mode(
+    mosquitto: PrivateMosquitto,
+    models_dir: Path,
+    target: tuple[OnnxRuntime, ChatTokenizer],
+    catalog: DrafterCatalog,
+    slow_round: int,
+    fallbacks: int,
+) -> None:
+    """A verdict 1 s late, with fallback_after_s = 0.5 and the link up: the first one (it waits
+    on the prompt's prefill) is waited for, FIRST_VERDICT_GRACE times as long; a later one
+    starts local mode. Either way the answer is the target's."""
+    if not catalog.has(NEURAL):
+        pytest.skip(f"{NEURAL} is not built in {catalog.models_dir}")
+    assert 0.5 < 1.0 < 0.5 * sessions.FIRST_VERDICT_GRACE
+    runtime, tokenizer = target
+    faults = Faults(verdict_delays={slow_round: 1.0})
+    peer = BusPeer(mosquitto.url, TargetJudge(runtime, tokenizer.eos_id), faults)
+    max_tokens = 16
+
+    async def scenario() -> SessionSummary:
+        async with (
+            peer.running(),
+            running_agent(
+                mosquitto.url,
+                f"dev-{secrets.token_hex(4)}",
+                models_dir,
+                fallback_after_s=0.5,
+                round_timeout_s=5.0,
+                proactive=False,
+            ) as agent,
+        ):
+            request = SessionRequest(
+                prompt=prompt_text("chat-01"), max_tokens=max_tokens, draft=NEURAL, k=3
+            )
+            session = await agent.sessions.start(request)
+            async for event in session.events():
+                # Once the slow verdict is past (the first text heard, or the spell it started),
+                # a verdict slower than 0.5 s on a loaded host must not start another spell.
+                if event.kind == ("provisional" if slow_round else "text"):
+                    agent.sessions.settings.fallback_after_s = SLOW_HOST_FALLBACK_S
+            return await asyncio.wait_for(session.wait(), 60)
+
+    summary = asyncio.run(scenario())
+    assert summary.status == "finished"
+    assert summary.token_ids == reference("chat-01", target, max_tokens)
+    assert summary.fallbacks == fallbacks
