@@ -133,6 +133,10 @@ class Fleet:
         self.accept_unknown_devices = accept_unknown_devices
         self.default_keepalive_s = default_keepalive_s
         self._keepalive_s: dict[str, int] = {}
+        # A shared fleet's presence: the devices whose statuses this coordinator takes (its
+        # shards'). The sweep leaves the others to theirs: it knows neither their keepalive
+        # nor when they last spoke, and marked a peer's devices offline at the default.
+        self.acts_for: Callable[[str], bool] = lambda _device_id: True
         self._pending_commands: dict[str, asyncio.Future[m.CommandAck]] = {}
         # Who else learns from presence and telemetry (the adaptive policy).
         self.rtt_observers: list[RttObserver] = []
@@ -285,7 +289,7 @@ class Fleet:
         online = await asyncio.to_thread(self.registry.online_last_seen)
         for device_id, last_seen in online:
             keepalive = self._keepalive_s.get(device_id, self.default_keepalive_s)
-            if last_seen is None:
+            if last_seen is None or not self.acts_for(device_id):
                 continue
             if now - last_seen > timedelta(seconds=SILENCE_KEEPALIVES * keepalive):
                 await self._registry_call(

@@ -185,6 +185,7 @@ class Coordinator:
                 on_released=self._hand_back_shards,
             )
             self.book.acts_for = self.shards.owns
+            self.fleet.acts_for = self.shards.owns
             self.verifier_handlers[m.RoundDone] = self._on_round_done
             self.verifiers.shared = True
             self.background.append(self._run_shards)
