@@ -5,6 +5,7 @@ an idle verifier that has not answered never got the request."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -53,19 +54,22 @@ def _result(request: m.VerifyRequest) -> m.VerifyResult:
     )
 
 
-async def _heartbeats(pool: VerifierPool, in_flight: int) -> None:
-    """A live verifier: a heartbeat every 50 ms, with `in_flight` rows in hand."""
+async def _heartbeats(
+    pool: VerifierPool, in_flight: int, beat_s: float = 0.05, first_after_s: float = 0.0
+) -> None:
+    """A live verifier: a heartbeat every `beat_s`, with `in_flight` rows in hand."""
+    await asyncio.sleep(first_after_s)
     while True:
         status = m.VerifierStatus(
             verifier_id="v1",
             state=m.DeviceState.ONLINE,
             at=1_000.0,
             max_batch=4,
-            heartbeat_s=0.05,
+            heartbeat_s=beat_s,
             in_flight=in_flight,
         )
         await pool.on_status("v1", status)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(beat_s)
 
 
 @pytest.mark.parametrize(("in_flight", "sent_times"), [(3, 1), (0, 3)])
@@ -111,3 +115,31 @@ def test_a_busy_verifier_is_waited_for_only_so_long(monkeypatch: pytest.MonkeyPa
 
     with pytest.raises(verifiers.VerificationFailed, match="v1 timed out"):
         asyncio.run(scenario())
+
+
+def test_a_stall_of_the_coordinator_s_own_loop_is_no_silence_of_the_verifier() -> None:
+    """The coordinator's loop blocked for 2 s (a starved host), longer than the 0.75 s of silence
+    that makes a verifier dead: the heartbeats that waited meanwhile are read after the watch's
+    next look, which must not call the verifier dead; real silence afterwards still does."""
+    beat_s = 0.25
+
+    async def scenario() -> tuple[int, int]:
+        pool = VerifierPool(Sent())
+        beating = asyncio.create_task(_heartbeats(pool, 0, beat_s))
+        watching = asyncio.create_task(pool.watch())
+        try:
+            await asyncio.sleep(0.6)
+            beating.cancel()
+            time.sleep(2.0)  # the whole loop stalls
+            beating = asyncio.create_task(_heartbeats(pool, 0, beat_s, first_after_s=0.1))
+            await asyncio.sleep(0.6)
+            after_stall = pool.failovers
+            beating.cancel()
+            await asyncio.sleep(verifiers.MISSED_HEARTBEATS * beat_s + 0.75)
+            return after_stall, pool.failovers
+        finally:
+            beating.cancel()
+            watching.cancel()
+
+    after_stall, after_silence = asyncio.run(scenario())
+    assert (after_stall, after_silence) == (0, 1)
