@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.inputs import FleetSpec, SimInputError, SloSpec, WorkloadSpec, load
+from sim.inputs import Calibration, FleetSpec, SimInputError, SloSpec, WorkloadSpec, load
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "sim" / "examples"
 
@@ -20,6 +20,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "sim" / "examples"
         ("pi-4g-workload.toml", WorkloadSpec),
         ("scale-workload.toml", WorkloadSpec),
         ("slo-100ms.toml", SloSpec),
+        ("scale-1k-fleet.toml", FleetSpec),
+        ("scale-1k-workload.toml", WorkloadSpec),
+        ("scale-1k-calibration.json", Calibration),
     ],
 )
 def test_the_shipped_examples_load(name: str, model: type) -> None:
