@@ -1,10 +1,17 @@
-"""Real databases for the tests: a PostgreSQL database per run (or per caller), SQLite per test."""
+"""Real databases for the tests: a PostgreSQL database per run (or per caller), SQLite per test.
+
+Also what the suite needs on pytest-xdist's workers (`-n 3 --dist loadscope`): each worker is
+a run of its own, with PostgreSQL databases of its own (their names are random, so advisory locks
+and tables are never shared), and hands its part of the end-of-run report to the controller.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -91,3 +98,45 @@ def db_engine(request: pytest.FixtureRequest) -> Engine:
     name = "sqlite_engine" if request.param == "sqlite" else "pg_clean_engine"
     engine: Engine = request.getfixturevalue(name)
     return engine
+
+
+# --- parallel workers (pytest-xdist) ------------------------------------------------------------
+
+# The key of `config.workeroutput` under which a worker hands sections of the end-of-run report
+# (title -> lines) to the controller, which prints them: a worker's own terminal is not shown.
+WORKER_SUMMARY = "summary_sections"
+
+_worker_sections: dict[str, list[str]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_module_on_the_shared_mosquitto(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Modules marked `shared_mosquitto` run one at a time across the workers of a run: each
+    runs a coordinator on the system Mosquitto, and a coordinator takes any verifier it hears on
+    its broker as one of its own. A lock file in the run's temporary root, which all workers
+    share; set up before the module's other fixtures (autouse), held until its last test ends."""
+    if request.node.get_closest_marker("shared_mosquitto") is None:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):  # an xdist worker: its basetemp is the run's /gwN
+        root = root.parent
+    with (root / "shared-mosquitto.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """On the controller: keep the report sections a worker handed over as it finished."""
+    for title, lines in getattr(node, "workeroutput", {}).get(WORKER_SUMMARY, {}).items():
+        _worker_sections.setdefault(title, []).extend(lines)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for title, lines in _worker_sections.items():
+        terminalreporter.section(title)
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -213,4 +213,5 @@ def _event_kinds(sessions: sessionmaker[Session], session_id: uuid.UUID) -> list
     return [e.kind for e in EventLog(sessions).list(session_id=session_id)]
 
 
-pytestmark = pytest.mark.timeout(240)
+# A coordinator on the shared Mosquitto: one such module at a time (tests/conftest.py).
+pytestmark = [pytest.mark.timeout(240), pytest.mark.shared_mosquitto]

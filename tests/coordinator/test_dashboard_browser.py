@@ -62,10 +62,14 @@ AGENT = (sys.executable, "-m", "device_agent.cli", "run")
 SECRET = "a-test-secret-of-32-characters!!"
 VIEWPORT = {"width": 1360, "height": 900}
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(),
-    reason="Chromium is not installed: run scripts/install-browser-test-deps.sh",
-)
+# A coordinator on the shared Mosquitto: one such module at a time (tests/conftest.py).
+pytestmark = [
+    pytest.mark.skipif(
+        not Path(CHROMIUM).exists(),
+        reason="Chromium is not installed: run scripts/install-browser-test-deps.sh",
+    ),
+    pytest.mark.shared_mosquitto,
+]
 
 
 @pytest.fixture(scope="module")

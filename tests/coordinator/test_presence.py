@@ -21,6 +21,8 @@ from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.events import EventLog
 
 SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
+# A coordinator on the shared Mosquitto: one such module at a time (tests/conftest.py).
+pytestmark = pytest.mark.shared_mosquitto
 AGENT_KEEPALIVE_S = 2  # the broker sends the Last Will 1.5 keepalives after the link goes quiet
 # How long a presence change may take before the test gives up (process start-up on a loaded
 # host included). A deadline for a stuck test, not the property: the property is the sequence.

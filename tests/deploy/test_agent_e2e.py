@@ -42,7 +42,7 @@ ONLINE_TIMEOUT_S = 60.0
 
 # In the slow set (the default suite's budget): the default suite installs the same wheel in
 # test_agent_wheel and test_agent_package and brings the agent online; this one also decodes.
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow, pytest.mark.shared_mosquitto]
 
 
 def ask(root: Path, port: int, draft: str) -> dict[str, object]:

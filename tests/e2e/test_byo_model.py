@@ -27,6 +27,8 @@ from modelbuild.target_build import ensure_target, load_target
 from tests.inference.tiny_gguf import EOS, TinyShape, write_tiny_gguf
 
 SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
+# A coordinator on the shared Mosquitto: one such module at a time (tests/conftest.py).
+pytestmark = pytest.mark.shared_mosquitto
 TARGET = "tiny-byo"
 DRAFT = f"{TARGET}-draft-l1"
 FOREIGN_DRAFT = "draft-l1"  # SmolLM2's: the same architecture, another vocabulary
