@@ -15,27 +15,15 @@ import pytest
 
 from broker.mosquitto import free_port
 from coordinator.stack_broker import mosquitto_binary
-from tests.processes import alive
+from tests.processes import alive, children_of
 
 START_S = 60.0
 GONE_S = 5.0
 
 
 def mosquitto_children(parent: int) -> list[int]:
-    """The Mosquitto processes whose parent is `parent`, read from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        if ppid == parent and comm == "mosquitto":
-            found.append(int(entry.name))
-    return found
+    """The live Mosquitto processes whose parent is `parent`."""
+    return [pid for pid, name in children_of(parent).items() if name == "mosquitto"]
 
 
 def port_free(port: int) -> bool:

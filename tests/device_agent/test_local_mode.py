@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_peer import BusPeer, Faults, TargetJudge, prompt_text, reference, running_agent
@@ -16,7 +19,7 @@ from device_agent import drafting, sessions
 from device_agent.catalog import DrafterCatalog
 from device_agent.drafting import Reconciliation, SessionDrafter, reconcile
 from device_agent.journal import SessionJournal
-from device_agent.sessions import SessionRequest, SessionSummary, StreamEvent
+from device_agent.sessions import AgentSession, SessionRequest, SessionSummary, StreamEvent
 from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
 
@@ -265,6 +268,23 @@ def test_the_journal_keeps_open_sessions_and_their_tails(
     reopened.close()
 
 
+@contextlib.asynccontextmanager
+async def _chat_01(
+    peer: BusPeer, broker_url: str, models_dir: Path, max_tokens: int, **settings: Any
+) -> AsyncIterator[tuple[Any, AgentSession]]:
+    """The peer and a real agent on the broker, and a session of chat-01 drafted by NEURAL."""
+    async with (
+        peer.running(),
+        running_agent(
+            broker_url, f"dev-{secrets.token_hex(4)}", models_dir, proactive=False, **settings
+        ) as agent,
+    ):
+        request = SessionRequest(
+            prompt=prompt_text("chat-01"), max_tokens=max_tokens, draft=NEURAL, k=3
+        )
+        yield agent, await agent.sessions.start(request)
+
+
 def test_a_session_that_hears_nothing_generates_alone_then_reconciles(
     mosquitto: PrivateMosquitto,
     models_dir: Path,
@@ -281,21 +301,9 @@ def test_a_session_that_hears_nothing_generates_alone_then_reconciles(
     max_tokens = 32
 
     async def scenario() -> tuple[SessionSummary, list[StreamEvent]]:
-        async with (
-            peer.running(),
-            running_agent(
-                mosquitto.url,
-                f"dev-{secrets.token_hex(4)}",
-                models_dir,
-                fallback_after_s=0.4,
-                round_timeout_s=1.0,
-                proactive=False,
-            ) as agent,
-        ):
-            request = SessionRequest(
-                prompt=prompt_text("chat-01"), max_tokens=max_tokens, draft=NEURAL, k=3
-            )
-            session = await agent.sessions.start(request)
+        async with _chat_01(
+            peer, mosquitto.url, models_dir, max_tokens, fallback_after_s=0.4, round_timeout_s=1.0
+        ) as (agent, session):
             events: list[StreamEvent] = []
             async for event in session.events():
                 events.append(event)
@@ -365,21 +373,9 @@ def test_the_first_verdict_waits_on_the_prefill_without_local_mode(
     max_tokens = 16
 
     async def scenario() -> SessionSummary:
-        async with (
-            peer.running(),
-            running_agent(
-                mosquitto.url,
-                f"dev-{secrets.token_hex(4)}",
-                models_dir,
-                fallback_after_s=0.5,
-                round_timeout_s=5.0,
-                proactive=False,
-            ) as agent,
-        ):
-            request = SessionRequest(
-                prompt=prompt_text("chat-01"), max_tokens=max_tokens, draft=NEURAL, k=3
-            )
-            session = await agent.sessions.start(request)
+        async with _chat_01(
+            peer, mosquitto.url, models_dir, max_tokens, fallback_after_s=0.5, round_timeout_s=5.0
+        ) as (agent, session):
             async for event in session.events():
                 # Once the slow verdict is past (the first text heard, or the spell it started),
                 # a verdict slower than 0.5 s on a loaded host must not start another spell.
