@@ -223,7 +223,7 @@ def make_proposer(
         at = next(i for i, tier in enumerate(tiers) if tier.name == HYBRID_NEURAL_BEFORE)
         return HybridProposer([*tiers[:at], draft, *tiers[at:]], name=name)
     if name in heads:
-        # No feature yet (a first round, cloud rounds, local mode): the hybrid drafts instead.
+        # No feature yet (a first round, a rewind, local mode): the hybrid drafts instead.
         fallback = HybridProposer(tiered_copying(load_ngram_table(ngram_path)), name=HYBRID)
         return head(name, fallback)
     return neural(name)

@@ -10,9 +10,11 @@ one would pad every other sequence of the batch to its length.
 A cloud round names a drafter instead of carrying tokens: the host drafts its window first
 (`verifier.drafting`), and the window then rides in the batched pass like any other.
 
-A request that asks for features (a device's feature drafter) gets the target's hidden state at
-the position whose logits chose its next token. A pass copies the hidden states out only when one
-of its rows asks; cloud rounds never do.
+The target's hidden state at the position whose logits chose a round's next token is what a
+feature drafter chains from. A device's draft that asks for it (`want_features`) gets it in its
+verdict; a session whose drafter on this host wants it (its cloud rounds, and from then on its
+plain stream rounds too) has it handed to that drafter after the verdict, and nothing of it goes
+on the bus. A pass copies the hidden states out only when one of its rows needs them.
 """
 
 from __future__ import annotations
@@ -256,6 +258,9 @@ class VerifierCore:
         return None if session is None else list(session.tokens)
 
     def drop(self, session_id: str) -> bool:
+        """Forget a session: its cache, and its drafters and feature on this host."""
+        if self.drafters is not None:
+            self.drafters.drop_session(session_id)
         return self._sessions.pop(session_id, None) is not None
 
     # -- internals ------------------------------------------------------------------------
@@ -344,12 +349,18 @@ class VerifierCore:
     def _score(self, rows: list[_Row]) -> list[tuple[Logits, Features | None]]:
         """The batched pass: logits per row, and hidden states only if a row asks for them."""
         requests = [(row.ids, row.session.cache) for row in rows]
-        asked = any(row.request.want_features and row.request.cloud_k is None for row in rows)
+        asked = any(self._wants_hidden(row.request) for row in rows)
         if asked and self.features is not None:
             return [
                 (logits, hidden) for logits, hidden in self.features.forward_batch_hidden(requests)
             ]
         return [(logits, None) for logits in self.runtime.forward_batch(requests)]
+
+    def _wants_hidden(self, request: VerifyRequest) -> bool:
+        """A device's feature drafter asked, or the session's drafter here chains from them."""
+        if request.want_features and request.cloud_k is None:
+            return True
+        return self.drafters is not None and self.drafters.wants_features(request.session_id)
 
     def _decide(
         self, row: _Row, logits: Logits, hidden: Features | None, batch_size: int
@@ -375,8 +386,10 @@ class VerifierCore:
             return _failed(request, f"rejection sampling refused the draft: {exc}", row.prefilled)
         self._rollback(row.session, request, base_len + verdict.n_accepted)
         features = None
-        if hidden is not None and request.want_features and request.cloud_k is None:
-            features = _wire_features(request, hidden[verdict.n_accepted])
+        if hidden is not None:
+            features = self._hand_features(
+                request, hidden[verdict.n_accepted], verdict.n_accepted, verdict.next_token
+            )
         return Verification(
             request_id=request.request_id,
             session_id=request.session_id,
@@ -388,6 +401,19 @@ class VerifierCore:
             batch_size=batch_size,
             features=features,
         )
+
+    def _hand_features(
+        self, request: VerifyRequest, hidden: Features, n_accepted: int, next_token: int
+    ) -> str | None:
+        """The feature that chose the round's next token # [H]: to the session's drafter here
+        when it wants it, with the committed context it belongs to; returned in wire form to a
+        device's draft that asked."""
+        if self.drafters is not None and self.drafters.wants_features(request.session_id):
+            committed = (*request.context_ids, *request.tokens[:n_accepted], next_token)
+            self.drafters.give_features(request.session_id, hidden, committed)
+        if request.want_features and request.cloud_k is None:
+            return _wire_features(request, hidden)
+        return None
 
     def _rollback(self, session: _Session, request: VerifyRequest, length: int) -> None:
         """Keep the first `length` positions of context + draft, which the cache now holds."""

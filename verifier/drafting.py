@@ -13,9 +13,15 @@ context, so each session gets its own proposer (the loaded model is shared): one
 all would re-prefill the draft on every session's whole context each time sessions take turns,
 which made a pass of 4 host-drafted sessions take ~800 ms instead of ~90.
 
-A feature head drafts here without features (cloud rounds carry none): alone it falls back to
-the hybrid, behind the copying tiers it proposes nothing. Its step is stateless, so one loaded
-head serves every session.
+A feature head drafts here from the target's own features, which the verifier computed in the
+same pass: after each verdict of a session whose drafter here wants them (a cloud round of
+`eagle-h1` or `hybrid+eagle-h1`, and then every round of the session, plain stream rounds
+included), the core hands over the hidden state that chose the round's last token
+(`give_features`), with the committed context it belongs to. A draft uses it only when its
+context extends that one; otherwise (a rewind, a diverged resend, a round verified elsewhere) the
+head has none, and alone it falls back to the hybrid, behind the copying tiers it proposes
+nothing. Nothing of this crosses the bus. The head's step is stateless, so one loaded head serves
+every session.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
 
 from broker.messages import VerifyRequest
 from inference.drafters import (
@@ -36,7 +45,13 @@ from inference.drafters import (
     load_head,
     make_proposer,
 )
-from inference.proposers import FeatureHeadStep, Proposer
+from inference.proposers import (
+    FeatureHeadStep,
+    Proposer,
+    forget_features,
+    give_features,
+    wants_features,
+)
 from inference.runtime import Runtime
 from inference.sampling import RngStream, SparseDraftProbs, one_hot_draft, round_rng
 
@@ -66,6 +81,14 @@ class HostDraft:
         return ids, probs
 
 
+@dataclass
+class _SessionFeature:
+    """The target's latest feature for a session whose drafter here chains from features."""
+
+    committed: tuple[int, ...] = ()  # the committed context it belongs to; () before the first
+    feature: npt.NDArray[np.float32] | None = None  # [H]: the hidden state at committed[-2]
+
+
 class HostDrafters:
     """The drafters of one verifier host, loaded on first use and kept."""
 
@@ -83,6 +106,8 @@ class HostDrafters:
         self._proposers: OrderedDict[tuple[str, float, str], Proposer] = OrderedDict()
         self._runtimes: dict[str, Runtime] = {}
         self._heads: dict[str, FeatureHeadStep] = {}  # stateless: one per name serves all
+        # The sessions with a feature drafter among `_proposers`, and the feature each has.
+        self._features: dict[str, _SessionFeature] = {}
         # With the target's vocabulary given, drafts built for another target are left out.
         self.names: tuple[str, ...] = tuple(drafter_names(models_dir, vocab))
 
@@ -123,9 +148,65 @@ class HostDrafters:
                 )
             proposer = self._proposers[key] = self._factory(name, temperature)
             log.debug("made drafter %s (temperature %.2f) for %s", name, temperature, key[2])
+            if key[2] and wants_features(proposer):
+                self._features.setdefault(key[2], _SessionFeature())
             while len(self._proposers) > SESSION_PROPOSERS_KEPT:
-                self._proposers.popitem(last=False)
+                evicted, _ = self._proposers.popitem(last=False)
+                self._drop_features_unless_wanted(evicted[2])
         return proposer
+
+    def wants_features(self, session_id: str) -> bool:
+        """Whether the session has a drafter here that chains from the target's features."""
+        return session_id in self._features
+
+    def give_features(
+        self, session_id: str, feature: npt.ArrayLike, committed: Sequence[int]
+    ) -> None:
+        """The target's hidden state that chose the last token of `committed`, the session's
+        committed context after a verdict # [H]; its next cloud round drafts from it. Nothing
+        for a session without a feature drafter here; a feature that is not finite is none."""
+        state = self._features.get(session_id)
+        if state is None:
+            return
+        # A copy: the row is a view of the whole pass's hidden states.
+        row = np.array(feature, dtype=np.float32).reshape(-1)
+        if not np.isfinite(row).all():
+            log.warning("a feature of %s is not finite; its head drafts without", session_id)
+            state.committed, state.feature = (), None
+            return
+        state.committed, state.feature = tuple(committed), row
+
+    def drop_session(self, session_id: str) -> None:
+        """Forget the session's own drafters and its feature."""
+        for key in [key for key in self._proposers if key[2] == session_id]:
+            del self._proposers[key]
+        self._features.pop(session_id, None)
+
+    def _drop_features_unless_wanted(self, session_id: str) -> None:
+        if session_id and not any(
+            key[2] == session_id and wants_features(proposer)
+            for key, proposer in self._proposers.items()
+        ):
+            self._features.pop(session_id, None)
+
+    def _hand_feature(self, proposer: Proposer, request: VerifyRequest) -> None:
+        """Give the proposer the session's feature when the round's context extends the one it
+        belongs to, and make it forget any other: a feature applied to another context (a
+        rewind, a resend that diverged) would chain from the wrong position."""
+        state = self._features.get(request.session_id)
+        context = request.context_ids
+        if (
+            state is None
+            or state.feature is None
+            or context[: len(state.committed)] != state.committed
+        ):
+            forget_features(proposer)
+            return
+        try:
+            give_features(proposer, state.feature, len(state.committed))
+        except ValueError as exc:  # a head of another hidden size than the target's
+            log.warning("%s drafts without features: %s", request.cloud_draft, exc)
+            forget_features(proposer)
 
     def draft(self, request: VerifyRequest) -> HostDraft:
         """The window of a cloud round: up to `cloud_k` tokens after `context_ids`."""
@@ -134,6 +215,8 @@ class HostDrafters:
         sampling = request.sampling
         proposer = self.proposer(request.cloud_draft, sampling.temperature, request.session_id)
         started = time.perf_counter()
+        if wants_features(proposer):
+            self._hand_feature(proposer, request)
         rng = None
         if not sampling.greedy:
             rng = round_rng(sampling.seed, request.round, RngStream.DRAFT)

@@ -5,8 +5,8 @@ head (random weights of the target's hidden size) beside the target. A listener 
 every draft and verdict of the device. Sessions drafted by the head, alone and behind the copying
 tiers, must answer as the target alone does; their drafts ask for features and their verdicts
 carry the target's hidden state at h_{n-1}, as a target-alone pass computes it; a session whose
-drafter does not ask sees no feature byte, nor does a cloud session (the host drafts with the
-head's hybrid fallback); a sampled session finishes and rebuilds from its rounds.
+drafter does not ask sees no feature byte, nor does a cloud session (the host hands its head the
+features of the same pass in memory); a sampled session finishes and rebuilds from its rounds.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_feature_rounds_over_the_bus(tmp_path: Path) -> None:
         {"draft": HEAD, "k": 4},
         {"draft": f"hybrid+{HEAD}", "k": 8},
         {"draft": "lookup", "k": 4},
-        {"draft": HEAD, "mode": "cloud", "k": 4},  # the host drafts: no features
+        {"draft": HEAD, "mode": "cloud", "k": 4},  # the host drafts: no features on the bus
     ]
 
     async def main() -> tuple[list[dict[str, Any]], dict[str, list[m.Message]], dict[str, Any]]:
