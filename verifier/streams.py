@@ -5,7 +5,9 @@ on every pass of the worker holds one round of each stream it has room for, next
 that devices sent, with no bus round trip between a session's rounds: the results go to the
 coordinator, which persists each round before its verdict leaves, while the next pass already
 runs. A result the coordinator never persisted (a crash, a move) is computed again from the
-committed tokens, deterministically, so running ahead of persistence loses nothing.
+committed tokens, deterministically, so running ahead of persistence loses nothing (a feature
+head drafts from the features its host holds, so a sampled round of one may come out otherwise,
+from the same distribution: the lost one was never published).
 """
 
 from __future__ import annotations
