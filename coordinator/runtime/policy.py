@@ -80,8 +80,6 @@ TIME_DECAY = 0.8
 
 PRIOR_DRAFT_MS_PER_TOKEN = {"lookup": 0.05, "ngram": 0.1, "hybrid": 0.2}
 PRIOR_NEURAL_DRAFT_MS_PER_TOKEN = 8.0
-# Neural drafters on the verifier host: 0.6-1.7 ms measured there (8 kept them out of cloud mode).
-PRIOR_HOST_DRAFT_MS_PER_TOKEN = 1.0
 PRIOR_RTT_MS = 20.0
 PRIOR_QUEUE_MS = 1.0
 
@@ -247,10 +245,8 @@ class AdaptivePolicy:
         cost = self._draft_ms.get((device_id, draft))
         if cost is not None:
             return cost.value
-        if device_id == HOST:
-            return PRIOR_DRAFT_MS_PER_TOKEN.get(draft, PRIOR_HOST_DRAFT_MS_PER_TOKEN)
         prior = PRIOR_DRAFT_MS_PER_TOKEN.get(draft, PRIOR_NEURAL_DRAFT_MS_PER_TOKEN)
-        by_class = self.wants.class_cost(device_id, draft)
+        by_class = None if device_id == HOST else self.wants.class_cost(device_id, draft)
         return prior if by_class is None else by_class
 
     # --- what we decide -------------------------------------------------------------------

@@ -10,11 +10,7 @@ import pytest
 from broker import messages as m
 from coordinator.runtime.batch_cost import streams_lost
 from coordinator.runtime.decisions import MODE_DWELL_ROUNDS, Candidate, choose_mode
-from coordinator.runtime.policy import (
-    PRIOR_NEURAL_DRAFT_MS_PER_TOKEN,
-    AdaptivePolicy,
-    RoundObservation,
-)
+from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
 from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
@@ -363,26 +359,6 @@ def test_cloud_rounds_teach_the_host_cost_and_share_alpha_with_the_device() -> N
     assert by_mode[C].draft_ms_per_token == pytest.approx(10.0, rel=0.05)
     assert by_mode[D].draft_ms_per_token == pytest.approx(0.2)  # the device's prior, untouched
     assert by_mode[C].alpha == by_mode[D].alpha > 0.9
-
-
-def test_a_feature_head_the_host_never_drafted_with_wins_cloud_mode_on_its_acceptance() -> None:
-    """The device's rounds say hybrid+eagle-h1 accepts best; the host, which has drafted none of
-    its cloud rounds yet, rates it at its own prior cost, so it is picked over the hybrid and the
-    hybrid+draft there (the device's prior for a neural draft, 8 ms a token, lost it to hybrid)."""
-    policy = AdaptivePolicy()
-    for i in range(30):
-        for draft, n_accepted in (("hybrid+eagle-h1", 2), ("hybrid+draft-l1", 1), ("hybrid", 1)):
-            policy.observe(_round(draft=draft, k=4, n_accepted=n_accepted - i % 2, session=f"{i}"))
-    host = ("hybrid", "hybrid+eagle-h1", "hybrid+draft-l1")
-    decision = policy.decide("s1", DEVICE, "chat", "hybrid+eagle-h1", 0.0, C, host)
-    cloud = {c.draft_model: c for c in decision.candidates if c.mode is C}
-    assert (
-        cloud["hybrid+eagle-h1"].draft_ms_per_token == cloud["hybrid+draft-l1"].draft_ms_per_token
-    )
-    assert cloud["hybrid+eagle-h1"].draft_ms_per_token < PRIOR_NEURAL_DRAFT_MS_PER_TOKEN
-    best = max(cloud.values(), key=lambda c: c.tokens_per_s)
-    assert best.draft_model == "hybrid+eagle-h1"
-    assert decision.mode is not C or decision.draft_model == "hybrid+eagle-h1"
 
 
 def test_cloud_windows_shrink_as_the_verifier_load_grows() -> None:
