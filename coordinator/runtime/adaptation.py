@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from broker import messages as m
-from coordinator.db.models import Round, SessionStatus
+from coordinator.db.models import Round
 from coordinator.runtime.book_core import BookCore
 from coordinator.runtime.decisions import opening_candidate
 from coordinator.runtime.policy import STREAM_DECISION_EVERY, RoundObservation
@@ -74,33 +74,11 @@ class AdaptiveBook(BookCore):
         )
         return streams / len(live)
 
-    def _opening_beside(self, session_id: str) -> tuple[float, float]:
-        """What a session that opens now will meet on the verifier, on the live verifiers' mean:
-        every active session beside it (each will want a row of the target's passes), and those
-        of them that opened in a host mode (the streams its device windows would hold up).
-
-        A wave of sessions opens within milliseconds, before any of them has sent a round, so
-        the verifiers' reported load says 0 to every one of them: at 16 sessions each opened as
-        if alone, in cloud mode with a wide window, and once their streams opened at round 0 the
-        verifier's first passes drafted windows that did not pay (83 and 160 of 630 rounds in
-        drafted passes, against 29 with the streams opened a round later)."""
-        verifiers = max(1, len(self.pool.live()))
-        others = [
-            other
-            for other in self.live.values()
-            if other.id != session_id and other.status is SessionStatus.ACTIVE
-        ]
-        hosted = sum(1 for other in others if other.policy.mode in m.HOST_MODES)
-        return len(others) / verifiers, hosted / verifiers
-
     def _open_where_best(self, live: LiveSession) -> None:
         """An adaptive session starts in the mode the policy rates best for its device now:
         nothing is switched yet, so no margin against flapping is asked of the host modes, and
-        a session that does best on the host has no round drafted on the device first. The load
-        and the streams it is rated against count the sessions open beside it, not only what
-        the verifiers have reported so far."""
-        opening_load, opening_streams = self._opening_beside(live.id)
-        load = max(verifier_load(v.load for v in self.pool.live()), opening_load)
+        a session that does best on the host has no round drafted on the device first."""
+        load = verifier_load(v.load for v in self.pool.live())
         host_drafts = self.host_drafts() if m.Mode.CLOUD in live.modes else ()
         decision = self.policy.decide(
             live.id,
@@ -110,7 +88,7 @@ class AdaptiveBook(BookCore):
             load,
             host_drafts=host_drafts,
             plain=True,
-            beside=max(self._streams_beside(live.id), opening_streams),
+            beside=self._streams_beside(live.id),
         )
         best = opening_candidate(decision)
         if best is None:
