@@ -23,4 +23,15 @@ from modelbuild.distill import ensure_drafts
 from modelbuild.target_build import ensure_target
 models_dir = default_models_dir()
 ensure_drafts(models_dir, ensure_target(models_dir))'
-exec .venv/bin/python -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+    exec .venv/bin/python -m pytest -q "$@"
+fi
+# The whole suite, in two parts, so that it stays within about 20 minutes on 2 cores: the tests
+# of one process or a few share both cores (pytest-xdist, each module on one worker; databases
+# and the shared broker's lock are per worker, tests/conftest.py), then the end-to-end fleets,
+# each of which starts a broker, a coordinator, verifiers and agents and keeps both cores busy by
+# itself, one at a time. Both parts always run; the exit status is the first failure's.
+status=0
+.venv/bin/python -m pytest -q -n 2 --dist loadscope --ignore=tests/e2e || status=$?
+.venv/bin/python -m pytest -q tests/e2e || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+exit "$status"

@@ -1,8 +1,9 @@
 """Real databases for the tests: a PostgreSQL database per run (or per caller), SQLite per test.
 
-Also what the suite needs on pytest-xdist's workers (`-n 3 --dist loadscope`): each worker is
-a run of its own, with PostgreSQL databases of its own (their names are random, so advisory locks
-and tables are never shared), and hands its part of the end-of-run report to the controller.
+Also what the suite needs on pytest-xdist's workers (scripts/test.sh runs `-n 2 --dist
+loadscope`): each worker is a run of its own, with PostgreSQL databases of its own (their names
+are random, so advisory locks and tables are never shared), and hands its part of the end-of-run
+report to the controller.
 """
 
 from __future__ import annotations
