@@ -34,7 +34,7 @@ fi
 status=0
 .venv/bin/python -m pytest -q -n 2 --dist loadscope --ignore=tests/e2e || status=$?
 if [ "$status" -eq 1 ]; then
-    # Once in three runs here a worker's output capture broke near its end (the file pytest
+    # In two of four runs here a worker's output capture broke near its end (the file pytest
     # captures into was closed under it: "I/O operation on closed file" at the setup of every
     # test the worker had left; the cause is not found yet): what failed or erred in the parallel part runs
     # again, alone and serially, and only a failure that repeats there fails the run. Both
