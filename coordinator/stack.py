@@ -195,6 +195,9 @@ async def http_api(
         host=host,
         port=port,
         log_level="warning",
+        # The process's own logging stays as it is: uvicorn's default dictConfig would close
+        # every handler of the process (absl's closes the stream it writes to).
+        log_config=None,
         lifespan="off",
         ssl_certfile=str(ssl_certfile) if ssl_certfile else None,
         ssl_keyfile=str(ssl_keyfile) if ssl_keyfile else None,

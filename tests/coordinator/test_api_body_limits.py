@@ -35,7 +35,9 @@ TAGS = "/api/v1/devices/pi-1/tags"
 @contextmanager
 def serve(app: FastAPI) -> Iterator[int]:
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", log_config=None
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="limits-http", daemon=True)
     thread.start()

@@ -111,6 +111,7 @@ def serve(app: FastAPI) -> Iterator[str]:
         host="127.0.0.1",
         port=port,
         log_level="warning",
+        log_config=None,
         lifespan="off",
         # Event streams stay open; do not wait for the browser to close them.
         timeout_graceful_shutdown=1,

@@ -152,7 +152,9 @@ def fleet(
     proxy = CorruptingProxy()
     with loop_thread() as loop:
         server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=http_port, log_level="warning")
+            uvicorn.Config(
+                app, host="127.0.0.1", port=http_port, log_level="warning", log_config=None
+            )
         )
         serving = asyncio.run_coroutine_threadsafe(server.serve(), loop)
         agents = {}

@@ -50,7 +50,9 @@ async def artifact_api(fleet: LocalFleet, port: int) -> AsyncIterator[None]:
     app.state.settings = fleet.settings
     app.state.sessions = fleet.coordinator.sessions
     app.include_router(artifacts.router, prefix="/api/v1")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None)
+    )
     serving = asyncio.create_task(server.serve(), name="artifact-api")
     try:
         while not server.started:
