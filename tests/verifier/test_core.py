@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 from verifier_helpers import (
+    cloud_request,
     draft_from,
     greedy_reference,
     make_request,
@@ -237,21 +238,6 @@ def test_sparse_q_pads_ragged_rows_with_zero_probability() -> None:
     assert q.prob_of(0, 5) == 0.5 and q.prob_of(1, 6) == 1.0 and q.prob_of(1, 9) == 0.0
     np.testing.assert_allclose(q.dense(1, 10)[6], 1.0)
     assert sparse_q(make_request("g", 0, [1, 2], [5])) is None
-
-
-def cloud_request(
-    session: str, round_index: int, context: Sequence[int], draft: str, k: int, spec: SamplingSpec
-) -> VerifyRequest:
-    return VerifyRequest(
-        request_id=f"{session}-{round_index}",
-        session_id=session,
-        round=round_index,
-        context_ids=tuple(context),
-        tokens=(),
-        sampling=spec,
-        cloud_draft=draft,
-        cloud_k=k,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pytest
-from verifier_helpers import greedy_reference, make_request, prompt_ids
+from verifier_helpers import cloud_request, greedy_reference, make_request, prompt_ids
 
-from broker.messages import SamplingSpec, StreamSpec, VerifyRequest
+from broker.messages import StreamSpec
 from inference.artifacts import default_models_dir
 from inference.drafters import HYBRID_PREFIX, load_head
 from inference.feature_head import random_head_weights
@@ -56,21 +56,6 @@ def head_models(target: Target, tmp_path_factory: pytest.TempPathFactory) -> Pat
     )
     build_head(models, weights, models / target_dir.name)
     return models
-
-
-def cloud_request(
-    session: str, round_index: int, context: Sequence[int], draft: str, k: int = K
-) -> VerifyRequest:
-    return VerifyRequest(
-        request_id=f"{session}-{round_index}",
-        session_id=session,
-        round=round_index,
-        context_ids=tuple(context),
-        tokens=(),
-        sampling=SamplingSpec(),
-        cloud_draft=draft,
-        cloud_k=k,
-    )
 
 
 def commit(v: Verification) -> list[int]:
@@ -118,7 +103,7 @@ def test_cloud_rounds_draft_from_the_features_of_their_last_verdict(
     session = {p: f"{draft.replace('+', '-')}-{p}" for p in prompts}
     while active := [p for p in prompts if len(generated[p]) < MAX_NEW]:
         contexts = {p: [*prompt_ids(p), *generated[p]] for p in active}
-        requests = [cloud_request(session[p], rounds[p], contexts[p], draft) for p in active]
+        requests = [cloud_request(session[p], rounds[p], contexts[p], draft, K) for p in active]
         for p, v in zip(active, core.verify_batch(requests), strict=True):
             if draft == HEAD and rounds[p] > 0:  # alone, it always drafts its first token
                 assert v.draft_tokens
@@ -147,7 +132,7 @@ def test_plain_stream_rounds_hand_the_head_their_features(
     core = VerifierCore(runtime, drafters=drafters)
     step = load_head(head_models, HEAD)
     spec = StreamSpec(rounds=64, max_new=STREAM_MAX_NEW, eos_id=tokenizer.eos_id)
-    opening = cloud_request("stream", 0, prompt_ids(3), HEAD).model_copy(update={"stream": spec})
+    opening = cloud_request("stream", 0, prompt_ids(3), HEAD, K).model_copy(update={"stream": spec})
     stream = HostStream.open(opening, received_at=0.0)
     for k in [K, 0, 0, K, 0, K]:
         request = stream.request(k)
@@ -181,7 +166,7 @@ def test_a_feature_drafts_only_a_context_that_extends_its_own(
     drafters = HostDrafters(head_models)
     core = VerifierCore(runtime, drafters=drafters)
     reference = greedy_reference(4, MAX_NEW)
-    (first,) = core.verify_batch([cloud_request("s", 0, prompt_ids(4), HEAD)])
+    (first,) = core.verify_batch([cloud_request("s", 0, prompt_ids(4), HEAD, K)])
     committed = [*prompt_ids(4), *commit(first)]
     done = len(committed) - len(prompt_ids(4))
     if change == "rewound":
@@ -192,7 +177,7 @@ def test_a_feature_drafts_only_a_context_that_extends_its_own(
         context = [*committed, *reference[done : done + 3]]
     head = head_of(drafters, HEAD, "s")
     counts = (head.head_rounds, head.fallback_rounds)
-    (second,) = core.verify_batch([cloud_request("s", 1, context, HEAD)])
+    (second,) = core.verify_batch([cloud_request("s", 1, context, HEAD, K)])
     commit(second)
     assert (head.head_rounds, head.fallback_rounds) == (
         (counts[0] + 1, counts[1]) if head_drafts else (counts[0], counts[1] + 1)

@@ -87,6 +87,27 @@ def make_request(
     )
 
 
+def cloud_request(
+    session: str,
+    round_index: int,
+    context: Sequence[int],
+    draft: str,
+    k: int,
+    sampling: SamplingSpec | None = None,
+) -> VerifyRequest:
+    """A cloud round: the verifier host drafts up to `k` tokens with `draft` after `context`."""
+    return VerifyRequest(
+        request_id=f"{session}-{round_index}",
+        session_id=session,
+        round=round_index,
+        context_ids=tuple(context),
+        tokens=(),
+        sampling=sampling or SamplingSpec(),
+        cloud_draft=draft,
+        cloud_k=k,
+    )
+
+
 class BusListener:
     """The coordinator's side of a test: collects results and statuses of one verifier."""
 
