@@ -83,3 +83,19 @@ def make_engine(url: str | URL, *, create: bool = True, **kwargs: Any) -> Engine
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     # Objects stay readable after commit, so registry calls can return them detached.
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def read_one_snapshot(db: Session) -> None:
+    """Make the reads of `db`'s transaction, from here on, see one state of the database. Call
+    it before the first statement. Without it, each statement sees what was committed when it
+    began: a session row read, then its rounds read a moment later, may disagree by a round
+    committed in between (a finished session with a round missing).
+
+    PostgreSQL reads at REPEATABLE READ (one snapshot for the transaction); SQLite's driver
+    starts no transaction for a SELECT, so a deferred BEGIN makes the reads one transaction,
+    which in WAL mode reads one snapshot. The transaction only reads: it ends in a rollback."""
+    dialect = db.get_bind().dialect.name
+    if dialect == "postgresql":
+        db.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+    elif dialect == "sqlite":
+        db.connection().exec_driver_sql("BEGIN")

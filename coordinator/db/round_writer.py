@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from coordinator.db.engine import read_one_snapshot
 from coordinator.db.events import SYSTEM_ACTOR
 from coordinator.db.models import DecodingSession, Event, Round, SessionStatus, utcnow
 
@@ -118,6 +119,9 @@ class RoundWriter:
         round and its status; None when there is no such session. Blocking: call it in a
         thread."""
         with Session(self._engine) as db:
+            # The row and its last round as of one moment: a round committed between the two
+            # reads would give a next round ahead of the committed ids.
+            read_one_snapshot(db)
             session = db.get(DecodingSession, session_id)
             if session is None:
                 return None

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker.messages import Mode
+from coordinator.db.engine import read_one_snapshot
 from coordinator.db.models import DecodingSession, Round, SessionStatus
 from coordinator.runtime.metrics import RoundLegs
 
@@ -171,6 +172,7 @@ class SessionRecord:
 
 def load_session(sessions: sessionmaker[Session], session_id: uuid.UUID) -> SessionRecord:
     with sessions() as db:
+        read_one_snapshot(db)  # the row and its rounds as of one moment
         row = db.get(DecodingSession, session_id)
         if row is None:
             raise SessionNotFoundError(session_id)

@@ -105,7 +105,8 @@ def allowed_window(live: LiveSession, row: Round) -> int:
 def restore(db: Session, row: DecodingSession) -> LiveSession:
     """A session as it stood at its last persisted round: the committed tokens, the next round,
     and the policy that round chose. An adaptive session's rounds carry the decision, and with
-    it the task type the policy learns under; it stays adaptive after a coordinator restart."""
+    it the task type the policy learns under; it stays adaptive after a coordinator restart.
+    `db` reads one snapshot (read_one_snapshot), or its last round may be newer than `row`."""
     last = db.scalar(
         sa.select(Round)
         .where(Round.session_id == row.id)

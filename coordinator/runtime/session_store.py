@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import messages as m
+from coordinator.db.engine import read_one_snapshot
 from coordinator.db.events import append_event
 from coordinator.db.models import DecodingSession, Round, SessionStatus, utcnow
 from coordinator.runtime.session_state import LiveSession, restore
@@ -67,11 +68,13 @@ class SessionStore:
         except ValueError:
             return None
         with self._db() as db:
+            read_one_snapshot(db)  # the row and its last round as of one moment
             row = db.get(DecodingSession, session_uuid)
             return None if row is None else restore(db, row)
 
     def load_active(self) -> list[LiveSession]:
         with self._db() as db:
+            read_one_snapshot(db)
             rows = db.scalars(
                 sa.select(DecodingSession).where(DecodingSession.status == SessionStatus.ACTIVE)
             ).all()

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -24,6 +25,7 @@ from broker.mosquitto import free_port
 from coordinator import replay
 from coordinator.db.engine import make_engine, make_sessionmaker
 from coordinator.db.events import EventLog
+from coordinator.db.models import DecodingSession, Round
 from coordinator.stack import http_api
 from coordinator.web.api.main import create_app
 from coordinator.web.auth import AdminStore
@@ -51,6 +53,28 @@ async def _wait_for_status(
             return body
         assert time.monotonic() < deadline, f"session {session_id}: {response.text[:300]}"
         await asyncio.sleep(0.2)
+
+
+def _committed_lookup_tokens(metrics: str) -> float:
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "specfleet:committed_tokens_total" and sample.labels == {
+                "draft_model": "lookup"
+            }:
+                return sample.value
+    return 0.0
+
+
+async def _metrics_once_counted(client: httpx.AsyncClient, tokens: int) -> str:
+    """/metrics once `tokens` committed tokens are counted there (or after 10 s, as it is). A
+    leased session's verifier persists each round before it reports it to the coordinator, whose
+    observer counts it: the database says finished a moment before the last report arrives."""
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = (await client.get("/metrics")).text
+        if _committed_lookup_tokens(metrics) >= tokens or time.monotonic() > deadline:
+            return metrics
+        await asyncio.sleep(0.1)
 
 
 async def _read_text_stream(client: httpx.AsyncClient, session_id: str) -> dict[str, Any]:
@@ -135,8 +159,13 @@ async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], d
                 finished = await _wait_for_status(
                     client, started.json()["id"], {"finished", "failed", "cancelled"}, 90
                 )
-                finished["metrics"] = (await client.get("/metrics")).text
+                finished["metrics"] = await _metrics_once_counted(
+                    client, sum(len(r["tokens"]) for r in finished["rounds"])
+                )
                 finished["streamed"] = await asyncio.wait_for(streamed, 30)
+                finished["events"] = (
+                    await client.get("/api/v1/events", params={"session_id": started.json()["id"]})
+                ).json()["data"]
 
                 long_one = await client.post(
                     "/api/v1/sessions",
@@ -161,6 +190,39 @@ async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], d
     return finished, stopped
 
 
+def _story(finished: dict[str, Any], fleet_dir: Path, database_url: str) -> str:
+    """What a failure needs to be understood: the session and its rounds as the API read them and
+    as the database holds them now, its events, and the agent's and verifier's logs (they ran in
+    processes of their own)."""
+    keys = ("round", "base_len", "k", "n_accepted", "committed_len", "provisional", "verifier_id")
+    lines = [f"session as read: {finished['session']}", "rounds as read:"]
+    lines += [
+        str({key: r[key] for key in keys} | {"at": r["created_at"]}) for r in finished["rounds"]
+    ]
+    engine = make_engine(database_url)
+    try:
+        with Session(engine) as db:
+            row = db.get(DecodingSession, uuid.UUID(finished["session"]["id"]))
+            assert row is not None
+            lines.append(
+                f"session now: {row.status} {len(row.committed_ids)} tokens, committed_len "
+                f"{row.committed_len}, updated {row.updated_at}, finished {row.finished_at}"
+            )
+            for rnd in db.scalars(
+                sa.select(Round).where(Round.session_id == row.id).order_by(Round.round_index)
+            ):
+                lines.append(
+                    f"round now: {rnd.round_index} base {rnd.base_len} committed "
+                    f"{rnd.committed_len} by {rnd.verifier_id} at {rnd.created_at}"
+                )
+    finally:
+        engine.dispose()
+    lines += ["events:", *(f"{e['kind']} {e['detail']}" for e in finished["events"][::-1])]
+    for log_file in sorted(fleet_dir.glob("*.log")):
+        lines += [f"{log_file.name}:", *log_file.read_text(errors="replace").splitlines()[-60:]]
+    return "\n".join(lines)
+
+
 def test_a_session_started_from_the_api_completes_on_an_agent(
     tmp_path: Path, create_pg_database: Callable[[], str]
 ) -> None:
@@ -168,7 +230,8 @@ def test_a_session_started_from_the_api_completes_on_an_agent(
     finished, stopped = asyncio.run(_scenario(database_url, tmp_path))
 
     assert finished["session"]["status"] == "finished", finished["session"]
-    assert finished["problems"] == []
+    story = _story(finished, tmp_path / "fleet", database_url)
+    assert finished["problems"] == [], story
     generated = [t["id"] for r in finished["rounds"] for t in r["tokens"]]
     # Greedy over the bus is the target's own output.
     target, tokenizer = load_target(default_models_dir())
@@ -176,7 +239,7 @@ def test_a_session_started_from_the_api_completes_on_an_agent(
     reference = decode_target(
         target, prompt_ids, MAX_TOKENS, SamplingParams(temperature=0.0), tokenizer.eos_id
     )
-    assert generated == reference.tokens
+    assert generated == reference.tokens, story
     assert finished["text"] == tokenizer.decode(reference.tokens)
     # The coordinator's stream gave the same text, as it was committed, then the end.
     assert "".join(finished["streamed"]["deltas"]) == finished["text"]

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from broker.messages import Mode
 from coordinator.db import round_writer
-from coordinator.db.engine import make_sessionmaker
+from coordinator.db.engine import make_sessionmaker, read_one_snapshot
 from coordinator.db.models import DecodingSession, Event, Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from coordinator.db.round_writer import RoundWriter
@@ -216,6 +216,35 @@ def test_the_next_round_records_the_downlink_of_the_one_before(
             sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
         ).all()
         assert [r.t_downlink_ms for r in rounds] == [1.25, None]
+
+
+@pytest.mark.parametrize("one_snapshot", [True, False], ids=["one-snapshot", "each-statement"])
+def test_a_reader_sees_a_session_and_its_rounds_as_of_one_moment(
+    sessions: sessionmaker[Session], one_snapshot: bool
+) -> None:
+    """What the API and replay read (the row, then its rounds) while the writer commits a round
+    between the two reads: with read_one_snapshot the rounds agree with the row; without it, the
+    round shows up beside a row that has none of its tokens (the race the API had)."""
+    session_id = open_session(sessions)
+    with sessions() as reader:
+        if one_snapshot:
+            read_one_snapshot(reader)
+        row = reader.get(DecodingSession, session_id)
+        assert row is not None and row.committed_ids == []
+
+        async def body(writer: RoundWriter) -> None:
+            await writer.write(
+                round_row(session_id, 0, 0), [7, 9], SessionStatus.ACTIVE, device_id=DEVICE
+            )
+
+        run_writer(sessions, body)
+        rounds = reader.scalars(sa.select(Round).where(Round.session_id == session_id)).all()
+        assert len(rounds) == (0 if one_snapshot else 1)
+    with sessions() as later:
+        read_one_snapshot(later)
+        row = later.get(DecodingSession, session_id)
+        assert row is not None and row.committed_ids == [7, 9]
+        assert later.scalar(sa.select(sa.func.count()).where(Round.session_id == session_id)) == 1
 
 
 def test_a_finished_session_gets_its_end_and_event_with_its_last_round(

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from broker.messages import Mode
 from broker.topics import DEVICE_ID_PATTERN
+from coordinator.db.engine import read_one_snapshot
 from coordinator.db.events import append_event
 from coordinator.db.models import (
     DecodingSession,
@@ -180,14 +181,17 @@ def round_public(step: ReplayStep, delay_s: float) -> RoundPublic:
     )
 
 
-def _load_record(db: SessionDep, session_id: uuid.UUID) -> SessionRecord:
+def _load_record(db: SessionDep, session_id: uuid.UUID) -> tuple[DecodingSession, SessionRecord]:
+    """The session's row and its record, rounds included, as of one moment (a round committed
+    between the two reads would otherwise show in one and not the other)."""
+    read_one_snapshot(db)
     row = db.get(DecodingSession, session_id)
     if row is None:
         raise HTTPException(http.HTTP_404_NOT_FOUND, f"no session {session_id}")
     rounds = db.scalars(
         sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
     ).all()
-    return SessionRecord.from_rows(row, rounds)
+    return row, SessionRecord.from_rows(row, rounds)
 
 
 @router.get("/{session_id}", response_model=SessionDetailPublic)
@@ -195,9 +199,8 @@ def read_session(
     db: SessionDep, decoder: TokenDecoderDep, session_id: uuid.UUID
 ) -> SessionDetailPublic:
     """The session, its text with each token's provenance, and every round."""
-    record = _load_record(db, session_id)
-    row = db.get(DecodingSession, session_id)
-    assert row is not None  # loaded just above
+    # One row for all of it: fetched again, it could be newer than the rounds.
+    row, record = _load_record(db, session_id)
     result = rebuild(record, decoder)
     kinds = {kind: 0 for kind in TokenKind}
     for step in result.steps:
@@ -231,7 +234,7 @@ def list_rounds(
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
 ) -> RoundsPublic:
     """A page of the session's rounds in order, each with its tokens' text."""
-    record = _load_record(db, session_id)
+    _, record = _load_record(db, session_id)
     result = rebuild(record, decoder)
     delays = round_delays(result.steps, record.created_at)
     pairs = list(zip(result.steps, delays, strict=True))[skip : skip + limit]
