@@ -68,6 +68,9 @@ DeviceHandler = Callable[[str, Any], Awaitable[None]]
 # A close sent on to the session's owner (a shared fleet): how long its answer is waited for
 # before this coordinator closes the session itself (no coordinator held the device's shard).
 FORWARDED_CLOSE_WAIT_S = 5.0
+# A shared fleet's coordinator keeps the last status of each device of other shards, for the
+# day it takes their shard over; at most this many (one a device: far more than a fleet).
+MAX_FOREIGN_STATUSES = 250_000
 
 
 def configured_target(settings: Settings) -> TargetIdentity | None:
@@ -175,6 +178,9 @@ class Coordinator:
         ]
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._rebuilt: list[LiveSession] = []
+        # The last status payload of each device of another coordinator's shard, kept raw (it is
+        # validated when handled, if ever): a takeover handles those of its new shards.
+        self._foreign_statuses: dict[str, bytes] = {}
         self._connections = 0
         # A shared fleet: this coordinator answers only the devices of the shards it holds.
         self.shards: ShardLeases | None = None
@@ -298,6 +304,11 @@ class Coordinator:
         self, device_id: str, channel: DeviceChannel, payload: bytes
     ) -> None:
         shared_out = self.shards is not None and not self.shards.owns(device_id)
+        if channel is DeviceChannel.STATUS:
+            self._foreign_statuses.pop(device_id, None)
+            if shared_out:
+                self._keep_foreign_status(device_id, payload)
+                return
         if shared_out and channel is not DeviceChannel.ACK:
             return  # another coordinator's device; acks answer whoever sent the command
         try:
@@ -330,22 +341,37 @@ class Coordinator:
         assert self.shards is not None
         await self.shards.run(ready=self.connected)
 
+    def _keep_foreign_status(self, device_id: str, payload: bytes) -> None:
+        if not payload:  # a retained status cleared
+            return
+        if len(self._foreign_statuses) >= MAX_FOREIGN_STATUSES:
+            log.warning(
+                "more than %d devices of other shards: %s's status not kept",
+                MAX_FOREIGN_STATUSES,
+                device_id,
+            )
+            return
+        self._foreign_statuses[device_id] = payload
+
     async def _take_shards(self, shards: frozenset[int]) -> None:
-        """Shards just locked: their devices' presence is asked of the broker again (the
-        retained status of every device comes back on a new subscription, and this coordinator
-        now answers those of its new shards), their active sessions come back from the
-        database, and their devices are told where each stands (a draft sent to the old owner is
-        re-sent)."""
-        client = self._client
-        if client is not None:
-            try:
-                await client.subscribe(device_subscription(DeviceChannel.STATUS))
-            except BusConnectionError as exc:  # the reconnect subscribes afresh
-                log.warning("could not ask for the status of taken-over devices: %s", exc)
+        """Shards just locked: their active sessions come back from the database and their
+        devices are told where each stands (a draft sent to the old owner is re-sent); then
+        their devices' presence, from the last status each sent while another coordinator
+        held the shard. (It was asked of the broker again: a new subscription brought back the
+        retained status of every device of the fleet, this coordinator's own included, handled
+        one by one on the bus loop with the drafts waiting behind them.)"""
         rebuilt = await self.book.rebuild(lambda device_id: shard_of(device_id) in shards)
         if rebuilt:
             log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))
             await self.book.announce(rebuilt)
+        taken = [device_id for device_id in self._foreign_statuses if shard_of(device_id) in shards]
+        for device_id in taken:
+            # Gone when a newer status came meanwhile (handled as it came).
+            payload = self._foreign_statuses.pop(device_id, None)
+            if payload is not None:
+                await self.dispatch(device_topic(device_id, DeviceChannel.STATUS), payload)
+        if taken:
+            log.info("took the presence of %d devices with %d shards", len(taken), len(shards))
 
     async def close_session(self, device_id: str, close: m.SessionClose) -> None:
         """A close asked of this coordinator (the API's cancel), made by the session's owner:

@@ -235,6 +235,63 @@ def test_a_taken_over_device_is_known_at_takeover(
     assert found == {"online": True, "drafts": ["ngram"], "keepalive_s": 7}
 
 
+async def _presence_kept_for_a_takeover(url: str, tmp_path: Path) -> dict[str, Any]:
+    """A device's status reaches a coordinator that does not hold its shard; the shard's holder
+    stops; the one that takes the shard over knows the device from that status. It was sent
+    without retain, so the broker has nothing to give again: it can only come from what the
+    second coordinator kept."""
+    from broker import messages as m
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    with PrivateMosquitto() as broker:
+        first = rig_settings(tmp_path / "a", engine, broker.url).model_copy(
+            update={"shared_fleet": True}
+        )
+        second = rig_settings(tmp_path / "b", engine, broker.url).model_copy(
+            update={"shared_fleet": True}
+        )
+        async with running_coordinator(second, engine) as heir:
+            assert heir.shards is not None
+            async with running_coordinator(first, engine) as holder:
+                assert holder.shards is not None
+                async with asyncio.timeout(60):  # the two share the shards
+                    while not (holder.shards.held and heir.shards.held):
+                        await asyncio.sleep(0.1)
+                # A device of a shard the holder has.
+                device_id = next(
+                    f"pi-kept-{i}" for i in range(10_000) if holder.shards.owns(f"pi-kept-{i}")
+                )
+                async with raw_device(broker.url, device_id) as device:
+                    status = m.Status(device_id=device_id, state=m.DeviceState.ONLINE,
+                                      at=time.time(), kind="phone", drafts=("ngram",),
+                                      keepalive_s=7)  # fmt: skip
+                    await device.client.publish(
+                        device_topic(device_id, DeviceChannel.STATUS), m.encode(status)
+                    )
+                    async with asyncio.timeout(10):
+                        while holder.fleet._keepalive_s.get(device_id) is None:
+                            await asyncio.sleep(0.05)
+                before = heir.fleet._keepalive_s.get(device_id)
+            async with asyncio.timeout(60):  # the holder is gone: its shards come to the heir
+                while not heir.shards.owns(device_id):
+                    await asyncio.sleep(0.1)
+            async with asyncio.timeout(10):
+                while heir.fleet._keepalive_s.get(device_id) is None:
+                    await asyncio.sleep(0.05)
+            return {"before": before, "after": heir.fleet._keepalive_s.get(device_id)}
+
+
+def test_a_taken_over_device_is_known_from_the_status_kept_while_another_held_it(
+    create_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    found = asyncio.run(_presence_kept_for_a_takeover(create_pg_database(), tmp_path))
+    assert found == {"before": None, "after": 7}
+
+
 async def _cancel_from_the_other_coordinator(url: str, tmp_path: Path) -> dict[str, Any]:
     """A session open on its owner; the other coordinator's API cancels it. The owner's copy in
     memory must go with the row (else it answers the device's drafts on a cancelled session)."""
