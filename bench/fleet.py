@@ -289,6 +289,7 @@ def report(
     connect_failures = [f for r in results for f in r["connect_failures"]]
     timeouts = sum(r["timeouts"] for r in results)
     duplicate_verdicts = sum(r["duplicate_verdicts"] for r in results)
+    conflicting_verdicts = sum(r.get("conflicting_verdicts", 0) for r in results)
     errors = len(refusals) + len(connect_failures) + timeouts + tracebacks
     return {
         "benchmark": "fleet",
@@ -341,7 +342,11 @@ def report(
         "errors": errors,
         "rounds_stored": stored.rows,
         "rounds_lost": checks["lost"],
-        "rounds_duplicated": checks["duplicated"] + duplicate_verdicts,
+        # Rounds stored twice, or answered twice with different verdicts: must be 0.
+        "rounds_duplicated": checks["duplicated"] + conflicting_verdicts,
+        # The same verdict delivered again, for a draft that reached its session's owner twice
+        # (the protocol's idempotent answer; counted, not an error).
+        "verdicts_repeated": duplicate_verdicts,
         "sessions_with_gaps": checks["gaps"],
         "rounds_unconfirmed": checks["unconfirmed"],
         # The largest coordinator at each sample.
@@ -385,6 +390,7 @@ def table(document: dict[str, Any]) -> str:
         ["  coordinator tracebacks", document["coordinator_tracebacks"]],
         ["rounds lost / duplicated",
          f"{document['rounds_lost']} / {document['rounds_duplicated']}"],
+        ["  the same verdict again (a draft re-sent)", document["verdicts_repeated"]],
         ["sessions with gaps", document["sessions_with_gaps"]],
         ["coordinator RSS MB start / max / end",
          f"{mb('coordinator_rss_mb_start')} / {mb('coordinator_rss_mb_max')} / "

@@ -112,6 +112,9 @@ class SessionRecord:
     downlink_ms: list[float] = field(default_factory=list)
     agent_wait_ms: list[float] = field(default_factory=list)
     committed: int = 0  # answer tokens committed
+    # Each answered round's verdict as (committed_len, next_token): one that comes again must
+    # be the same (a draft sent again gets the stored verdict).
+    verdicts: dict[int, tuple[int, int | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,7 +124,11 @@ class SwarmResult:
     connect_failures: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
     timeouts: int = 0
+    # A verdict of a round already answered: the same one again (a draft that reached the new
+    # owner of its shard twice: sent before the takeover and again after its session state),
+    # or a different one, which would be a round answered twice.
     duplicate_verdicts: int = 0
+    conflicting_verdicts: int = 0
     retries: int = 0  # rounds asked for again after RETRY_AFTER_S of silence
     resyncs: int = 0  # session states that moved a session on (a new owner, a retry's answer)
     first_sent: float = 0.0
@@ -263,6 +270,7 @@ class SessionRun:
             self.record.downlink_ms.append(max(0.0, (time.time() - reply.sent_at) * 1000.0))
             self.record.agent_wait_ms.append((read_at - self.handed_at) * 1000.0)
             self.record.rounds.append(reply.round)
+            self.record.verdicts[reply.round] = (reply.committed_len, reply.next_token)
             self.result.last_answer = time.time()
             committed, round_index = reply.committed_len, reply.round + 1
             self.record.committed = committed - prompt_len
@@ -293,8 +301,12 @@ class SessionRun:
             if isinstance(reply, m.ErrorReply):
                 self.result.refusals.append(f"{reply.refused_type}: {reply.reason}")
                 raise _Refused
-            if isinstance(reply, m.Verdict) and reply.round in self.record.rounds:
-                self.result.duplicate_verdicts += 1
+            if isinstance(reply, m.Verdict) and reply.round in self.record.verdicts:
+                first = self.record.verdicts[reply.round]
+                if first == (reply.committed_len, reply.next_token):
+                    self.result.duplicate_verdicts += 1
+                else:
+                    self.result.conflicting_verdicts += 1
                 continue
             if isinstance(reply, m.Verdict) and reply.round != round_index:
                 continue
