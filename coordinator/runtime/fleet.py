@@ -133,6 +133,10 @@ class Fleet:
         self.accept_unknown_devices = accept_unknown_devices
         self.default_keepalive_s = default_keepalive_s
         self._keepalive_s: dict[str, int] = {}
+        # One status of a device at a time, in the order they are taken up: a takeover handles
+        # the statuses it kept beside the bus loop's, and an older one must not be written over
+        # a newer (one lock per device that spoke, as the keepalives above).
+        self._status_locks: dict[str, asyncio.Lock] = {}
         # A shared fleet's presence: the devices whose statuses this coordinator takes (its
         # shards'). The sweep leaves the others to theirs: it knows neither their keepalive
         # nor when they last spoke, and marked a peer's devices offline at the default.
@@ -153,6 +157,10 @@ class Fleet:
     async def on_status(self, device_id: str, status: m.Status) -> None:
         """Presence and installed drafts, within the device's quota (each costs the registry a
         write; a device that floods loses only its own presence, which the sweep restores)."""
+        async with self._status_locks.setdefault(device_id, asyncio.Lock()):
+            await self._take_status(device_id, status)
+
+    async def _take_status(self, device_id: str, status: m.Status) -> None:
         if not self.status_limit.allow(device_id):
             self.status_refused += 1
             await self._refuse(

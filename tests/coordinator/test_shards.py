@@ -292,6 +292,38 @@ def test_a_taken_over_device_is_known_from_the_status_kept_while_another_held_it
     assert found == {"before": None, "after": 7}
 
 
+async def _two_statuses_at_once(url: str, tmp_path: Path) -> str:
+    """An older status taken up first (as a takeover takes a kept one) and a newer one beside it
+    (as the bus loop takes a live one): the newer is what the registry ends with."""
+    from broker import messages as m
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    device_id = "pi-two-statuses"
+    with PrivateMosquitto() as broker:
+        settings = rig_settings(tmp_path / "c", engine, broker.url)
+        async with running_coordinator(settings, engine) as coordinator:
+            older = m.Status(device_id=device_id, state=m.DeviceState.ONLINE, at=time.time(),
+                             kind="phone", keepalive_s=7)  # fmt: skip
+            newer = m.Status(device_id=device_id, state=m.DeviceState.OFFLINE, at=time.time(),
+                             reason="went away")  # fmt: skip
+            first = asyncio.create_task(coordinator.fleet.on_status(device_id, older))
+            await asyncio.sleep(0)  # the older one is under way, waiting on the database
+            await coordinator.fleet.on_status(device_id, newer)
+            await first
+            device = await asyncio.to_thread(coordinator.registry.get, device_id)
+            return str(device.status.value)
+
+
+def test_a_newer_status_taken_up_beside_an_older_one_wins(
+    create_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    assert asyncio.run(_two_statuses_at_once(create_pg_database(), tmp_path)) == "offline"
+
+
 async def _cancel_from_the_other_coordinator(url: str, tmp_path: Path) -> dict[str, Any]:
     """A session open on its owner; the other coordinator's API cancels it. The owner's copy in
     memory must go with the row (else it answers the device's drafts on a cancelled session)."""
