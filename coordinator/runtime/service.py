@@ -181,6 +181,7 @@ class Coordinator:
         # The last status payload of each device of another coordinator's shard, kept raw (it is
         # validated when handled, if ever): a takeover handles those of its new shards.
         self._foreign_statuses: dict[str, bytes] = {}
+        self._foreign_statuses_full = False
         self._connections = 0
         # A shared fleet: this coordinator answers only the devices of the shards it holds.
         self.shards: ShardLeases | None = None
@@ -345,11 +346,13 @@ class Coordinator:
         if not payload:  # a retained status cleared
             return
         if len(self._foreign_statuses) >= MAX_FOREIGN_STATUSES:
-            log.warning(
-                "more than %d devices of other shards: %s's status not kept",
-                MAX_FOREIGN_STATUSES,
-                device_id,
-            )
+            if not self._foreign_statuses_full:  # said once: a fleet that large floods the log
+                log.warning(
+                    "more than %d devices of other shards: their statuses are no longer kept "
+                    "(a takeover learns of them from their next status)",
+                    MAX_FOREIGN_STATUSES,
+                )
+                self._foreign_statuses_full = True
             return
         self._foreign_statuses[device_id] = payload
 
