@@ -258,7 +258,10 @@ class Coordinator:
             waiting, self._rebuilt = self._rebuilt, []
         self._connections += 1
         if waiting:
-            task = asyncio.create_task(self.book.announce(waiting), name="announce-sessions")
+            task = asyncio.create_task(
+                self.book.announce(waiting, quiet_since=time.monotonic()),
+                name="announce-sessions",
+            )
             self._handler_tasks.add(task)
             task.add_done_callback(self._handler_tasks.discard)
         async for incoming in client.messages():
@@ -363,10 +366,15 @@ class Coordinator:
         held the shard. (It was asked of the broker again: a new subscription brought back the
         retained status of every device of the fleet, this coordinator's own included, handled
         one by one on the bus loop with the drafts waiting behind them.)"""
-        rebuilt = await self.book.rebuild(lambda device_id: shard_of(device_id) in shards)
+        # Drafts of the new shards' sessions are answered from now on: their devices need no
+        # state (it would only make them send again a draft being answered).
+        since = time.monotonic()
+        rebuilt = await self.book.rebuild(
+            lambda device_id: shard_of(device_id) in shards, heard_at=since
+        )
         if rebuilt:
             log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))
-            await self.book.announce(rebuilt)
+            await self.book.announce(rebuilt, quiet_since=since)
         taken = [device_id for device_id in self._foreign_statuses if shard_of(device_id) in shards]
         for device_id in taken:
             # Gone when a newer status came meanwhile (handled as it came).

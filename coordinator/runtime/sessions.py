@@ -231,24 +231,40 @@ class SessionBook(RoundPipeline):
         self._let_go(live)
         await self._send_state(live)
 
-    async def rebuild(self, owned: Callable[[str], bool] | None = None) -> list[LiveSession]:
+    async def rebuild(
+        self, owned: Callable[[str], bool] | None = None, *, heard_at: float | None = None
+    ) -> list[LiveSession]:
         """After a coordinator restart: every active session back in memory from the database,
         each device told its session's state (a draft lost with the old process is re-sent).
-        `owned(device_id)`: only those devices' sessions (shards taken over from a peer)."""
-        rebuilt = await asyncio.to_thread(self.store.load_active)
+        `owned(device_id)`: only those devices' sessions (shards taken over from a peer).
+        `heard_at`: when the sessions read here count as last heard of (for `announce`)."""
+        loaded = await asyncio.to_thread(self.store.load_active)
         if owned is not None:
-            rebuilt = [live for live in rebuilt if owned(live.device_id)]
-        for live in rebuilt:
-            self.live.setdefault(live.id, live)
+            loaded = [live for live in loaded if owned(live.device_id)]
+        rebuilt = []
+        for live in loaded:
+            # A session already in memory (a draft of it came first, once the shard was
+            # taken) stays the one: the copy just read would be announced with a stale state.
+            kept = self.live.setdefault(live.id, live)
+            if kept is live and heard_at is not None:
+                live.last_heard = heard_at
+            rebuilt.append(kept)
         if rebuilt:
             log.info("rebuilt %d active sessions from the database", len(rebuilt))
         return rebuilt
 
-    async def announce(self, sessions: list[LiveSession]) -> None:
-        """Send each session's state to its device; a failed send is retried by the device."""
+    async def announce(
+        self, sessions: list[LiveSession], *, quiet_since: float | None = None
+    ) -> None:
+        """Send each session's state to its device; a failed send is retried by the device.
+        A session heard from after `quiet_since` (time.monotonic()) is left out: its device
+        already talks to this coordinator, and a state would only make it send again a draft
+        that is being answered (the answer then comes twice)."""
         for live in sessions:
             if self._holder(live) is not None:
                 continue  # its verifier holds it and answers its device meanwhile
+            if quiet_since is not None and live.last_heard > quiet_since:
+                continue
             try:
                 await self._send_state(live)
             except (ConnectionError, BusConnectionError, m.BusError) as exc:

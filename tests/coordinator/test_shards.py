@@ -324,6 +324,51 @@ def test_a_newer_status_taken_up_beside_an_older_one_wins(
     assert asyncio.run(_two_statuses_at_once(create_pg_database(), tmp_path)) == "offline"
 
 
+async def _announced(url: str, tmp_path: Path) -> dict[str, Any]:
+    """Sessions taken over are announced to their devices, except one already heard from since
+    the takeover began (its device talks to the new owner: a state would only make it send its
+    draft again); a rebuild keeps the copy in memory that a draft loaded first."""
+    from broker import messages as m
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    with PrivateMosquitto() as broker:
+        settings = rig_settings(tmp_path / "c", engine, broker.url)
+        async with (
+            running_coordinator(settings, engine) as coordinator,
+            raw_device(broker.url, "pi-quiet") as quiet,
+            raw_device(broker.url, "pi-heard") as heard,
+        ):
+            ids = {}
+            for device in (quiet, heard):
+                ids[device.device_id] = str(uuid.uuid4())
+                opened = m.SessionOpen(session_id=ids[device.device_id], prompt="hi",
+                                       prompt_ids=(1, 2, 3), draft_model="lookup")  # fmt: skip
+                await device.send(DeviceChannel.SESSION, opened)
+                await device.reply(accept=lambda r: isinstance(r, m.SessionState))
+            since = time.monotonic()
+            before = dict(coordinator.book.live)
+            coordinator.book.live.pop(ids["pi-quiet"])  # as if never loaded here
+            coordinator.book.live[ids["pi-heard"]].last_heard = time.monotonic()  # a draft came
+            rebuilt = await coordinator.book.rebuild(heard_at=since)
+            await coordinator.book.announce(rebuilt, quiet_since=since)
+            return {
+                "kept": coordinator.book.live[ids["pi-heard"]] is before[ids["pi-heard"]],
+                "quiet_told": [type(r).__name__ for r in await quiet.drain(1.0)],
+                "heard_told": [type(r).__name__ for r in await heard.drain(1.0)],
+            }
+
+
+def test_a_takeover_announces_only_the_sessions_not_heard_from_since(
+    create_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    found = asyncio.run(_announced(create_pg_database(), tmp_path))
+    assert found == {"kept": True, "quiet_told": ["SessionState"], "heard_told": []}
+
+
 async def _cancel_from_the_other_coordinator(url: str, tmp_path: Path) -> dict[str, Any]:
     """A session open on its owner; the other coordinator's API cancels it. The owner's copy in
     memory must go with the row (else it answers the device's drafts on a cancelled session)."""
