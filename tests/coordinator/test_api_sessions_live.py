@@ -139,10 +139,16 @@ async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], d
                 ] != "online":
                     assert time.monotonic() < deadline, "the agent never came online"
                     await asyncio.sleep(0.1)
-                # Other verifiers may share the broker; ours is there and online.
-                verifiers = (await client.get("/api/v1/verifiers")).json()
-                assert verifiers["live"]
-                assert {v["verifier_id"]: v["online"] for v in verifiers["data"]}[verifier_id]
+                # Other verifiers may share the broker; ours comes online once its model has
+                # loaded, which on a loaded host can be after the agent.
+                deadline = time.monotonic() + 60
+                while True:
+                    verifiers = (await client.get("/api/v1/verifiers")).json()
+                    online = {v["verifier_id"]: v["online"] for v in verifiers["data"]}
+                    if verifiers["live"] and online.get(verifier_id):
+                        break
+                    assert time.monotonic() < deadline, f"verifier never online: {verifiers}"
+                    await asyncio.sleep(0.1)
 
                 started = await client.post(
                     "/api/v1/sessions",
