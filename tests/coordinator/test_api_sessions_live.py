@@ -139,11 +139,14 @@ async def _scenario(database_url: str, workdir: Path) -> tuple[dict[str, Any], d
                 ] != "online":
                     assert time.monotonic() < deadline, "the agent never came online"
                     await asyncio.sleep(0.1)
-                # Other verifiers may share the broker; ours comes online once its model has
-                # loaded, which on a loaded host can be after the agent.
+                # Other verifiers may share the broker (the retained statuses of those gone
+                # too, more than a page of them: online ones are asked for); ours comes online
+                # once its model has loaded, which on a loaded host can be after the agent.
                 deadline = time.monotonic() + 60
                 while True:
-                    verifiers = (await client.get("/api/v1/verifiers")).json()
+                    verifiers = (
+                        await client.get("/api/v1/verifiers", params={"online": "true"})
+                    ).json()
                     online = {v["verifier_id"]: v["online"] for v in verifiers["data"]}
                     if verifiers["live"] and online.get(verifier_id):
                         break
