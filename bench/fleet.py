@@ -344,8 +344,8 @@ def report(
         "rounds_lost": checks["lost"],
         # Rounds stored twice, or answered twice with different verdicts: must be 0.
         "rounds_duplicated": checks["duplicated"] + conflicting_verdicts,
-        # The same verdict delivered again, for a draft that reached its session's owner twice
-        # (the protocol's idempotent answer; counted, not an error).
+        # The same verdict delivered again, for a round drafted again (the protocol's
+        # idempotent answer with the stored verdict; counted, not an error).
         "verdicts_repeated": duplicate_verdicts,
         "sessions_with_gaps": checks["gaps"],
         "rounds_unconfirmed": checks["unconfirmed"],

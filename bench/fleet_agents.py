@@ -124,9 +124,9 @@ class SwarmResult:
     connect_failures: list[str] = field(default_factory=list)
     refusals: list[str] = field(default_factory=list)
     timeouts: int = 0
-    # A verdict of a round already answered: the same one again (a draft that reached the new
-    # owner of its shard twice: sent before the takeover and again after its session state),
-    # or a different one, which would be a round answered twice.
+    # A verdict of a round already answered: the same one again (seen after a takeover: the
+    # stored verdict of a round the session drafted again once told its state), or a different
+    # one, which would be a round answered twice.
     duplicate_verdicts: int = 0
     conflicting_verdicts: int = 0
     retries: int = 0  # rounds asked for again after RETRY_AFTER_S of silence
