@@ -55,14 +55,16 @@ async def _wait_for_status(
         await asyncio.sleep(0.2)
 
 
-def _committed_lookup_tokens(metrics: str) -> float:
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == "specfleet:committed_tokens_total" and sample.labels == {
-                "draft_model": "lookup"
-            }:
-                return sample.value
-    return 0.0
+LOOKUP = (("draft_model", "lookup"),)
+
+
+def _samples(metrics: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+    }
 
 
 async def _metrics_once_counted(client: httpx.AsyncClient, tokens: int) -> str:
@@ -72,7 +74,8 @@ async def _metrics_once_counted(client: httpx.AsyncClient, tokens: int) -> str:
     deadline = time.monotonic() + 10
     while True:
         metrics = (await client.get("/metrics")).text
-        if _committed_lookup_tokens(metrics) >= tokens or time.monotonic() > deadline:
+        counted = _samples(metrics).get(("specfleet:committed_tokens_total", LOOKUP), 0.0)
+        if counted >= tokens or time.monotonic() > deadline:
             return metrics
         await asyncio.sleep(0.1)
 
@@ -254,15 +257,10 @@ def test_a_session_started_from_the_api_completes_on_an_agent(
     assert "".join(finished["streamed"]["deltas"]) == finished["text"]
     assert finished["streamed"]["done"] == {"status": "finished", "tokens": len(generated)}
     # Every persisted round reached /metrics through the service's round observer.
-    samples = {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(finished["metrics"])
-        for sample in family.samples
-    }
-    lookup = (("draft_model", "lookup"),)
-    assert samples[("specfleet:committed_tokens_total", lookup)] == len(generated)
+    samples = _samples(finished["metrics"])
+    assert samples[("specfleet:committed_tokens_total", LOOKUP)] == len(generated)
     drafted = sum(r["k"] for r in finished["rounds"])
-    assert samples[("specfleet:spec_decode_num_draft_tokens_total", lookup)] == drafted
+    assert samples[("specfleet:spec_decode_num_draft_tokens_total", LOOKUP)] == drafted
 
     # The finished session replays from the database and its every verdict is reproduced.
     engine: Engine = make_engine(database_url)
