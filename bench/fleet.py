@@ -3,8 +3,11 @@
 A LOAD TEST OF THE CONTROL PLANE: a private Mosquitto, the coordinator (`specfleet up`, its own
 process, so its RSS is its own), replay verifiers (`bench.replay_verifier`: answers from recorded
 target answers, no model) and agent swarms (`bench.fleet_agents`: real MQTT clients, one
-connection per device, the real protocol, drafting from the same recordings). Every round goes
-agent -> broker -> coordinator -> verifier -> coordinator (persisted) -> broker -> agent. It
+connection per device, the real protocol, drafting from the same recordings). A distributed round
+goes as it goes in production: the coordinator opens the session and leases it to a verifier,
+and each round goes agent -> broker -> verifier (persisted) -> broker -> agent, the coordinator
+hearing of it afterwards. With `--via-coordinator` the verifiers take no leases and every round
+goes agent -> broker -> coordinator -> verifier -> coordinator (persisted) -> broker -> agent. It
 measures what the coordinator, the broker and the database add; it says nothing of output
 quality, which the recordings fix in advance.
 
@@ -65,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SIGKILL the first coordinator S seconds into the sessions (needs 2+)",
     )
     parser.add_argument("--verifiers", type=int, default=1, help="replay verifiers (default 1)")
+    parser.add_argument(
+        "--via-coordinator",
+        action="store_true",
+        help="the verifiers take no session leases, so every round crosses the coordinator "
+        "(the path of a verifier without the database) instead of going to the verifier "
+        "directly",
+    )
     parser.add_argument(
         "--processes", type=int, default=2, help="agent swarm processes (default 2)"
     )
@@ -178,8 +188,10 @@ def make_plans(args: argparse.Namespace, answers_path: Path, n_answers: int) -> 
 class StoredLegs:
     """A stored round's legs as the coordinator timed them (ms; None when not recorded)."""
 
-    uplink_ms: float | None  # the draft's sent_at (agent) to its dispatch at the coordinator
-    queue_ms: float | None  # to the verifier and back, beyond its compute (bus hops, its queue)
+    uplink_ms: float | None  # the draft's sent_at (agent) to its arrival where it is answered
+    # Via the coordinator: to the verifier and back, beyond its compute (bus hops, its queue);
+    # a direct round: the verifier's own wait before it verifies.
+    queue_ms: float | None
     verify_ms: float | None  # the verifier's compute
 
 
@@ -241,12 +253,14 @@ def check_rounds(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[s
 def round_legs(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[str, list[float]]:
     """Each answered round's time split by where it went (ms). `overhead` is the round beyond
     the verifier's compute: the draft's publish to its verdict read by the session, less the
-    stored verify time. It splits into `uplink` (agent publish, broker, the coordinator reading
-    it), `verifier_hops` (coordinator to verifier and back, beyond compute), `coordinator` (the
-    rest inside the coordinator: the round's checks, the group commit, the verdict's encoding)
-    and `downlink` (the verdict's sent_at to the session reading it: broker, the agent's
-    client, and `agent_wait`, the time it sat in the swarm's own queue). Uplink and downlink
-    compare two processes' wall clocks on one host."""
+    stored verify time. It splits into `uplink` (agent publish, broker, the answerer reading
+    it), `verifier_hops` (via the coordinator: coordinator to verifier and back, beyond compute;
+    a direct round: the verifier's own queue), `answerer` (the rest inside the process that
+    persists the round and answers, the coordinator or the verifier holding the lease: the
+    round's checks, the group commit, the verdict's encoding) and `downlink` (the verdict's
+    sent_at to the session reading it: broker, the agent's client, and `agent_wait`, the time it
+    sat in the swarm's own queue). Uplink and downlink compare two processes' wall clocks on one
+    host."""
     legs: dict[str, list[float]] = defaultdict(list)
     for session in sessions:
         rows = zip(session["rounds"], session["latencies_ms"], session["downlink_ms"],
@@ -262,11 +276,11 @@ def round_legs(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[str
             legs["uplink"].append(stored_legs.uplink_ms)
             legs["verifier_hops"].append(stored_legs.queue_ms)
             inside = total - verify - stored_legs.uplink_ms - stored_legs.queue_ms - downlink
-            legs["coordinator"].append(max(0.0, inside))
+            legs["answerer"].append(max(0.0, inside))
     return legs
 
 
-LEGS = ("uplink", "verifier_hops", "coordinator", "downlink", "agent_wait", "loop_lag")
+LEGS = ("uplink", "verifier_hops", "answerer", "downlink", "agent_wait", "loop_lag")
 
 
 def report(
@@ -297,6 +311,8 @@ def report(
         "agents": args.agents,
         "agents_connected": sum(r["connected"] for r in results),
         "coordinators": args.coordinators,
+        # direct: leased to the verifier, which persists and answers; else via the coordinator.
+        "rounds_path": "via_coordinator" if args.via_coordinator else "direct",
         "coordinator_killed_at_s": getattr(args, "killed_at_s", None),
         "retries": sum(r["retries"] for r in results),
         "resyncs": sum(r["resyncs"] for r in results),
@@ -365,6 +381,8 @@ def table(document: dict[str, Any]) -> str:
     rows = [
         ["agents connected", f"{document['agents_connected']} / {document['agents']}"],
         ["coordinators / verifiers", f"{document['coordinators']} / {document['verifiers']}"],
+        ["rounds go", "via the coordinator" if document.get("rounds_path") == "via_coordinator"
+         else "to the verifier holding the lease (direct)"],
         ["coordinator SIGKILLed at s", document["coordinator_killed_at_s"] or "-"],
         ["round retries / resyncs", f"{document['retries']} / {document['resyncs']}"],
         [
@@ -373,6 +391,9 @@ def table(document: dict[str, Any]) -> str:
             f"of {document['sessions']}",
         ],
         ["rounds", document["rounds"]],
+        ["  verifier verdicts: direct / all",
+         "{direct} / {answered}".format(**document.get("verifier_answers") or
+                                        {"direct": "?", "answered": "?"})],
         ["round interval ms (offered rounds/s)",
          f"{document['round_interval_ms']:g} ({document['offered_rounds_per_s']:.0f})"
          if document["offered_rounds_per_s"] else "0 (saturation: closed loop)"],
@@ -497,9 +518,11 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         coordinators = start_coordinators(fleet, args.coordinators)
         try:
             for i in range(args.verifiers):
-                _start_child(fleet, f"replay-{i}", ["-m", "bench.replay_verifier",
-                             "--broker-url", mosquitto.url, "--id", f"replay-{i}",
-                             "--answers", str(answers_path)], fleet.verifiers)  # fmt: skip
+                leases = [] if args.via_coordinator else ["--database-url", settings.database_url]
+                argv = ["-m", "bench.replay_verifier", "--broker-url", mosquitto.url,
+                        "--id", f"replay-{i}", "--answers", str(answers_path),
+                        "--report", str(workdir / f"replay-{i}.json"), *leases]  # fmt: skip
+                _start_child(fleet, f"replay-{i}", argv, fleet.verifiers)
             await wait_for_verifier(mosquitto.url, fleet)
             for child, port in zip(coordinators.children, coordinators.http_ports, strict=True):
                 await wait_until_ready(port, child)
@@ -513,7 +536,25 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             await coordinators.stop()
         session_ids = [s["session_id"] for r in results for s in r["sessions"]]
         stored = await asyncio.to_thread(stored_rounds, settings.database_url, session_ids)
-    return report(results, stored, rss, tracebacks, args)
+    document = report(results, stored, rss, tracebacks, args)
+    document["verifier_answers"] = replay_counts(workdir, args.verifiers)
+    return document
+
+
+def replay_counts(workdir: Path, verifiers: int) -> dict[str, int | None]:
+    """What the replay verifiers answered, summed from the reports they wrote at exit: every
+    verdict (`answered`), those of rounds leased to them (`direct`; the rest crossed the
+    coordinator) and the refusals. None where a verifier left no report."""
+    totals: dict[str, int | None] = {"answered": 0, "direct": 0, "refused": 0}
+    for i in range(verifiers):
+        path = workdir / f"replay-{i}.json"
+        try:
+            counts = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return dict.fromkeys(totals)
+        for key in totals:
+            totals[key] = (totals[key] or 0) + int(counts.get(key, 0))
+    return totals
 
 
 async def _wait_for_shards(database_url: str, n: int) -> None:

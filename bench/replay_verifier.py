@@ -4,9 +4,17 @@ It speaks the verifier's side of the bus (retained heartbeat with a Last Will, v
 in, verify results out) and answers from recorded target answers (`bench.recorded`), so that
 `specfleet bench fleet` can put thousands of sessions' rounds through the coordinator, the broker
 and the database without a model. It never verifies anything: it is never used where output or
-correctness is tested. It takes no session leases, so every round crosses the coordinator.
+correctness is tested.
 
-    python -m bench.replay_verifier --broker-url mqtt://127.0.0.1:1883 --id replay-0
+With the fleet's database (`--database-url`) it takes session leases as a verifier does
+(`verifier.leases.LeaseBook`, the same code): it reads a leased session's drafts from the device's
+topic, persists each round (group commit) before its verdict goes to the device, and reports the
+round to the coordinator, so that a distributed round costs what it costs in production: one bus
+round trip and one commit. Without one it takes no leases, and every round crosses the
+coordinator (the path of a verifier that has no database).
+
+    python -m bench.replay_verifier --broker-url mqtt://127.0.0.1:1883 --id replay-0 \
+        [--database-url URL]
 """
 
 from __future__ import annotations
@@ -14,9 +22,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import signal
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from bench.recorded import (
     DEFAULT_ANSWERS,
@@ -34,8 +46,19 @@ from broker.client import (
     Will,
     run_with_reconnect,
 )
-from broker.topics import VerifierChannel, verifier_topic
+from broker.topics import (
+    DeviceChannel,
+    VerifierChannel,
+    device_subscription,
+    device_topic,
+    parse_device_topic,
+    verifier_topic,
+)
+from coordinator.db.engine import make_engine
+from coordinator.db.round_writer import RoundWriter
 from core.aio import task_group
+from verifier.leases import LeaseBook, Verified
+from verifier.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +69,25 @@ MAX_BATCH = 64
 
 
 class ReplayVerifier:
-    def __init__(self, verifier_id: str, target: ReplayTarget) -> None:
+    def __init__(
+        self, verifier_id: str, target: ReplayTarget, writer: RoundWriter | None = None
+    ) -> None:
         self.verifier_id = verifier_id
         self.target = target
         self.status_topic = verifier_topic(verifier_id, VerifierChannel.STATUS)
         self.work_topic = verifier_topic(verifier_id, VerifierChannel.WORK)
         self.result_topic = verifier_topic(verifier_id, VerifierChannel.RESULT)
-        self.answered = 0
+        self.answered = 0  # verdicts given, both ways
+        self.direct = 0  # of them, rounds of a session leased here
         self.refused = 0
+        self.outbox = Outbox()
+        self.writer = writer
+        self.leases: LeaseBook | None = None
+        if writer is not None:
+            self.leases = LeaseBook(
+                verifier_id, writer, self._verify_leased, self._to_device, self._to_coordinator
+            )
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def status(self, state: m.DeviceState) -> m.VerifierStatus:
         return m.VerifierStatus(
@@ -63,7 +97,8 @@ class ReplayVerifier:
             max_batch=MAX_BATCH,
             heartbeat_s=HEARTBEAT_S,
             target=TARGET_NAME,
-            leases=False,
+            leases=self.leases is not None,
+            leased=() if self.leases is None else tuple(self.leases.sessions)[:4096],
             vocab_size=VOCAB_SIZE,
             eos_id=EOS_ID,
         )
@@ -96,45 +131,142 @@ class ReplayVerifier:
             }
         )
 
+    async def _verify_leased(self, request: m.VerifyRequest, received_at: float) -> Verified:
+        """A leased round, answered from the recording at once (no batch to wait for)."""
+        started = time.perf_counter()
+        try:
+            replayed = self.target.verify(request.context_ids, request.tokens)
+        except RecordingError as exc:
+            self.refused += 1
+            return Verified(0, None, error=str(exc)[:1024])
+        self.answered += 1
+        self.direct += 1
+        return Verified(
+            replayed.n_accepted,
+            replayed.next_token,
+            queue_ms=(started - received_at) * 1000.0,
+            verify_ms=(time.perf_counter() - started) * 1000.0,
+        )
+
+    def _to_device(self, device_id: str, message: m.Message | bytes) -> None:
+        self.outbox.put(device_topic(device_id, DeviceChannel.VERDICT), message)
+
+    def _to_coordinator(self, message: m.Message) -> None:
+        self.outbox.put(self.result_topic, message)
+
     async def serve(self, client: BusClient) -> None:
         await client.subscribe(self.work_topic)
+        if self.leases is not None:
+            await client.subscribe(device_subscription(DeviceChannel.DRAFT))
         online = m.encode(self.status(m.DeviceState.ONLINE))
         await client.publish(self.status_topic, online, retain=True)
         async with task_group() as tasks:
             tasks.create_task(self._heartbeat(client), name=f"{self.verifier_id}-heartbeat")
+            tasks.create_task(self.outbox.publish(client, self.verifier_id),
+                              name=f"{self.verifier_id}-publish")  # fmt: skip
             async for incoming in client.messages():
+                if incoming.topic != self.work_topic:
+                    self._on_device_message(incoming.topic, incoming.payload)
+                    continue
                 try:
                     message = m.decode(incoming.payload)
                 except m.BusError as exc:
                     log.warning("refused a payload on %s: %s", incoming.topic, exc.reason)
                     continue
                 if isinstance(message, m.VerifyRequest):
-                    reply = m.encode(self.answer(message))
-                    await client.publish(self.result_topic, reply)
-                elif isinstance(message, m.SessionLease):
-                    log.warning(
-                        "a lease for %s: this replay verifier takes none", message.session_id
+                    self.outbox.put(self.result_topic, m.encode(self.answer(message)))
+                elif isinstance(message, m.SessionLease | m.LeaseEnd):
+                    self._on_lease_message(message)
+
+    def _on_lease_message(self, message: m.SessionLease | m.LeaseEnd) -> None:
+        if self.leases is None:
+            if isinstance(message, m.SessionLease):
+                self._to_coordinator(
+                    m.LeaseAck(
+                        lease_id=message.lease_id,
+                        session_id=message.session_id,
+                        verifier_id=self.verifier_id,
+                        held=False,
+                        next_round=message.next_round,
+                        committed_len=len(message.context_ids),
+                        reason="this replay verifier has no database: it takes no leases",
                     )
+                )
+            return
+        if isinstance(message, m.SessionLease):
+            self._spawn(self.leases.on_lease(message))
+        else:
+            self._spawn(self.leases.on_lease_end(message))
+
+    def _on_device_message(self, topic: str, payload: bytes) -> None:
+        """A device's draft: answered here when its session is leased to this verifier (the
+        coordinator refuses a malformed one, with the reason)."""
+        received = time.perf_counter()
+        parsed = parse_device_topic(topic)
+        if self.leases is None or parsed is None or parsed.channel is not DeviceChannel.DRAFT:
+            return
+        arrived = time.time()
+        try:
+            draft = m.decode_as(payload, m.Draft)
+        except m.BusError:
+            return
+        if self.leases.holds(parsed.device_id, draft):
+            self._spawn(self.leases.on_draft(parsed.device_id, draft, arrived, received))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("direct round work failed", exc_info=task.exception())
 
     async def _heartbeat(self, client: BusClient) -> None:
+        """A retained status every HEARTBEAT_S on a fixed beat, at QoS 0 (as a verifier's)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            due = max(due + HEARTBEAT_S, loop.time())
+            await asyncio.sleep(due - loop.time())
             status = m.encode(self.status(m.DeviceState.ONLINE))
-            await client.publish(self.status_topic, status, retain=True)
+            await client.publish(self.status_topic, status, qos=0, retain=True)
 
 
-async def run_replay_verifier(broker_url: str, verifier_id: str, answers: Path) -> None:
-    verifier = ReplayVerifier(verifier_id, ReplayTarget(load_answers(answers)))
+async def run_replay_verifier(
+    broker_url: str,
+    verifier_id: str,
+    answers: Path,
+    database_url: str | None = None,
+    report: Path | None = None,
+) -> None:
+    """Serve until cancelled (SIGTERM cancels it); then log what it answered, and write it as
+    JSON to `report` when given."""
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
+    writer = None if database_url is None else RoundWriter(make_engine(database_url))
+    verifier = ReplayVerifier(verifier_id, ReplayTarget(load_answers(answers)), writer)
     offline = m.encode(verifier.status(m.DeviceState.OFFLINE))
     options = ConnectOptions(
         client_id=f"specfleet-verifier-{verifier_id}",
         will=Will(verifier.status_topic, offline, retain=True),
     )
     try:
-        await run_with_reconnect(BrokerAddress.from_url(broker_url), options, verifier.serve)
+        async with task_group() as tasks:
+            if writer is not None:
+                tasks.create_task(writer.run(), name=f"{verifier_id}-round-writer")
+            tasks.create_task(
+                run_with_reconnect(BrokerAddress.from_url(broker_url), options, verifier.serve),
+                name=f"{verifier_id}-bus",
+            )
     finally:
-        log.info("replay verifier %s: %d answered, %d refused", verifier_id,
-                 verifier.answered, verifier.refused)  # fmt: skip
+        counts = {"answered": verifier.answered, "direct": verifier.direct,
+                  "refused": verifier.refused}  # fmt: skip
+        log.info("replay verifier %s: %s", verifier_id, counts)
+        if report is not None:
+            report.write_text(json.dumps(counts))
 
 
 def main() -> None:
@@ -142,10 +274,20 @@ def main() -> None:
     parser.add_argument("--broker-url", required=True)
     parser.add_argument("--id", dest="verifier_id", default="replay-0")
     parser.add_argument("--answers", type=Path, default=DEFAULT_ANSWERS)
+    parser.add_argument(
+        "--database-url", default=None, help="the fleet's database: take session leases"
+    )
+    parser.add_argument(
+        "--report", type=Path, default=None, help="write what it answered here (JSON) at exit"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run_replay_verifier(args.broker_url, args.verifier_id, args.answers))
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        asyncio.run(
+            run_replay_verifier(
+                args.broker_url, args.verifier_id, args.answers, args.database_url, args.report
+            )
+        )
 
 
 if __name__ == "__main__":

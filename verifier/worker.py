@@ -61,6 +61,7 @@ from verifier.child import ChildConfig, ChildDied, ChildReady, ChildStartError, 
 from verifier.core import Verification
 from verifier.goodput import GoodputControl
 from verifier.leases import LeaseBook, Verified
+from verifier.outbox import Outbox
 from verifier.streams import HostStream, HostStreams
 
 log = logging.getLogger(__name__)
@@ -119,42 +120,6 @@ class _Pending:
     received_at: float  # time.perf_counter()
     # A leased session's round: its result goes here, not to the coordinator.
     done: asyncio.Future[Verified] | None = None
-
-
-class _Outbox:
-    """Results waiting for the bus, numbered in order. One leaves only once its publish is
-    acknowledged, so a dropped connection loses none: the next one sends what is left again (the
-    coordinator takes a result it already has for a late one and drops it). A message is encoded
-    by the task that publishes it, while the next pass computes, not between two passes."""
-
-    def __init__(self) -> None:
-        self._items: dict[int, tuple[str, bytes | Message]] = {}  # by number, in order
-        self._next = 0  # the number of the next item put
-        self._ready = asyncio.Event()
-
-    def put(self, topic: str, payload: bytes | Message) -> None:
-        self._items[self._next] = (topic, payload)
-        self._next += 1
-        self._ready.set()
-
-    @property
-    def first(self) -> int:
-        """The number of the oldest item still waiting (the next one put, when none waits)."""
-        return next(iter(self._items), self._next)
-
-    async def since(self, number: int) -> tuple[list[tuple[int, str, bytes | Message]], int]:
-        """The waiting items numbered `number` on, once there is one; and the number after."""
-        while self._next <= number:
-            self._ready.clear()
-            await self._ready.wait()
-        items = [(n, *self._items[n]) for n in range(number, self._next) if n in self._items]
-        return items, self._next
-
-    def sent(self, number: int) -> None:
-        self._items.pop(number, None)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class ReturnTimes:
@@ -239,7 +204,7 @@ class VerifierWorker:
         self.counters = WorkerCounters()
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._in_flight: list[_Pending] = []
-        self._outbox = _Outbox()
+        self._outbox = Outbox()
         self._returns = ReturnTimes()
         self.streams = HostStreams()
         self.goodput = GoodputControl()
@@ -340,7 +305,9 @@ class VerifierWorker:
         try:
             async with task_group() as tasks:
                 tasks.create_task(self._receive(client), name=f"verifier-{vid}-receive")
-                tasks.create_task(self._publish_results(client), name=f"verifier-{vid}-publish")
+                tasks.create_task(
+                    self._outbox.publish(client, f"verifier-{vid}"), name=f"verifier-{vid}-publish"
+                )
                 tasks.create_task(self._heartbeat(client), name=f"verifier-{vid}-heartbeat")
         except asyncio.CancelledError:
             # A clean exit says offline itself, at once, rather than leaving it to the Will.
@@ -452,32 +419,6 @@ class VerifierWorker:
 
     def _to_coordinator(self, message: Message) -> None:
         self._outbox.put(self.result_topic, message)
-
-    async def _publish_results(self, client: BusClient) -> None:
-        """Each result goes out as soon as it is ready, never behind the PUBACKs of the ones
-        before it; those a lost connection left unacknowledged go out again first."""
-        number = self._outbox.first
-        async with task_group() as publishing:
-            while True:
-                items, number = await self._outbox.since(number)
-                for item, topic, payload in items:
-                    publishing.create_task(
-                        self._publish_result(client, item, topic, payload),
-                        name=f"verifier-{self.config.verifier_id}-result-{item}",
-                    )
-
-    async def _publish_result(
-        self, client: BusClient, item: int, topic: str, payload: bytes | Message
-    ) -> None:
-        if not isinstance(payload, bytes):
-            try:
-                payload = encode(payload)
-            except BusError as exc:  # nothing to resend: it can never go out
-                log.error("dropped a message for %s: %s", topic, exc.reason)
-                self._outbox.sent(item)
-                return
-        await client.publish(topic, payload)
-        self._outbox.sent(item)
 
     async def _heartbeat(self, client: BusClient) -> None:
         """A status every heartbeat_s, on a fixed beat: at QoS 0, so that a broker slow to

@@ -82,8 +82,8 @@ def test_rounds_are_checked_against_the_database() -> None:
 
 def test_a_round_splits_into_its_legs() -> None:
     """A 20 ms round whose verifier computed 0.5 ms: uplink 3 and hops 4 (stored by the
-    coordinator), downlink 2.5 of which 1 in the swarm's queue (seen by the agent), and the
-    coordinator's own 10 is the rest; a round stored without legs still has its overhead."""
+    answerer), downlink 2.5 of which 1 in the swarm's queue (seen by the agent), and the
+    answerer's own 10 is the rest; a round stored without legs still has its overhead."""
     sessions = [{
         "session_id": "a", "rounds": [0, 1], "latencies_ms": [20.0, 8.0],
         "downlink_ms": [2.5, 2.0], "agent_wait_ms": [1.0, 0.5],
@@ -94,7 +94,7 @@ def test_a_round_splits_into_its_legs() -> None:
     )  # fmt: skip
     legs = fleet.round_legs(sessions, stored)
     assert legs["overhead"] == [19.5, 8.0]
-    assert (legs["uplink"], legs["verifier_hops"], legs["coordinator"]) == ([3.0], [4.0], [10.0])
+    assert (legs["uplink"], legs["verifier_hops"], legs["answerer"]) == ([3.0], [4.0], [10.0])
     assert (legs["downlink"], legs["agent_wait"]) == ([2.5, 2.0], [1.0, 0.5])
 
 
@@ -147,14 +147,21 @@ def test_sessions_are_dealt_to_swarms_one_per_agent() -> None:
         assert {s.device_id for s in plan.sessions} <= set(plan.device_ids)
 
 
+@pytest.mark.parametrize("via_coordinator", [False, True], ids=["direct", "via-coordinator"])
 def test_a_small_fleet_runs_with_nothing_lost_or_duplicated(
-    tmp_path: Path, create_pg_database: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    create_pg_database: Callable[[], str],
+    monkeypatch: pytest.MonkeyPatch,
+    via_coordinator: bool,
 ) -> None:
+    """Direct: every round is leased to the replay verifier, which persists it and answers the
+    agent; via the coordinator: the verifier takes no lease and answers the coordinator."""
     monkeypatch.setattr(cli, "COMMAND_MODULES", ("bench.commands",))
     out = tmp_path / "fleet.json"
+    path = ["--via-coordinator"] if via_coordinator else []
     status = cli.main([
         "bench", "fleet", "--agents", "24", "--sessions", "8", "--processes", "2",
-        "--max-tokens", "24", "--database-url", create_pg_database(), "--json", str(out),
+        "--max-tokens", "24", "--database-url", create_pg_database(), "--json", str(out), *path,
     ])  # fmt: skip
     document = json.loads(out.read_text())
     assert status == 0, document
@@ -165,20 +172,30 @@ def test_a_small_fleet_runs_with_nothing_lost_or_duplicated(
     assert (document["rounds_lost"], document["rounds_duplicated"]) == (0, 0)
     assert document["sessions_with_gaps"] == 0
     assert document["coordinator_rss_mb_max"] > 0
+    answers = document["verifier_answers"]
+    assert answers["answered"] == document["rounds"]
+    assert answers["direct"] == (0 if via_coordinator else document["rounds"])
+    assert document["rounds_path"] == ("via_coordinator" if via_coordinator else "direct")
 
 
+@pytest.mark.parametrize("via_coordinator", [False, True], ids=["direct", "via-coordinator"])
 def test_two_coordinators_share_the_fleet_and_survive_one_sigkill(
-    tmp_path: Path, create_pg_database: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    create_pg_database: Callable[[], str],
+    monkeypatch: pytest.MonkeyPatch,
+    via_coordinator: bool,
 ) -> None:
     """One of two sharing coordinators is SIGKILLed 1.5 s into the sessions: the other takes its
-    shards, and every session finishes with its rounds contiguous in the database."""
+    shards, and every session finishes with its rounds contiguous in the database. Via the
+    coordinator the survivor answers the dead one's rounds; direct, the verifier holding the
+    leases goes on answering them."""
     monkeypatch.setattr(cli, "COMMAND_MODULES", ("bench.commands",))
     out = tmp_path / "fleet.json"
     status = cli.main([
         "bench", "fleet", "--agents", "40", "--sessions", "30", "--processes", "1",
         "--max-tokens", "200", "--alpha", "0.5", "--coordinators", "2",
         "--kill-coordinator-after", "1.5", "--database-url", create_pg_database(),
-        "--json", str(out),
+        "--json", str(out), *(["--via-coordinator"] if via_coordinator else []),
     ])  # fmt: skip
     document = json.loads(out.read_text())
     assert status == 0, document

@@ -1,0 +1,74 @@
+"""What a verifier sends, waiting for the bus: results, verdicts, lease acks, round reports."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from broker.client import BusClient
+from broker.messages import BusError, Message, encode
+from core.aio import task_group
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Messages waiting for the bus, numbered in order. One leaves only once its publish is
+    acknowledged, so a dropped connection loses none: the next one sends what is left again (the
+    coordinator takes a result it already has for a late one and drops it). A message is encoded
+    by the task that publishes it, while the next pass computes, not between two passes."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[str, bytes | Message]] = {}  # by number, in order
+        self._next = 0  # the number of the next item put
+        self._ready = asyncio.Event()
+
+    def put(self, topic: str, payload: bytes | Message) -> None:
+        self._items[self._next] = (topic, payload)
+        self._next += 1
+        self._ready.set()
+
+    @property
+    def first(self) -> int:
+        """The number of the oldest item still waiting (the next one put, when none waits)."""
+        return next(iter(self._items), self._next)
+
+    async def since(self, number: int) -> tuple[list[tuple[int, str, bytes | Message]], int]:
+        """The waiting items numbered `number` on, once there is one; and the number after."""
+        while self._next <= number:
+            self._ready.clear()
+            await self._ready.wait()
+        items = [(n, *self._items[n]) for n in range(number, self._next) if n in self._items]
+        return items, self._next
+
+    def sent(self, number: int) -> None:
+        self._items.pop(number, None)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def publish(self, client: BusClient, name: str) -> None:
+        """Publish on `client` until cancelled: each item goes out as soon as it is put, never
+        behind the PUBACKs of the ones before it (each publish is started in order); those a
+        lost connection left unacknowledged go out again first."""
+        number = self.first
+        async with task_group() as publishing:
+            while True:
+                items, number = await self.since(number)
+                for item, topic, payload in items:
+                    publishing.create_task(
+                        self._publish_one(client, item, topic, payload), name=f"{name}-out-{item}"
+                    )
+
+    async def _publish_one(
+        self, client: BusClient, item: int, topic: str, payload: bytes | Message
+    ) -> None:
+        if not isinstance(payload, bytes):
+            try:
+                payload = encode(payload)
+            except BusError as exc:  # nothing to resend: it can never go out
+                log.error("dropped a message for %s: %s", topic, exc.reason)
+                self.sent(item)
+                return
+        await client.publish(topic, payload)
+        self.sent(item)
