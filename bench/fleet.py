@@ -394,6 +394,13 @@ def table(document: dict[str, Any]) -> str:
         ["  verifier verdicts: direct / all",
          "{direct} / {answered}".format(**document.get("verifier_answers") or
                                         {"direct": "?", "answered": "?"})],
+        *(
+            [f"  direct rounds in the verifier: {leg} p50 / p99 ms",
+             f"{answers[key]['p50']:.2f} / {answers[key]['p99']:.2f}"]
+            for answers in [document.get("verifier_answers") or {}]
+            for leg, key in (("held", "held_ms"), ("of it, persist", "persist_ms"))
+            if isinstance(answers.get(key), dict) and answers[key]["n"]
+        ),
         ["round interval ms (offered rounds/s)",
          f"{document['round_interval_ms']:g} ({document['offered_rounds_per_s']:.0f})"
          if document["offered_rounds_per_s"] else "0 (saturation: closed loop)"],
@@ -541,19 +548,28 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return document
 
 
-def replay_counts(workdir: Path, verifiers: int) -> dict[str, int | None]:
+def replay_counts(workdir: Path, verifiers: int) -> dict[str, Any]:
     """What the replay verifiers answered, summed from the reports they wrote at exit: every
     verdict (`answered`), those of rounds leased to them (`direct`; the rest crossed the
-    coordinator) and the refusals. None where a verifier left no report."""
-    totals: dict[str, int | None] = {"answered": 0, "direct": 0, "refused": 0}
+    coordinator) and the refusals; and a direct round's time inside them (ms, p50 / p99): `held`
+    from its draft's arrival until its verdict was queued, `persist` the group commit in it.
+    None where a verifier left no report."""
+    totals: dict[str, Any] = {"answered": 0, "direct": 0, "refused": 0}
+    held: list[float] = []
+    persist: list[float] = []
     for i in range(verifiers):
         path = workdir / f"replay-{i}.json"
         try:
             counts = json.loads(path.read_text())
         except (OSError, ValueError):
-            return dict.fromkeys(totals)
+            return dict.fromkeys([*totals, "held_ms", "persist_ms"])
         for key in totals:
-            totals[key] = (totals[key] or 0) + int(counts.get(key, 0))
+            totals[key] += int(counts.get(key, 0))
+        held += counts.get("held_ms", [])
+        persist += counts.get("persist_ms", [])
+    for key, values in (("held_ms", held), ("persist_ms", persist)):
+        totals[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99),
+                       "n": len(values)}  # fmt: skip
     return totals
 
 

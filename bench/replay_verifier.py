@@ -80,6 +80,10 @@ class ReplayVerifier:
         self.answered = 0  # verdicts given, both ways
         self.direct = 0  # of them, rounds of a session leased here
         self.refused = 0
+        # A direct round's time here, from its report to the coordinator (ms): the round from
+        # its draft's arrival until its verdict was queued for the bus, and of that the commit.
+        self.held_ms: list[float] = []
+        self.persist_ms: list[float] = []
         self.outbox = Outbox()
         self.writer = writer
         self.leases: LeaseBook | None = None
@@ -152,7 +156,22 @@ class ReplayVerifier:
         self.outbox.put(device_topic(device_id, DeviceChannel.VERDICT), message)
 
     def _to_coordinator(self, message: m.Message) -> None:
+        if isinstance(message, m.RoundDone):
+            if message.t_held_ms is not None:
+                self.held_ms.append(message.t_held_ms)
+            if message.t_persist_ms is not None:
+                self.persist_ms.append(message.t_persist_ms)
         self.outbox.put(self.result_topic, message)
+
+    def counts(self) -> dict[str, Any]:
+        """What it answered, and where a direct round's time went here (p50 / p99 ms)."""
+        return {
+            "answered": self.answered,
+            "direct": self.direct,
+            "refused": self.refused,
+            "held_ms": self.held_ms,
+            "persist_ms": self.persist_ms,
+        }
 
     async def serve(self, client: BusClient) -> None:
         await client.subscribe(self.work_topic)
@@ -262,9 +281,9 @@ async def run_replay_verifier(
                 name=f"{verifier_id}-bus",
             )
     finally:
-        counts = {"answered": verifier.answered, "direct": verifier.direct,
-                  "refused": verifier.refused}  # fmt: skip
-        log.info("replay verifier %s: %s", verifier_id, counts)
+        counts = verifier.counts()
+        log.info("replay verifier %s: %d answered (%d direct), %d refused", verifier_id,
+                 verifier.answered, verifier.direct, verifier.refused)  # fmt: skip
         if report is not None:
             report.write_text(json.dumps(counts))
 
