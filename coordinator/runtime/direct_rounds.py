@@ -118,18 +118,31 @@ class DirectRounds(AdaptiveBook):
                 log.warning("verifier %s did not give session %s back in time", holder, live.id)
         await self._reload(live)
 
-    async def _reload(self, live: LiveSession) -> None:
-        """The session's committed tokens and next round as the database holds them."""
+    async def _reload(self, live: LiveSession) -> set[int]:
+        """The session's committed tokens and next round as the database holds them. Rounds
+        stored there that this coordinator never heard of (a verifier persisted them and died,
+        or its reports were lost) go to the round observers now, so that /metrics counts every
+        committed token once; their indices are returned."""
+        before = live.next_round
         stored = await asyncio.to_thread(self.store.load, live.id)
         live.lease = None
         if stored is None:
-            return
+            return set()
         live.generated = stored.generated
         live.next_round = stored.next_round
         if live.status is SessionStatus.ACTIVE:
             live.status = stored.status
         live.last_verdict = None
         live.last_draft = None
+        if stored.next_round <= before:
+            return set()
+        missed = await asyncio.to_thread(
+            self.store.rounds_between, live.id, before, stored.next_round
+        )
+        for row in missed:
+            for observe in self.round_observers:
+                observe(live, row)
+        return {row.round_index for row in missed}
 
     def on_verifier_lost(self, verifier_id: str) -> None:
         """The sessions a dead verifier held: leased again (or answered here), devices told."""
@@ -152,11 +165,13 @@ class DirectRounds(AdaptiveBook):
         if live is None:
             return
         live.last_heard = time.monotonic()
+        observed: set[int] = set()  # rounds a reload gave the observers already
         async with live.lock:
             if done.round < live.next_round:
                 return  # already known (a re-sent report)
             if done.round > live.next_round or done.base_len != live.committed_len:
-                await self._reload(live)  # reports were lost: the database has them all
+                # Reports were lost: the database has them all.
+                observed = await self._reload(live)
                 live.lease = (verifier_id, done.lease_id)
             else:
                 live.generated = live.generated + list(done.committed)
@@ -177,8 +192,9 @@ class DirectRounds(AdaptiveBook):
                     await self._repolicy(live, record)
                     live.decision_sent = True
             live.last_verdict = None
-        for observe in self.round_observers:
-            observe(live, row)
+        if done.round not in observed:
+            for observe in self.round_observers:
+                observe(live, row)
         if done.provisional:
             tail = tuple(done.committed[:-1])  # what is known of it: the kept prefix
             await self._reconciled(live, done.round, tail, done.n_accepted, done.committed[-1])

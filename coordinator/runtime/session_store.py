@@ -80,6 +80,21 @@ class SessionStore:
             ).all()
             return [restore(db, row) for row in rows]
 
+    def rounds_between(self, session_id: str, start: int, end: int) -> list[Round]:
+        """The session's stored rounds start..end-1, in order (detached)."""
+        with self._db() as db:
+            return list(
+                db.scalars(
+                    sa.select(Round)
+                    .where(
+                        Round.session_id == uuid.UUID(session_id),
+                        Round.round_index >= start,
+                        Round.round_index < end,
+                    )
+                    .order_by(Round.round_index)
+                ).all()
+            )
+
     def stored_verdict(self, live: LiveSession, round_index: int) -> m.Verdict | None:
         with self._db() as db:
             row = db.scalar(

@@ -1,0 +1,112 @@
+"""Direct rounds the coordinator never heard of: a verifier persisted them, but their reports
+were lost (or the verifier died before sending them). When a later report or a takeover makes
+the coordinator reload the session from the database, its round observers (what /metrics
+counts) see each of those rounds once, so that every committed token is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from broker import messages as m
+from coordinator.db.engine import make_sessionmaker
+from coordinator.db.models import Round, SessionStatus
+from coordinator.db.registry import DeviceRegistry
+from coordinator.db.round_writer import RoundWriter
+from coordinator.runtime.quotas import Quotas
+from coordinator.runtime.session_state import LiveSession
+from coordinator.runtime.sessions import SessionBook
+from coordinator.runtime.verifiers import VerifierPool
+from core.settings import Settings
+from tests.coordinator.test_round_writer import DEVICE, PROMPT_IDS, open_session, round_row
+
+VERIFIER = "v-direct"
+
+
+class Published:
+    """What the book published (its only way out): topics, in order."""
+
+    def __init__(self) -> None:
+        self.topics: list[str] = []
+
+    async def __call__(self, topic: str, payload: bytes) -> None:
+        self.topics.append(topic)
+
+
+async def _admit(_device_id: str) -> bool:
+    return True
+
+
+async def _persist(engine: Engine, session_id: uuid.UUID, indices: range) -> None:
+    """Rounds as the verifier holding the lease stores them (each commits two tokens)."""
+    writer = RoundWriter(engine)
+    running = asyncio.create_task(writer.run())
+    try:
+        for index in indices:
+            generated = [7, 9] * (index + 1)
+            await writer.write(round_row(session_id, index, 2 * index), generated,
+                               SessionStatus.ACTIVE, device_id=DEVICE)  # fmt: skip
+    finally:
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+
+def _report(session_id: uuid.UUID, index: int) -> m.RoundDone:
+    return m.RoundDone(
+        lease_id="lease-1",
+        session_id=str(session_id),
+        round=index,
+        base_len=len(PROMPT_IDS) + 2 * index,
+        committed=(7, 9),
+        drafted=2,
+        n_accepted=1,
+        draft_model="lookup",
+        verifier_id=VERIFIER,
+    )
+
+
+@pytest.fixture
+def sessions(sqlite_engine: Engine) -> sessionmaker[Session]:
+    sessions = make_sessionmaker(sqlite_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    return sessions
+
+
+def test_rounds_whose_reports_were_lost_are_observed_once(
+    sessions: sessionmaker[Session], sqlite_engine: Engine
+) -> None:
+    session_id = open_session(sessions)
+    published = Published()
+    observed: list[int] = []
+
+    def observe(_live: LiveSession, row: Round) -> None:
+        observed.append(row.round_index)
+
+    async def scenario() -> LiveSession:
+        book = SessionBook(sessions, VerifierPool(published), published, admit=_admit,
+                           quotas=Quotas.from_settings(Settings()), idle_timeout_s=600)  # fmt: skip
+        book.round_observers.append(observe)
+        live = await book.get(str(session_id))
+        assert live is not None and live.next_round == 0
+        # Rounds 0-2 stored; the reports of 0 and 1 lost: round 2's report makes it reload.
+        await _persist(sqlite_engine, session_id, range(3))
+        await book.on_round_done(VERIFIER, _report(session_id, 2))
+        assert observed == [0, 1, 2]
+        assert live.lease == (VERIFIER, "lease-1")
+        # Round 3 stored, and its verifier dies before reporting it: the takeover reloads.
+        await _persist(sqlite_engine, session_id, range(3, 4))
+        book.on_verifier_lost(VERIFIER)
+        await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(*book._tasks), 10)
+        # A report of a round already known changes nothing.
+        await book.on_round_done(VERIFIER, _report(session_id, 3))
+        return live
+
+    live = asyncio.run(scenario())
+    assert observed == [0, 1, 2, 3]
+    assert (live.next_round, live.generated) == (4, [7, 9] * 4)
