@@ -420,6 +420,17 @@ def table(document: dict[str, Any]) -> str:
          f"{document['rounds_lost']} / {document['rounds_duplicated']}"],
         ["  the same verdict again (a draft re-sent)", document["verdicts_repeated"]],
         ["sessions with gaps", document["sessions_with_gaps"]],
+        *(
+            [f"CPU while the sessions ran: {role.replace('_', ' ')} (cores)",
+             f"{document['cpu_cores'][role]:.2f}"]
+            for role in ("coordinators", "verifiers", "agent_swarms", "broker", "rest_of_host")
+            if document.get("cpu_cores")
+        ),
+        *(
+            [["CPU: host busy (cores of all)",
+              f"{document['cpu_cores']['host_busy']:.2f} of {document['cpu_cores']['host_cores']}"]]
+            if document.get("cpu_cores") else []
+        ),
         ["coordinator RSS MB start / max / end",
          f"{mb('coordinator_rss_mb_start')} / {mb('coordinator_rss_mb_max')} / "
          f"{mb('coordinator_rss_mb_end')}"],
@@ -535,7 +546,9 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 await wait_until_ready(port, child)
             if args.coordinators > 1:
                 await _wait_for_shards(settings.database_url, args.coordinators)
-            results, rss = await _drive(args, fleet, coordinators, mosquitto.url, plans, workdir)
+            results, rss, cpu = await _drive(
+                args, fleet, coordinators, mosquitto.url, plans, workdir, mosquitto.pid
+            )
             # Counted before the coordinators stop: what they log while stopping is not load.
             tracebacks = sum(count_tracebacks(c.log_path) for c in coordinators.children)
         finally:
@@ -545,6 +558,7 @@ async def run_fleet(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         stored = await asyncio.to_thread(stored_rounds, settings.database_url, session_ids)
     document = report(results, stored, rss, tracebacks, args)
     document["verifier_answers"] = replay_counts(workdir, args.verifiers)
+    document["cpu_cores"] = cpu
     return document
 
 
@@ -631,10 +645,11 @@ def _start_child(fleet: Any, name: str, argv: list[str], registry: dict[str, Any
 
 async def _drive(
     args: argparse.Namespace, fleet: Any, coordinators: Coordinators, broker_url: str,
-    plans: list[Any], workdir: Path,
-) -> tuple[list[dict[str, Any]], list[tuple[float, int]]]:  # fmt: skip
+    plans: list[Any], workdir: Path, broker_pid: int | None,
+) -> tuple[list[dict[str, Any]], list[tuple[float, int]], dict[str, Any]]:  # fmt: skip
     """Start the swarms, wait until every agent is connected, say go, sample the coordinators'
-    RSS (and kill one, if asked) until every swarm is done, say stop; the swarms' results."""
+    RSS (and kill one, if asked) until every swarm is done, say stop; the swarms' results, the
+    RSS samples and the CPU each role used meanwhile."""
     from tqdm import tqdm
 
     from bench.fleet_agents import GO_TOPIC, STOP_TOPIC, done_topic, ready_topic
@@ -665,6 +680,7 @@ async def _drive(
                 )  # fmt: skip
             rss: list[tuple[float, int]] = []
             started = time.monotonic()
+            cpu_before = cpu_snapshot(fleet, coordinators, broker_pid)
             await control.publish(GO_TOPIC, b"{}")
             jobs = [asyncio.create_task(_sample_rss(coordinators, started, rss))]
             if args.kill_coordinator_after is not None:
@@ -675,9 +691,50 @@ async def _drive(
                 finally:
                     for job in jobs:
                         job.cancel()
+            cpu = cpu_used(cpu_before, cpu_snapshot(fleet, coordinators, broker_pid),
+                           time.monotonic() - started)  # fmt: skip
             await control.publish(STOP_TOPIC, b"{}")
     results = [json.loads((workdir / f"{plan.swarm}.result.json").read_text()) for plan in plans]
-    return results, rss
+    return results, rss, cpu
+
+
+CpuSnapshot = tuple[dict[str, dict[int, float]], tuple[float, float]]
+
+
+def cpu_snapshot(fleet: Any, coordinators: Coordinators, broker_pid: int | None) -> CpuSnapshot:
+    """CPU seconds used so far by each process of each role, and the host's (busy, total)."""
+    from bench.soak import cpu_seconds, host_cpu_seconds
+
+    roles = {
+        "coordinators": [child.pid for child in coordinators.alive()],
+        "verifiers": [child.pid for child in fleet.verifiers.values()],
+        "agent_swarms": [child.pid for child in fleet.agents.values()],
+        "broker": [] if broker_pid is None else [broker_pid],
+    }
+    used: dict[str, dict[int, float]] = {}
+    for role, pids in roles.items():
+        used[role] = {}
+        for pid in pids:
+            with contextlib.suppress(Exception):  # gone (a killed coordinator): not counted
+                used[role][pid] = cpu_seconds(pid)
+    return used, host_cpu_seconds()
+
+
+def cpu_used(before: CpuSnapshot, after: CpuSnapshot, wall_s: float) -> dict[str, Any]:
+    """Cores each role kept busy on average while the sessions ran (CPU seconds / wall
+    seconds), the host's busy cores of all it has, and the rest of the host's busy time
+    (PostgreSQL, this process, anything else running)."""
+    wall_s = max(wall_s, 1e-9)
+    cores: dict[str, Any] = {}
+    for role, pids in after[0].items():
+        seconds = sum(t - before[0][role][pid] for pid, t in pids.items() if pid in before[0][role])
+        cores[role] = seconds / wall_s
+    busy = (after[1][0] - before[1][0]) / wall_s
+    all_cores = (after[1][1] - before[1][1]) / wall_s
+    cores["rest_of_host"] = max(0.0, busy - sum(cores.values()))
+    cores["host_busy"] = busy
+    cores["host_cores"] = round(all_cores)
+    return cores
 
 
 def devices_online(engine: Any, device_ids: list[str]) -> int:

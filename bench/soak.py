@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import secrets
 import statistics
 import sys
@@ -111,6 +112,26 @@ def rss_bytes(pid: int) -> int:
                 return int(line.split()[1]) * 1024
         raise RuntimeError(f"no VmRSS for process {pid}") from None
     return int(psutil.Process(pid).memory_info().rss)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process has used so far (/proc; psutil where installed)."""
+    try:
+        import psutil
+    except ImportError:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def host_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole host since boot, all cores (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    total = sum(fields[:8])  # guest time is counted in user already
+    tick = os.sysconf("SC_CLK_TCK")
+    return (total - idle) / tick, total / tick
 
 
 def growth(samples: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:

@@ -142,6 +142,11 @@ class PrivateMosquitto:
     def url(self) -> str:
         return f"mqtt://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The broker's process id while it runs."""
+        return None if self._process is None else self._process.pid
+
     def start(self) -> None:
         with self.log_path.open("ab") as log:
             self._process = popen_tied([self.binary, "-c", str(self.config_path)], log=log)

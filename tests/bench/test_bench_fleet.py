@@ -98,6 +98,19 @@ def test_a_round_splits_into_its_legs() -> None:
     assert (legs["downlink"], legs["agent_wait"]) == ([2.5, 2.0], [1.0, 0.5])
 
 
+def test_cpu_is_shared_out_by_role_and_the_rest_of_the_host() -> None:
+    """Two snapshots 2 s apart: the roles' CPU seconds over the wall time are cores, and what
+    the host was busy beyond them is the rest (PostgreSQL, the bench); a process gone by the
+    second snapshot (a SIGKILLed coordinator) counts for nothing."""
+    before = ({"coordinators": {1: 10.0, 2: 5.0}, "broker": {3: 1.0}}, (100.0, 400.0))
+    after = ({"coordinators": {1: 11.0}, "broker": {3: 1.5}}, (103.0, 404.0))
+    cores = fleet.cpu_used(before, after, 2.0)
+    assert cores == {
+        "coordinators": 0.5, "broker": 0.25, "rest_of_host": 0.75, "host_busy": 1.5,
+        "host_cores": 2,
+    }  # fmt: skip
+
+
 def test_a_rerun_with_the_same_seed_gets_new_session_ids() -> None:
     """Session ids are the database's keys: the same seed twice drafts alike, in new sessions
     (the same ids were refused as another run's sessions)."""
@@ -176,6 +189,9 @@ def test_a_small_fleet_runs_with_nothing_lost_or_duplicated(
     assert answers["answered"] == document["rounds"]
     assert answers["direct"] == (0 if via_coordinator else document["rounds"])
     assert document["rounds_path"] == ("via_coordinator" if via_coordinator else "direct")
+    cpu = document["cpu_cores"]
+    assert cpu["host_cores"] >= 1 and 0 < cpu["host_busy"] <= cpu["host_cores"]
+    assert cpu["coordinators"] > 0 and cpu["agent_swarms"] > 0 and cpu["broker"] > 0
 
 
 @pytest.mark.parametrize("via_coordinator", [False, True], ids=["direct", "via-coordinator"])
