@@ -11,7 +11,6 @@ import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -59,8 +58,6 @@ _UPDATE_DOWNLINK = (
 _INSERT_EVENTS = sa.insert(Event).inline()
 SESSION_FINISHED = "session.finished"
 _ROUND_COLUMNS = tuple(column for column in sa.inspect(Round).columns if column.key != "id")
-_SESSION_COLUMNS = ("committed_ids", "committed_len", "status", "updated_at", "finished_at")
-_EVENT_COLUMNS = ("at", "kind", "device_id", "session_id", "actor", "detail")
 
 
 def _round_values(row: Round) -> dict[str, Any]:
@@ -116,11 +113,6 @@ class RoundWriter:
         self._inline_connection: Connection | None = None  # the event loop's thread only
         self.batches = 0
         self.inline_batches = 0  # of `batches`, those committed on the event loop's thread
-        # PostgreSQL: a lone round commits as one statement (`_OneStatement`).
-        self._one_statement = (
-            _OneStatement(engine.dialect) if engine.dialect.name == "postgresql" else None
-        )
-        self.alone_batches = 0  # of `batches`, those committed so
 
     def stored(self, session_id: uuid.UUID) -> tuple[list[int], int, SessionStatus] | None:
         """What the database holds of a session: its committed ids (prompt included), the next
@@ -277,10 +269,6 @@ class RoundWriter:
                 self._connection = self._engine.connect()
             connection = self._connection
         now = utcnow()
-        if pipelined and len(batch) == 1 and self._one_statement is not None:
-            self._one_statement.execute(connection, batch[0], now)
-            self.alone_batches += 1
-            return
         pipeline = _pipelined(connection) if pipelined else contextlib.nullcontext()
         with pipeline, connection.begin():
             # The rounds' foreign key makes a session that vanished fail the insert.
@@ -308,11 +296,23 @@ class RoundWriter:
                     "b_round": item.row.round_index - 1,
                     "b_downlink_ms": item.downlink_ms,
                 }
-                for item in _with_downlink(batch)
+                for item in batch
+                if item.downlink_ms is not None and item.row.round_index > 0
             ]
             if downlinks:
                 connection.execute(_UPDATE_DOWNLINK, downlinks)
-            finished = _finished_events(batch, now)
+            finished = [
+                {
+                    "at": now,
+                    "kind": SESSION_FINISHED,
+                    "device_id": item.device_id,
+                    "session_id": item.row.session_id,
+                    "actor": SYSTEM_ACTOR,
+                    "detail": {"tokens": len(item.generated), "rounds": item.row.round_index + 1},
+                }
+                for item in batch
+                if item.status is SessionStatus.FINISHED
+            ]
             if finished:
                 # In the rounds' transaction: the event commits with the session's end.
                 connection.execute(_INSERT_EVENTS, finished)
@@ -336,121 +336,6 @@ class RoundWriter:
                 connection.close()
             except Exception:
                 log.debug("closing the round writer's connection failed", exc_info=True)
-
-
-def _finished_events(batch: list[_Write], now: datetime) -> list[dict[str, Any]]:
-    """The `session.finished` events of the batch's last rounds, as Event columns."""
-    return [
-        {
-            "at": now,
-            "kind": SESSION_FINISHED,
-            "device_id": item.device_id,
-            "session_id": item.row.session_id,
-            "actor": SYSTEM_ACTOR,
-            "detail": {"tokens": len(item.generated), "rounds": item.row.round_index + 1},
-        }
-        for item in batch
-        if item.status is SessionStatus.FINISHED
-    ]
-
-
-def _with_downlink(batch: list[_Write]) -> list[_Write]:
-    """The rounds that report the downlink of the round before theirs."""
-    return [item for item in batch if item.downlink_ms is not None and item.row.round_index > 0]
-
-
-class _OneStatement:
-    """PostgreSQL: a lone round as one statement in autocommit, so one round trip and one
-    implicit transaction: the round inserted, its session's tokens, the downlink of the round
-    before and the session's end event, each a data-modifying CTE, which PostgreSQL applies
-    atomically. The SQL is the same for every round, prepared on each connection. A batch of several
-    rounds goes the pipelined way (as arrays in one statement it cost more in psycopg's array
-    dumping than it saved); so does a failed one, round by round (`RoundWriter._commit_batch`).
-    A lone round's `write`, one every 5 ms on a quiet 2-core host: p50 3.6 ms as pipelined
-    statements, 2.2 ms as this statement (as this statement on an asyncio connection of the event
-    loop's own, sparing the hops to the writer's thread and back: 2.0-2.4 ms, no better).
-
-    Values go through the columns' own bind processing (JSON serialised, enums by value, times
-    in UTC), then cast to the column's type, so a row reads back as the ORM path writes it."""
-
-    def __init__(self, dialect: sa.engine.Dialect) -> None:
-        def spec(table: Any, keys: tuple[str, ...]) -> list[tuple[str, str, Any]]:
-            columns = [table.c[key] for key in keys]
-            processors = [c.type.dialect_impl(dialect).bind_processor(dialect) for c in columns]
-            return [
-                (c.key, c.type.compile(dialect), process)
-                for c, process in zip(columns, processors, strict=True)
-            ]
-
-        rounds, sessions, events = (
-            cast(sa.Table, model.__table__) for model in (Round, DecodingSession, Event)
-        )
-        self._rounds = spec(rounds, tuple(c.key for c in _ROUND_COLUMNS))
-        self._sessions = spec(sessions, _SESSION_COLUMNS)
-        self._events = spec(events, _EVENT_COLUMNS)
-
-        def placeholders(columns: list[tuple[str, str, Any]], prefix: str) -> str:
-            return ", ".join(f"%({prefix}{key})s::{sql_type}" for key, sql_type, _ in columns)
-
-        def names(columns: list[tuple[str, str, Any]]) -> str:
-            return ", ".join(key for key, _, _ in columns)
-
-        uuid_type = rounds.c.session_id.type.compile(dialect)
-        sets = ", ".join(f"{key} = %(s_{key})s::{sql_type}" for key, sql_type, _ in self._sessions)
-        self.sql = (
-            f"WITH new_round AS (INSERT INTO {rounds.name} ({names(self._rounds)}) "
-            f"VALUES ({placeholders(self._rounds, 'r_')})), "
-            f"session_tokens AS (UPDATE {sessions.name} SET {sets} "
-            f"WHERE id = %(r_session_id)s::{uuid_type}), "
-            f"downlink AS (UPDATE {rounds.name} SET t_downlink_ms = %(d_ms)s::DOUBLE PRECISION "
-            f"WHERE %(d_ms)s::DOUBLE PRECISION IS NOT NULL "
-            f"AND session_id = %(r_session_id)s::{uuid_type} "
-            "AND round_index = %(d_round)s::INTEGER), "
-            f"finished AS (INSERT INTO {events.name} ({names(self._events)}) "
-            f"SELECT {placeholders(self._events, 'e_')} WHERE %(e_kind)s::TEXT IS NOT NULL) "
-            "SELECT 1"
-        )
-
-    @staticmethod
-    def _bound(
-        row: dict[str, Any], spec: list[tuple[str, str, Any]], prefix: str
-    ) -> dict[str, Any]:
-        """The row's values as parameters, each bind-processed as its column's type does."""
-        bound = {}
-        for key, _, process in spec:
-            value = row.get(key)
-            bound[prefix + key] = value if process is None or value is None else process(value)
-        return bound
-
-    def execute(self, connection: Connection, item: _Write, now: datetime) -> None:
-        """Commit the round on `connection`'s driver connection, idle between batches (nothing
-        is begun on it): in autocommit for this one statement, then back for the pipelined
-        path's transactions."""
-        session = {
-            "committed_ids": item.generated,
-            "committed_len": item.row.committed_len,
-            "status": item.status,
-            "updated_at": now,
-            "finished_at": now if item.status is SessionStatus.FINISHED else None,
-        }
-        downlink = _with_downlink([item])
-        events = _finished_events([item], now)
-        params = {
-            **self._bound(_round_values(item.row), self._rounds, "r_"),
-            **self._bound(session, self._sessions, "s_"),
-            "d_ms": downlink[0].downlink_ms if downlink else None,
-            "d_round": item.row.round_index - 1,
-            **self._bound(events[0] if events else {}, self._events, "e_"),
-        }
-        driver = connection.connection.driver_connection
-        assert driver is not None
-        driver.autocommit = True
-        try:
-            # Prepared: after five executions PostgreSQL keeps a generic plan of it (planning
-            # its four parts anew cost ~2 ms a round here).
-            driver.execute(self.sql, params, prepare=True)
-        finally:
-            driver.autocommit = False
 
 
 def _pipelined(connection: Connection) -> contextlib.AbstractContextManager[Any]:

@@ -16,7 +16,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from broker.messages import Mode
 from coordinator.db import round_writer
 from coordinator.db.engine import make_sessionmaker, read_one_snapshot
-from coordinator.db.events import SYSTEM_ACTOR
 from coordinator.db.models import DecodingSession, Event, Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from coordinator.db.round_writer import RoundWriter
@@ -246,65 +245,6 @@ def test_a_reader_sees_a_session_and_its_rounds_as_of_one_moment(
         row = later.get(DecodingSession, session_id)
         assert row is not None and row.committed_ids == [7, 9]
         assert later.scalar(sa.select(sa.func.count()).where(Round.session_id == session_id)) == 1
-
-
-def test_a_lone_round_is_stored_as_a_round_in_a_batch_is(
-    sessions: sessionmaker[Session], db_engine: Engine
-) -> None:
-    """On PostgreSQL a lone round commits as one statement of its own (`_OneStatement`), a batch
-    as pipelined statements: every column of the round, the session and the end event must come
-    out the same either way (on SQLite both go the same way)."""
-    alone, *together = [open_session(sessions) for _ in range(3)]
-
-    def rich_round(session_id: uuid.UUID, index: int) -> Round:
-        row = round_row(session_id, index, 2 * index)
-        row.mode = Mode.CLOUD
-        row.provisional = index == 0
-        row.q_ids = [[7, 3], [8, 1]]
-        row.q_probs = [[0.75, 0.25], [0.5, 0.5]]
-        row.policy = {"mode": "cloud", "k": 2, "reason": 'ünïcode, "quotes"'}
-        row.t_uplink_ms, row.t_queue_ms = 1.5, None
-        return row
-
-    async def body(writer: RoundWriter) -> int:
-        for index, status, downlink in ((0, SessionStatus.ACTIVE, None),
-                                        (1, SessionStatus.FINISHED, 2.5)):  # fmt: skip
-            generated = [7, 9] * (index + 1)
-            await writer.write(rich_round(alone, index), generated, status,
-                               device_id=DEVICE, downlink_ms=downlink)  # fmt: skip
-            await asyncio.gather(*(
-                writer.write(rich_round(s, index), generated, status,
-                             device_id=DEVICE, downlink_ms=downlink)
-                for s in together
-            ))  # fmt: skip
-        return writer.alone_batches
-
-    alone_batches, batches = run_writer(sessions, body)
-    if db_engine.dialect.name == "postgresql":
-        assert (alone_batches, batches) == (2, 4)
-
-    def stored(session_id: uuid.UUID) -> tuple[object, ...]:
-        with sessions() as db:
-            rounds = db.scalars(
-                sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
-            ).all()
-            row = db.get(DecodingSession, session_id)
-            events = db.scalars(sa.select(Event).where(Event.session_id == session_id)).all()
-            assert row is not None and row.finished_at is not None and len(rounds) == 2
-            skip = {"id", "session_id", "created_at"}
-            columns = [c for c in sa.inspect(Round).columns.keys() if c not in skip]  # noqa: SIM118
-            return (
-                [{c: getattr(r, c) for c in columns} for r in rounds],
-                (row.committed_ids, row.committed_len, row.status),
-                [(e.kind, e.device_id, e.actor, e.detail) for e in events],
-            )
-
-    expected = stored(alone)
-    assert expected[0][0]["t_downlink_ms"] == 2.5 and expected[0][1]["t_downlink_ms"] is None
-    assert expected[0][0]["mode"] is Mode.CLOUD and expected[0][0]["provisional"] is True
-    assert expected[2] == [("session.finished", DEVICE, SYSTEM_ACTOR, {"tokens": 4, "rounds": 2})]
-    for session_id in together:
-        assert stored(session_id) == expected
 
 
 def test_a_finished_session_gets_its_end_and_event_with_its_last_round(
