@@ -115,6 +115,9 @@ class Settings(BaseSettings):
     telemetry_queue_size: int = Field(default=10_000, ge=1)
     # An active session that hears nothing (no draft, no round, no resume) for this long ends.
     session_idle_timeout_s: float = Field(default=1800.0, gt=0, allow_inf_nan=False)
+    # A verifier offline this long is forgotten: dropped from the list, its retained status
+    # cleared on the broker (verifiers with new ids each start would pile up there for good).
+    verifier_forget_after_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
     secret_key: str = ""
     # HTTP request bodies: the admin API's are small JSON; model release uploads get their own.
     http_max_body_bytes: int = Field(default=1024 * 1024, ge=1024)

@@ -26,6 +26,7 @@ from broker.topics import (
     parse_device_topic,
     parse_verifier_topic,
     verifier_subscription,
+    verifier_topic,
 )
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.events import EventLog
@@ -120,7 +121,11 @@ class Coordinator:
             quotas=quotas,
             telemetry_queue_size=settings.telemetry_queue_size,
         )
-        self.verifiers = VerifierPool(self.publish)
+        self.verifiers = VerifierPool(
+            self.publish,
+            forget_after_s=settings.verifier_forget_after_s,
+            clear_status=self._clear_verifier_status,
+        )
         self.book = SessionBook(
             self.sessions,
             self.verifiers,
@@ -196,6 +201,10 @@ class Coordinator:
             self.verifier_handlers[m.RoundDone] = self._on_round_done
             self.verifiers.shared = True
             self.background.append(self._run_shards)
+
+    async def _clear_verifier_status(self, verifier_id: str) -> None:
+        """An empty retained message: the broker forgets the verifier's last status."""
+        await self.publish(verifier_topic(verifier_id, VerifierChannel.STATUS), b"", retain=True)
 
     async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         client = self._client
@@ -281,6 +290,9 @@ class Coordinator:
             return
         verifier = parse_verifier_topic(topic)
         if verifier is not None:
+            if not payload and verifier.channel is VerifierChannel.STATUS:
+                self.verifiers.forget(verifier.verifier_id)  # its retained status, cleared
+                return
             try:
                 message = m.decode(payload)
             except m.BusError as exc:

@@ -29,6 +29,9 @@ NO_VERIFIER_WAIT_S = 30.0
 # How long a verifier has to take or give back a lease (it answers after the round in flight).
 LEASE_TIMEOUT_S = 5.0
 
+# How long an offline verifier stays listed (settings: verifier_forget_after_s).
+FORGET_AFTER_S = 3600.0
+
 Publish = Callable[[str, bytes], Awaitable[None]]
 T = TypeVar("T")
 
@@ -79,8 +82,18 @@ class VerifierInfo:
 
 
 class VerifierPool:
-    def __init__(self, publish: Publish) -> None:
+    def __init__(
+        self,
+        publish: Publish,
+        *,
+        forget_after_s: float = FORGET_AFTER_S,
+        clear_status: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self._publish = publish
+        # A verifier offline this long (since this coordinator last heard from it) is dropped,
+        # and `clear_status` clears its retained status on the broker.
+        self.forget_after_s = forget_after_s
+        self._clear_status = clear_status
         self.verifiers: dict[str, VerifierInfo] = {}
         self._changed = asyncio.Event()
         self.failovers = 0
@@ -362,6 +375,31 @@ class VerifierPool:
                     await self._fail_over(
                         info, f"missed heartbeats for {silent:.1f}s", leased=leased
                     )
+                elif not info.alive and now - info.last_heartbeat > self.forget_after_s:
+                    await self._forget_long_gone(info, now - info.last_heartbeat)
+
+    async def _forget_long_gone(self, info: VerifierInfo, silent_s: float) -> None:
+        """Drop a verifier offline for forget_after_s, and clear its retained status so that no
+        coordinator starting later lists it (a broker keeps a retained message for good)."""
+        self.forget(info.verifier_id)
+        log.info(
+            "verifier %s offline for %.0fs: forgotten, its retained status cleared",
+            info.verifier_id,
+            silent_s,
+        )
+        if self._clear_status is not None:
+            try:
+                await self._clear_status(info.verifier_id)
+            except Exception as exc:  # the next coordinator to start forgets it again
+                log.warning("could not clear verifier %s's status: %s", info.verifier_id, exc)
+
+    def forget(self, verifier_id: str) -> None:
+        """Drop an offline verifier (its status was cleared, here or by a peer coordinator);
+        one that is online stays: a status cleared as it came back is news to nobody."""
+        info = self.verifiers.get(verifier_id)
+        if info is not None and not info.alive:
+            del self.verifiers[verifier_id]
+            self._changed.set()
 
     async def _fail_over(
         self, info: VerifierInfo, why: str, *, leased: int, orderly: bool = False
