@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from coordinator.db.engine import read_one_snapshot
@@ -230,11 +231,21 @@ class RoundWriter:
         except Exception as exc:
             self._close()
             if len(batch) == 1 and not pipelined:
-                log.exception(
-                    "could not persist round %d of %s",
-                    batch[0].row.round_index,
-                    batch[0].row.session_id,
-                )
+                if isinstance(exc, IntegrityError):
+                    # Stored already by another answerer (the verifier holding the lease, or a
+                    # coordinator before a takeover): the caller resumes from what is stored.
+                    log.warning(
+                        "round %d of %s is stored already: %s",
+                        batch[0].row.round_index,
+                        batch[0].row.session_id,
+                        str(exc.orig).splitlines()[0] if exc.orig else exc,
+                    )
+                else:
+                    log.exception(
+                        "could not persist round %d of %s",
+                        batch[0].row.round_index,
+                        batch[0].row.session_id,
+                    )
                 return [exc]
             if len(batch) > 1:
                 log.warning(

@@ -68,7 +68,7 @@ class DirectRounds(AdaptiveBook):
                 await self.pool.tell(holder, lease.model_copy(update={"send_state": send_state}))
                 return True
             if live.lease is not None:  # its verifier died: what it persisted stands
-                await self._reload(live)
+                await self._take_back(live)
             info = self.pool.lessor(live.id)
             if info is None:
                 return False
@@ -144,6 +144,20 @@ class DirectRounds(AdaptiveBook):
                 observe(live, row)
         return {row.round_index for row in missed}
 
+    async def _take_back(self, live: LiveSession) -> None:
+        """Take a session back from the verifier that held it, declared dead, and reload it.
+        That verifier may only have been slow to be heard (its heartbeats queued here behind a
+        backlog): alive, it would go on answering the session's drafts beside this coordinator,
+        each round then stored by one and refused to the other. The end of its lease, not waited
+        for, stops it after its round in flight; a verifier really gone never reads it."""
+        if live.lease is not None:
+            holder, lease_id = live.lease
+            try:
+                await self.pool.tell(holder, m.LeaseEnd(lease_id=lease_id, session_id=live.id))
+            except (ConnectionError, BusConnectionError) as exc:
+                log.debug("the end of %s's lease on %s was not sent: %s", holder, live.id, exc)
+        await self._reload(live)
+
     def on_verifier_lost(self, verifier_id: str) -> None:
         """The sessions a dead verifier held: leased again (or answered here), devices told."""
         for live in list(self.live.values()):
@@ -154,7 +168,7 @@ class DirectRounds(AdaptiveBook):
 
     async def _take_over(self, live: LiveSession) -> None:
         async with live.lock:
-            await self._reload(live)
+            await self._take_back(live)
         log.warning("session %s: its verifier died; taking it over", live.id)
         if not await self._leased_here(live, send_state=True):
             await self._send_state(live)

@@ -189,8 +189,9 @@ class VerifierPool:
         finally:
             self._lease_acks.pop(message.lease_id, None)
 
-    async def tell(self, verifier_id: str, message: m.SessionLease) -> None:
-        """A lease update that needs no answer (a new policy, a state to send)."""
+    async def tell(self, verifier_id: str, message: m.SessionLease | m.LeaseEnd) -> None:
+        """A lease message whose answer is not waited for (a new policy, a state to send, the
+        end of a lease taken back from a verifier declared dead)."""
         await self._send_work(verifier_id, message)
 
     async def _send_work(self, verifier_id: str, message: m.Message) -> None:

@@ -1,7 +1,9 @@
 """Direct rounds the coordinator never heard of: a verifier persisted them, but their reports
 were lost (or the verifier died before sending them). When a later report or a takeover makes
 the coordinator reload the session from the database, its round observers (what /metrics
-counts) see each of those rounds once, so that every committed token is counted."""
+counts) see each of those rounds once, so that every committed token is counted. A takeover
+also ends the lease on the verifier declared dead, which may only have been slow to be heard:
+alive, it would go on answering the session's drafts beside the coordinator."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from broker import messages as m
+from broker.topics import VerifierChannel, verifier_topic
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
@@ -28,13 +31,13 @@ VERIFIER = "v-direct"
 
 
 class Published:
-    """What the book published (its only way out): topics, in order."""
+    """What the book published (its only way out), in order."""
 
     def __init__(self) -> None:
-        self.topics: list[str] = []
+        self.messages: list[tuple[str, m.Message]] = []
 
     async def __call__(self, topic: str, payload: bytes) -> None:
-        self.topics.append(topic)
+        self.messages.append((topic, m.decode(payload)))
 
 
 async def _admit(_device_id: str) -> bool:
@@ -98,11 +101,16 @@ def test_rounds_whose_reports_were_lost_are_observed_once(
         await book.on_round_done(VERIFIER, _report(session_id, 2))
         assert observed == [0, 1, 2]
         assert live.lease == (VERIFIER, "lease-1")
-        # Round 3 stored, and its verifier dies before reporting it: the takeover reloads.
+        # Round 3 stored, and its verifier is declared dead before reporting it: the takeover
+        # ends its lease there and reloads.
         await _persist(sqlite_engine, session_id, range(3, 4))
         book.on_verifier_lost(VERIFIER)
         await asyncio.sleep(0)
         await asyncio.wait_for(asyncio.gather(*book._tasks), 10)
+        ends = [message for topic, message in published.messages
+                if topic == verifier_topic(VERIFIER, VerifierChannel.WORK)]  # fmt: skip
+        assert ends == [m.LeaseEnd(lease_id="lease-1", session_id=str(session_id))]
+        assert live.lease is None
         # A report of a round already known changes nothing.
         await book.on_round_done(VERIFIER, _report(session_id, 3))
         return live
