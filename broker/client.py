@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import random
 import socket
@@ -104,6 +105,30 @@ class ConnectOptions:
     persistent: bool = False
     protocol: Protocol = "auto"
     tcp_nodelay: bool = True
+    # Which incoming messages jump the queue: topic -> rank, lower first (None: arrival order).
+    # Messages of one topic keep their order, as MQTT orders them only within a topic.
+    priority: Callable[[str], int] | None = None
+
+
+def _ranked_queue(rank: Callable[[str], int]) -> type[asyncio.Queue[aiomqtt.Message]]:
+    """A queue of incoming messages that hands out the lowest rank first and, within a rank,
+    the oldest: what a busy reader must not leave waiting behind a backlog (a verifier's
+    heartbeat behind a thousand device statuses) comes next."""
+
+    class RankedQueue(asyncio.Queue[aiomqtt.Message]):
+        # asyncio.Queue's own methods count and test `self._queue`: the heap is kept there.
+        def _init(self, maxsize: int) -> None:
+            self._queue: list[tuple[int, int, aiomqtt.Message]] = []
+            self._arrived = 0
+
+        def _put(self, item: aiomqtt.Message) -> None:
+            self._arrived += 1
+            heapq.heappush(self._queue, (rank(item.topic.value), self._arrived, item))
+
+        def _get(self) -> aiomqtt.Message:
+            return heapq.heappop(self._queue)[2]
+
+    return RankedQueue
 
 
 @dataclass(frozen=True)
@@ -207,6 +232,7 @@ def _make_client(
             timeout=V5_PROBE_TIMEOUT_S if options.protocol == "auto" else CONNECT_TIMEOUT_S,
             tls_context=_tls_context(address),
             socket_options=socket_options,
+            queue_type=None if options.priority is None else _ranked_queue(options.priority),
         )
     return aiomqtt.Client(
         address.host,

@@ -87,6 +87,14 @@ def configured_target(settings: Settings) -> TargetIdentity | None:
         return None
 
 
+def _verifiers_first(topic: str) -> int:
+    """The verifiers' messages (heartbeats, results, lease answers) are read before the
+    devices' that came earlier: a burst of device messages (a thousand statuses as a fleet
+    reconnects, each a database write here) must not hold back heartbeats until a live verifier
+    is declared dead, nor the answers that rounds and session opens wait for."""
+    return 0 if parse_verifier_topic(topic) is not None else 1
+
+
 class Coordinator:
     """Presence, telemetry and commands now; sessions and verifiers plug in through handlers."""
 
@@ -221,6 +229,7 @@ class Coordinator:
             # Persistent: drafts published while the coordinator restarts wait at the broker.
             persistent=True,
             protocol=self.settings.mqtt_protocol,
+            priority=_verifiers_first,
         )
 
     async def run(self) -> None:
