@@ -247,6 +247,7 @@ def _make_client(
         timeout=CONNECT_TIMEOUT_S,
         tls_context=_tls_context(address),
         socket_options=socket_options,
+        queue_type=None if options.priority is None else _ranked_queue(options.priority),
     )
 
 
