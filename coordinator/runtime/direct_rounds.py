@@ -4,6 +4,7 @@ drafts itself and reports each round; leases given, taken back and taken over.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -79,6 +80,11 @@ class DirectRounds(AdaptiveBook):
                 )
             except (TimeoutError, asyncio.TimeoutError, ConnectionError, BusConnectionError):
                 log.warning("verifier %s did not take session %s", info.verifier_id, live.id)
+                # Its answer may only be late: a lease it took would have it answer the
+                # session's drafts beside this coordinator. The end of it, not waited for.
+                end = m.LeaseEnd(lease_id=lease.lease_id, session_id=live.id)
+                with contextlib.suppress(ConnectionError, BusConnectionError):
+                    await self.pool.tell(info.verifier_id, end)
                 return False
             if not ack.held:
                 log.info("verifier %s refused session %s: %s", ack.verifier_id, live.id, ack.reason)

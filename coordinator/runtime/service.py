@@ -87,12 +87,14 @@ def configured_target(settings: Settings) -> TargetIdentity | None:
         return None
 
 
-def _verifiers_first(topic: str) -> int:
-    """The verifiers' messages (heartbeats, results, lease answers) are read before the
-    devices' that came earlier: a burst of device messages (a thousand statuses as a fleet
-    reconnects, each a database write here) must not hold back heartbeats until a live verifier
-    is declared dead, nor the answers that rounds and session opens wait for."""
-    return 0 if parse_verifier_topic(topic) is not None else 1
+def _heartbeats_first(topic: str) -> int:
+    """The verifiers' heartbeats are read before the device messages that came earlier: a burst
+    of those (a thousand statuses as a fleet reconnects, each a database write here, or a wave
+    of session opens) must not hold a live verifier's heartbeats back until it is declared
+    dead. Nothing else jumps the queue: a direct round's report must come after its draft,
+    which the coordinator would otherwise take, its session finished, for one to answer again."""
+    parsed = parse_verifier_topic(topic)
+    return 0 if parsed is not None and parsed.channel is VerifierChannel.STATUS else 1
 
 
 class Coordinator:
@@ -229,7 +231,7 @@ class Coordinator:
             # Persistent: drafts published while the coordinator restarts wait at the broker.
             persistent=True,
             protocol=self.settings.mqtt_protocol,
-            priority=_verifiers_first,
+            priority=_heartbeats_first,
         )
 
     async def run(self) -> None:

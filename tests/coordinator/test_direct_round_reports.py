@@ -8,6 +8,7 @@ alive, it would go on answering the session's drafts beside the coordinator."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -20,6 +21,7 @@ from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
 from coordinator.db.round_writer import RoundWriter
+from coordinator.runtime import verifiers
 from coordinator.runtime.quotas import Quotas
 from coordinator.runtime.session_state import LiveSession
 from coordinator.runtime.sessions import SessionBook
@@ -118,3 +120,37 @@ def test_rounds_whose_reports_were_lost_are_observed_once(
     live = asyncio.run(scenario())
     assert observed == [0, 1, 2, 3]
     assert (live.next_round, live.generated) == (4, [7, 9] * 4)
+
+
+def test_a_lease_not_answered_in_time_is_ended_there(
+    sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verifier's answer to a lease may only be late (its loop busy): if it took the lease,
+    it would answer the session's drafts beside the coordinator, which goes on without it. The
+    coordinator ends the lease there, and answers the session itself."""
+    monkeypatch.setattr(verifiers, "LEASE_TIMEOUT_S", 0.2)
+    session_id = open_session(sessions)
+    published = Published()
+
+    async def scenario() -> bool:
+        pool = VerifierPool(published)
+        book = SessionBook(sessions, pool, published, admit=_admit,
+                           quotas=Quotas.from_settings(Settings()), idle_timeout_s=600)  # fmt: skip
+        status = m.VerifierStatus(
+            verifier_id=VERIFIER, state=m.DeviceState.ONLINE, at=time.time(), max_batch=8,
+            heartbeat_s=1.0, leases=True, vocab_size=49152, eos_id=2,
+        )  # fmt: skip
+        await pool.on_status(VERIFIER, status)
+        live = await book.get(str(session_id))
+        assert live is not None
+        leased = await book._leased_here(live, send_state=True)
+        assert live.lease is None
+        return leased
+
+    assert asyncio.run(scenario()) is False
+    work = [message for topic, message in published.messages
+            if topic == verifier_topic(VERIFIER, VerifierChannel.WORK)]  # fmt: skip
+    assert [type(message) for message in work] == [m.SessionLease, m.LeaseEnd]
+    lease, end = work
+    assert isinstance(lease, m.SessionLease) and isinstance(end, m.LeaseEnd)
+    assert (end.lease_id, end.session_id) == (lease.lease_id, str(session_id))
