@@ -227,9 +227,16 @@ class DeviceRegistry:
             )
 
     def mark_online(
-        self, device_id: str, at: datetime, *, detail: Mapping[str, Any] | None = None
+        self,
+        device_id: str,
+        at: datetime,
+        *,
+        detail: Mapping[str, Any] | None = None,
+        installed_models: Iterable[str] | None = None,
     ) -> Device:
-        """Online as of `at`; an event is logged only on the transition from offline."""
+        """Online as of `at`, with the drafts it reports installed (when given) in the same
+        transaction, so that no reader sees it online without them; an event is logged only on
+        the transition from offline."""
         with self._sessions.begin() as session:
             device = self._load(session, device_id, for_update=True)
             if device.status is DeviceStatus.RETIRED:
@@ -238,6 +245,8 @@ class DeviceRegistry:
             device.status = DeviceStatus.ONLINE
             device.status_reason = None
             device.last_seen = max(at, device.last_seen) if device.last_seen else at
+            if installed_models is not None:
+                device.installed_models = sorted(set(installed_models))
             if was is not DeviceStatus.ONLINE:
                 append_event(
                     session,

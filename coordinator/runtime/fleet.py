@@ -173,11 +173,13 @@ class Fleet:
                 return
             self._keepalive_s[device_id] = status.keepalive_s or self.default_keepalive_s
             detail = {"agent_version": status.agent_version, "runtimes": list(status.runtimes)}
-            await self._registry_call(self.registry.mark_online, device_id, now, detail=detail)
-            if status.drafts:
-                await self._registry_call(
-                    self.registry.set_installed_models, device_id, status.drafts
-                )
+            await self._registry_call(
+                self.registry.mark_online,
+                device_id,
+                now,
+                detail=detail,
+                installed_models=status.drafts or None,
+            )
             for observe_kind in self.kind_observers:
                 observe_kind(device_id, status.kind)
             # None installed is news too: the policy then knows every release is missing there.
