@@ -26,7 +26,6 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +50,13 @@ from broker.topics import (
     VerifierChannel,
     device_subscription,
     device_topic,
-    parse_device_topic,
     verifier_topic,
 )
 from coordinator.db.engine import make_engine
 from coordinator.db.round_writer import RoundWriter
 from core.aio import task_group
-from verifier.leases import LeaseBook, Verified
-from verifier.outbox import Outbox
+from verifier.leases import LeaseBook, Verified, no_lease
+from verifier.outbox import Outbox, heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +89,6 @@ class ReplayVerifier:
             self.leases = LeaseBook(
                 verifier_id, writer, self._verify_leased, self._to_device, self._to_coordinator
             )
-        self._tasks: set[asyncio.Task[None]] = set()
 
     def status(self, state: m.DeviceState) -> m.VerifierStatus:
         return m.VerifierStatus(
@@ -198,59 +195,23 @@ class ReplayVerifier:
                     self._on_lease_message(message)
 
     def _on_lease_message(self, message: m.SessionLease | m.LeaseEnd) -> None:
-        if self.leases is None:
-            if isinstance(message, m.SessionLease):
-                self._to_coordinator(
-                    m.LeaseAck(
-                        lease_id=message.lease_id,
-                        session_id=message.session_id,
-                        verifier_id=self.verifier_id,
-                        held=False,
-                        next_round=message.next_round,
-                        committed_len=len(message.context_ids),
-                        reason="this replay verifier has no database: it takes no leases",
-                    )
-                )
-            return
-        if isinstance(message, m.SessionLease):
-            self._spawn(self.leases.on_lease(message))
-        else:
-            self._spawn(self.leases.on_lease_end(message))
+        if self.leases is not None:
+            self.leases.on_lease_message(message)
+        elif isinstance(message, m.SessionLease):
+            reason = "this replay verifier has no database: it takes no leases"
+            self._to_coordinator(no_lease(message, self.verifier_id, reason))
 
     def _on_device_message(self, topic: str, payload: bytes) -> None:
-        """A device's draft: answered here when its session is leased to this verifier (the
-        coordinator refuses a malformed one, with the reason)."""
-        received = time.perf_counter()
-        parsed = parse_device_topic(topic)
-        if self.leases is None or parsed is None or parsed.channel is not DeviceChannel.DRAFT:
-            return
-        arrived = time.time()
-        try:
-            draft = m.decode_as(payload, m.Draft)
-        except m.BusError:
-            return
-        if self.leases.holds(parsed.device_id, draft):
-            self._spawn(self.leases.on_draft(parsed.device_id, draft, arrived, received))
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("direct round work failed", exc_info=task.exception())
+        if self.leases is not None:
+            self.leases.on_device_message(topic, payload)
 
     async def _heartbeat(self, client: BusClient) -> None:
         """A retained status every HEARTBEAT_S on a fixed beat, at QoS 0 (as a verifier's)."""
-        loop = asyncio.get_running_loop()
-        due = loop.time()
-        while True:
-            due = max(due + HEARTBEAT_S, loop.time())
-            await asyncio.sleep(due - loop.time())
-            status = m.encode(self.status(m.DeviceState.ONLINE))
-            await client.publish(self.status_topic, status, qos=0, retain=True)
+
+        def status() -> bytes:
+            return m.encode(self.status(m.DeviceState.ONLINE))
+
+        await heartbeat(client, self.status_topic, status, HEARTBEAT_S)
 
 
 async def run_replay_verifier(

@@ -18,13 +18,14 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.exc import IntegrityError
 
 from broker import messages as m
+from broker.topics import DeviceChannel, parse_device_topic
 from coordinator.db.models import Round, SessionStatus
 from coordinator.db.round_writer import RoundWriter
 from inference.speculative import apply_stop_rules
@@ -108,6 +109,19 @@ class LeasedSession:
         )
 
 
+def no_lease(lease: m.SessionLease, verifier_id: str, reason: str) -> m.LeaseAck:
+    """The answer of a verifier that takes no leases (it has no database)."""
+    return m.LeaseAck(
+        lease_id=lease.lease_id,
+        session_id=lease.session_id,
+        verifier_id=verifier_id,
+        held=False,
+        next_round=lease.next_round,
+        committed_len=len(lease.context_ids),
+        reason=reason,
+    )
+
+
 class LeaseBook:
     """The sessions this verifier holds, and their rounds."""
 
@@ -125,6 +139,42 @@ class LeaseBook:
         self._to_device = to_device
         self._to_coordinator = to_coordinator
         self.sessions: dict[str, LeasedSession] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- from the bus: each runs as a task of its own, so that the bus keeps flowing ------------
+
+    def on_lease_message(self, message: m.SessionLease | m.LeaseEnd) -> None:
+        if isinstance(message, m.SessionLease):
+            self._spawn(self.on_lease(message), f"lease-{message.session_id}")
+        else:
+            self._spawn(self.on_lease_end(message), f"lease-end-{message.session_id}")
+
+    def on_device_message(self, topic: str, payload: bytes) -> None:
+        """A device's draft: answered here when its session is leased to this verifier (the
+        coordinator hears a malformed one too, and refuses it with the reason)."""
+        received = time.perf_counter()
+        parsed = parse_device_topic(topic)
+        if parsed is None or parsed.channel is not DeviceChannel.DRAFT:
+            log.debug("ignoring a message on %s", topic)
+            return
+        arrived = time.time()
+        try:
+            draft = m.decode_as(payload, m.Draft)
+        except m.BusError:
+            return
+        if self.holds(parsed.device_id, draft):
+            name = f"draft-{draft.session_id}-{draft.round}"
+            self._spawn(self.on_draft(parsed.device_id, draft, arrived, received), name)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=f"verifier-{self.verifier_id}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("direct round work failed", exc_info=task.exception())
 
     # -- leases ------------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""What a verifier sends, waiting for the bus: results, verdicts, lease acks, round reports."""
+"""What a verifier sends: results, verdicts, lease acks and round reports waiting for the bus,
+and its heartbeat."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from broker.client import BusClient
 from broker.messages import BusError, Message, encode
@@ -72,3 +74,18 @@ class Outbox:
                 return
         await client.publish(topic, payload)
         self.sent(item)
+
+
+async def heartbeat(
+    client: BusClient, topic: str, status: Callable[[], bytes], beat_s: float
+) -> None:
+    """A status every `beat_s`, on a fixed beat: at QoS 0, so that a broker slow to acknowledge
+    (a host at full load) never stretches the beat past what the coordinator counts as dead.
+    Each is retained; the Will says offline."""
+    loop = asyncio.get_running_loop()
+    due = loop.time()
+    while True:
+        # After a stall the next beat goes at once, and the beat does not try to catch up.
+        due = max(due + beat_s, loop.time())
+        await asyncio.sleep(due - loop.time())
+        await client.publish(topic, status(), qos=0, retain=True)

@@ -15,9 +15,8 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Container, Coroutine
+from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import Any
 
 from broker.client import (
     BrokerAddress,
@@ -31,8 +30,6 @@ from broker.client import (
 from broker.messages import (
     BusError,
     DeviceState,
-    Draft,
-    LeaseAck,
     LeaseEnd,
     Message,
     PassChoice,
@@ -42,7 +39,6 @@ from broker.messages import (
     VerifyRequest,
     VerifyResult,
     decode,
-    decode_as,
     encode,
 )
 from broker.topics import (
@@ -50,7 +46,6 @@ from broker.topics import (
     VerifierChannel,
     device_subscription,
     device_topic,
-    parse_device_topic,
     validate_device_id,
     verifier_topic,
 )
@@ -60,8 +55,8 @@ from core.aio import task_group, timeout
 from verifier.child import ChildConfig, ChildDied, ChildReady, ChildStartError, InferenceChild
 from verifier.core import Verification
 from verifier.goodput import GoodputControl
-from verifier.leases import LeaseBook, Verified
-from verifier.outbox import Outbox
+from verifier.leases import LeaseBook, Verified, no_lease
+from verifier.outbox import Outbox, heartbeat
 from verifier.streams import HostStream, HostStreams
 
 log = logging.getLogger(__name__)
@@ -216,7 +211,6 @@ class VerifierWorker:
         # Direct rounds need the database: a verifier without one takes no leases.
         self.leases: LeaseBook | None = None
         self._writer: RoundWriter | None = None
-        self._lease_tasks: set[asyncio.Task[None]] = set()
         if database_url is not None:
             self._writer = RoundWriter(make_engine(database_url))
             self.leases = LeaseBook(
@@ -361,50 +355,15 @@ class VerifierWorker:
     # -- direct rounds -----------------------------------------------------------------------
 
     def _on_lease_message(self, message: SessionLease | LeaseEnd) -> None:
-        if self.leases is None:
-            if isinstance(message, SessionLease):
-                self._to_coordinator(
-                    LeaseAck(
-                        lease_id=message.lease_id,
-                        session_id=message.session_id,
-                        verifier_id=self.config.verifier_id,
-                        held=False,
-                        next_round=message.next_round,
-                        committed_len=len(message.context_ids),
-                        reason="this verifier has no database: it takes no leases",
-                    )
-                )
-            return
-        if isinstance(message, SessionLease):
-            self._spawn(self.leases.on_lease(message), f"lease-{message.session_id}")
-        else:
-            self._spawn(self.leases.on_lease_end(message), f"lease-end-{message.session_id}")
+        if self.leases is not None:
+            self.leases.on_lease_message(message)
+        elif isinstance(message, SessionLease):
+            reason = "this verifier has no database: it takes no leases"
+            self._to_coordinator(no_lease(message, self.config.verifier_id, reason))
 
     def _on_device_message(self, topic: str, payload: bytes) -> None:
-        """A device's draft: answered here when its session is leased to this verifier."""
-        received = time.perf_counter()
-        parsed = parse_device_topic(topic)
-        if self.leases is None or parsed is None or parsed.channel is not DeviceChannel.DRAFT:
-            log.debug("ignoring a message on %s", topic)
-            return
-        arrived = time.time()
-        try:
-            draft = decode_as(payload, Draft)
-        except BusError:
-            return  # the coordinator hears it too, and refuses it with the reason
-        if self.leases.holds(parsed.device_id, draft):
-            name = f"draft-{draft.session_id}-{draft.round}"
-            self._spawn(self.leases.on_draft(parsed.device_id, draft, arrived, received), name)
-
-    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(work, name=f"verifier-{self.config.verifier_id}-{name}")
-        self._lease_tasks.add(task)
-        task.add_done_callback(self._lease_done)
-
-    def _lease_done(self, task: asyncio.Task[None]) -> None:
-        self._lease_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("direct round work failed", exc_info=task.exception())
+        if self.leases is not None:
+            self.leases.on_device_message(topic, payload)
 
     async def _verify_leased(self, request: VerifyRequest, received_at: float) -> Verified:
         """A leased session's round through the same batches as every other request."""
@@ -421,18 +380,10 @@ class VerifierWorker:
         self._outbox.put(self.result_topic, message)
 
     async def _heartbeat(self, client: BusClient) -> None:
-        """A status every heartbeat_s, on a fixed beat: at QoS 0, so that a broker slow to
-        acknowledge (a host at full load) never stretches the beat past what the coordinator
-        counts as dead. Each is retained; the Will says offline."""
-        loop = asyncio.get_running_loop()
-        beat = self.config.heartbeat_s
-        due = loop.time()
-        while True:
-            # After a stall the next beat goes at once, and the beat does not try to catch up.
-            due = max(due + beat, loop.time())
-            await asyncio.sleep(due - loop.time())
-            status = encode(self.status(DeviceState.ONLINE))
-            await client.publish(self.status_topic, status, qos=0, retain=True)
+        def status() -> bytes:
+            return encode(self.status(DeviceState.ONLINE))
+
+        await heartbeat(client, self.status_topic, status, self.config.heartbeat_s)
 
     # -- batching and the child --------------------------------------------------------------
 

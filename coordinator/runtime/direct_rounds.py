@@ -4,7 +4,6 @@ drafts itself and reports each round; leases given, taken back and taken over.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -81,10 +80,8 @@ class DirectRounds(AdaptiveBook):
             except (TimeoutError, asyncio.TimeoutError, ConnectionError, BusConnectionError):
                 log.warning("verifier %s did not take session %s", info.verifier_id, live.id)
                 # Its answer may only be late: a lease it took would have it answer the
-                # session's drafts beside this coordinator. The end of it, not waited for.
-                end = m.LeaseEnd(lease_id=lease.lease_id, session_id=live.id)
-                with contextlib.suppress(ConnectionError, BusConnectionError):
-                    await self.pool.tell(info.verifier_id, end)
+                # session's drafts beside this coordinator.
+                await self._end_lease_there(info.verifier_id, lease.lease_id, live.id)
                 return False
             if not ack.held:
                 log.info("verifier %s refused session %s: %s", ack.verifier_id, live.id, ack.reason)
@@ -157,12 +154,16 @@ class DirectRounds(AdaptiveBook):
         each round then stored by one and refused to the other. The end of its lease, not waited
         for, stops it after its round in flight; a verifier really gone never reads it."""
         if live.lease is not None:
-            holder, lease_id = live.lease
-            try:
-                await self.pool.tell(holder, m.LeaseEnd(lease_id=lease_id, session_id=live.id))
-            except (ConnectionError, BusConnectionError) as exc:
-                log.debug("the end of %s's lease on %s was not sent: %s", holder, live.id, exc)
+            await self._end_lease_there(*live.lease, live.id)
         await self._reload(live)
+
+    async def _end_lease_there(self, verifier_id: str, lease_id: str, session_id: str) -> None:
+        """The end of a lease, not waited for: a verifier that took it stops answering the
+        session after its round in flight; one that is gone never reads it."""
+        try:
+            await self.pool.tell(verifier_id, m.LeaseEnd(lease_id=lease_id, session_id=session_id))
+        except (ConnectionError, BusConnectionError) as exc:
+            log.debug("the end of %s's lease on %s was not sent: %s", verifier_id, session_id, exc)
 
     def on_verifier_lost(self, verifier_id: str) -> None:
         """The sessions a dead verifier held: leased again (or answered here), devices told."""

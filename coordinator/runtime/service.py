@@ -19,6 +19,7 @@ from broker.client import (
     run_with_reconnect,
 )
 from broker.topics import (
+    VERIFIER_ROOT,
     DeviceChannel,
     VerifierChannel,
     device_subscription,
@@ -93,8 +94,13 @@ def _heartbeats_first(topic: str) -> int:
     of session opens) must not hold a live verifier's heartbeats back until it is declared
     dead. Nothing else jumps the queue: a direct round's report must come after its draft,
     which the coordinator would otherwise take, its session finished, for one to answer again."""
-    parsed = parse_verifier_topic(topic)
-    return 0 if parsed is not None and parsed.channel is VerifierChannel.STATUS else 1
+    heartbeat = topic.startswith(_VERIFIER_PREFIX) and topic.endswith(_STATUS_SUFFIX)
+    return 0 if heartbeat else 1
+
+
+# Every incoming message is ranked: string tests, not the topic's regular expression.
+_VERIFIER_PREFIX = f"{VERIFIER_ROOT}/"
+_STATUS_SUFFIX = f"/{VerifierChannel.STATUS.value}"
 
 
 class Coordinator:
