@@ -43,7 +43,6 @@ import math
 from collections.abc import Sequence
 
 from broker import messages as m
-from coordinator.runtime.batch_cost import streams_lost
 from coordinator.runtime.decisions import (
     MODE_DWELL_ROUNDS,
     Candidate,
@@ -57,14 +56,12 @@ from coordinator.runtime.observations import RoundObservation as RoundObservatio
 from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
-    K_MIN,
     PRIOR_ALPHA_WEIGHT,
     AcceptanceRate,
     Ewma,
     ProposalLength,
     VerifyCost,
-    expected_tokens_by_window,
-    window_ms,
+    best_window,
 )
 
 BUILTIN_DRAFTS = ("lookup", "ngram", "hybrid")  # inference.drafters.BUILTIN_DRAFTERS
@@ -305,35 +302,35 @@ class AdaptivePolicy:
     ) -> tuple[int, float, float, float]:
         """(k, E, T, n(k)) with the highest E / T for k in [K_MIN, k_max]; `fixed_ms` is RTT +
         queue in distributed mode, and the RTT's share plus queue in cloud mode. Without `fill`
-        the drafter fills its window. E, n(k), t_verify and T come from round_model's functions
-        and VerifyCost.predict_windows, the ones the tests check. `beside`: the host streams
-        beside the session on its verifier; a device window is rated on E less what it costs
-        them (streams_lost), and E is returned whole."""
+        the drafter fills its window. E, n(k), t_verify and T are those of round_model's
+        functions and VerifyCost.predict_windows, the ones the tests check. `beside`: the host
+        streams beside the session on its verifier; a device window is rated on E less what it
+        costs them (streams_lost), and E is returned whole."""
+        return self._best_window(alpha, draft_ms_per_token, fixed_ms, load, mode, fill, beside)[:4]
+
+    def _best_window(
+        self,
+        alpha: float,
+        draft_ms_per_token: float,
+        fixed_ms: float,
+        load: float,
+        mode: m.Mode,
+        fill: ProposalLength | None,
+        beside: float,
+    ) -> tuple[int, float, float, float, float]:
+        """best_window's (k, E, T, n(k)) and what the streams beside lose to it."""
         survival, drafted_k = (self._unseen_fill if fill is None else fill).curve(self.k_max)
-        waits = mode not in m.HOST_MODES
-        verify_k = self.verify_cost.predict_windows(drafted_k, load, waits)
-        lost = (
-            streams_lost(self.verify_cost, drafted_k, load, beside)
-            if beside > 0 and waits
-            else [0.0] * len(drafted_k)
-        )
-        windows = zip(
-            expected_tokens_by_window(alpha, survival),
+        return best_window(
+            self.verify_cost,
+            alpha,
+            survival,
             drafted_k,
-            window_ms(mode, drafted_k, draft_ms_per_token, fixed_ms, verify_k, load),
-            lost,
-            strict=True,
+            draft_ms_per_token,
+            fixed_ms,
+            load,
+            mode,
+            beside,
         )
-        best: tuple[int, float, float, float] | None = None
-        best_rate = 0.0
-        for k, (tokens, drafted, total, loss) in enumerate(windows, start=1):
-            if k < K_MIN:
-                continue
-            rate = (tokens - loss) / total
-            if best is None or rate > best_rate:
-                best, best_rate = (k, tokens, total, drafted), rate
-        assert best is not None
-        return best
 
     def _candidate(
         self,
@@ -349,7 +346,7 @@ class AdaptivePolicy:
         alpha = self.alpha(device_id, draft, task_type)
         cloud = mode is m.Mode.CLOUD
         per_token = self._ms(HOST if cloud else device_id, draft)
-        k, tokens, total_ms, drafted = self.best_window(
+        k, tokens, total_ms, drafted, lost = self._best_window(
             alpha,
             per_token,
             self.fixed_ms(mode, device_id, rtt_ms, queue_ms),
@@ -358,9 +355,6 @@ class AdaptivePolicy:
             self._fill.get((device_id, draft), self._unseen_fill),
             beside if mode is m.Mode.DISTRIBUTED else 0.0,
         )
-        lost = 0.0
-        if beside > 0 and mode is m.Mode.DISTRIBUTED:
-            lost = streams_lost(self.verify_cost, (drafted,), load, beside)[0]
         net = max(0.0, tokens - lost)
         rate = net / total_ms * 1000.0 if total_ms > 0 else math.inf
         return Candidate(

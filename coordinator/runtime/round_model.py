@@ -254,6 +254,68 @@ def expected_tokens_by_window(alpha: float, survival: Sequence[float]) -> list[f
     return values
 
 
+def best_window(
+    cost: VerifyCost,
+    alpha: float,
+    survival: Sequence[float],
+    drafted: Sequence[float],
+    draft_ms_per_token: float,
+    fixed_ms: float,
+    load: float,
+    mode: m.Mode,
+    beside: float,
+) -> tuple[int, float, float, float, float]:
+    """(k, E, T, n(k), L) of the window k in [K_MIN, len(survival)] with the highest (E - L) / T
+    (the first such k): E is expected_tokens_by_window's, n(k) the drafted tokens given
+    (`drafted`, drafted_by_window of the survival), T window_ms's with VerifyCost.predict_windows'
+    t_verify, and L what `beside` host streams lose to a device window (batch_cost.streams_lost;
+    0 in a host mode, which waits on no device). Each window in one pass: a decision rates every
+    window of every candidate, and building each term's list for all of them cost twice the
+    arithmetic. Every term is the same float expression, in the same order, as the function
+    named for it computes, so the result is theirs bit for bit (tests hold it to them)."""
+    a, b, c, d, e = cost.coefficients()
+    waits = mode not in m.HOST_MODES
+    # VerifyCost.predict_windows(drafted, load, waits): fixed + per_token k, never below 0.
+    verify_fixed = a + c * load + (e if waits else 0.0)
+    per_verify = b + d * load
+    # window_ms: drafting on the host is slowed by the sessions it drafts for.
+    per_draft = draft_ms_per_token * (1.0 + load) if mode is m.Mode.CLOUD else draft_ms_per_token
+    # streams_lost's terms: a stream's pass (predict(0, load, waits=False)), the widened pass
+    # (predict_windows(drafted, load, waits=False)) and a pass apart (at load 1, waiting).
+    stream_fixed = a + c * load + 0.0
+    stream_pass = stream_fixed + per_verify * 0
+    stream_pass = stream_pass if stream_pass > 0.0 else 0.0
+    apart_fixed = a + c * 1.0 + e
+    apart_per = b + d * 1.0
+    losing = beside > 0 and waits and stream_pass > 0
+    best: tuple[int, float, float, float, float] | None = None
+    best_rate = 0.0
+    tokens = accepted = 1.0
+    for i, reach in enumerate(survival):
+        accepted *= alpha
+        tokens += reach * accepted
+        k = i + 1
+        if k < K_MIN:
+            continue
+        n = drafted[i]
+        verify = verify_fixed + per_verify * n
+        total = n * per_draft + fixed_ms + (verify if verify > 0.0 else 0.0)
+        lost = 0.0
+        if losing:
+            wide = stream_fixed + per_verify * n
+            alone = apart_fixed + apart_per * n
+            alone = alone if alone > 0.0 else 0.0
+            held = (wide if wide > 0.0 else 0.0) - stream_pass
+            held = alone if alone < held else held  # min(held, alone), as min() picks
+            lost = beside * (held if held > 0.0 else 0.0) / stream_pass
+        rate = (tokens - lost) / total
+        if best is None or rate > best_rate:
+            best, best_rate = (k, tokens, total, n, lost), rate
+    if best is None:
+        raise ValueError(f"no window of at least {K_MIN} to rate")
+    return best
+
+
 def drafted_by_window(survival: Sequence[float]) -> list[float]:
     """n(k) of every window k = 1..len(survival): the tokens a drafter is expected to propose
     when allowed k, sum_i S(1..i)."""

@@ -1,6 +1,6 @@
 """What the round model keeps between updates: a drafter's fill curve until its next round, and
-X'X computed once per symmetric pair. Each must equal the plain computation, and an update must
-reach the next decision."""
+X'X computed once per symmetric pair; and the windows rated in one pass. Each must equal the
+plain computation, and an update must reach the next decision."""
 
 from __future__ import annotations
 
@@ -8,13 +8,19 @@ import random
 
 import pytest
 
+from broker import messages as m
+from coordinator.runtime.batch_cost import streams_lost
 from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
 from coordinator.runtime.round_model import (
     K_MAX,
+    K_MIN,
     ProposalLength,
     VerifyCost,
     _solve,
+    best_window,
     drafted_by_window,
+    expected_tokens_by_window,
+    window_ms,
 )
 
 
@@ -127,3 +133,61 @@ def test_the_solver_gives_gaussian_eliminations_answer_bit_for_bit(seed: int) ->
         except ZeroDivisionError:
             continue
         assert _solve(matrix, rhs) == expected
+
+
+def reference_best_window(
+    cost: VerifyCost,
+    alpha: float,
+    fill: ProposalLength,
+    per_token: float,
+    fixed_ms: float,
+    load: float,
+    mode: m.Mode,
+    beside: float,
+) -> tuple[int, float, float, float, float]:
+    """Each term as its own function computes it, for every window, then the best."""
+    survival, drafted = fill.curve(K_MAX)
+    waits = mode not in m.HOST_MODES
+    verify = cost.predict_windows(drafted, load, waits)
+    lost = (
+        streams_lost(cost, drafted, load, beside) if beside > 0 and waits else [0.0] * len(drafted)
+    )
+    rows = zip(
+        expected_tokens_by_window(alpha, survival),
+        drafted,
+        window_ms(mode, drafted, per_token, fixed_ms, verify, load),
+        lost,
+        strict=True,
+    )
+    rated = [
+        ((tokens - loss) / total, (k, tokens, total, n, loss))
+        for k, (tokens, n, total, loss) in enumerate(rows, start=1)
+        if k >= K_MIN
+    ]
+    return max(rated, key=lambda pair: pair[0])[1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_windows_rated_in_one_pass_are_the_plain_functions_bit_for_bit(seed: int) -> None:
+    rng = random.Random(seed)
+    costs = [VerifyCost(), VerifyCost(prior=(0.0, 0.0, 0.0, 0.0, 0.0))]  # no stream pass at all
+    fills = [ProposalLength(), ProposalLength()]
+    for step in range(400):
+        cost = rng.choice(costs)
+        if rng.random() < 0.5:
+            k = rng.randint(0, 16)
+            cost.update(
+                k, rng.uniform(0.0, 30.0), rng.uniform(5.0, 900.0), waits=rng.random() < 0.5
+            )
+        fill = rng.choice(fills)
+        window = rng.randint(1, 16)
+        fill.update(window, rng.randint(0, window))
+        alpha = rng.choice((0.0, 0.3, 0.7, 0.98, rng.random()))
+        mode = rng.choice((m.Mode.DISTRIBUTED, m.Mode.CLOUD))
+        per_token, fixed_ms = rng.uniform(0.0, 9.0), rng.uniform(0.0, 300.0)
+        load = rng.choice((0.0, 1.0, rng.uniform(0.0, 40.0)))
+        beside = rng.choice((0.0, -1.0, rng.uniform(0.0, 30.0)))
+        survival, drafted = fill.curve(K_MAX)
+        expected = reference_best_window(cost, alpha, fill, per_token, fixed_ms, load, mode, beside)
+        got = best_window(cost, alpha, survival, drafted, per_token, fixed_ms, load, mode, beside)
+        assert got == expected, step
