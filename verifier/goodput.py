@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from broker.messages import PassChoice
 
@@ -75,10 +76,11 @@ class PassCost:
 
     def observe(self, rows: int, positions: int, ms: float, weight: float = 1.0) -> None:
         x = self._features(rows, positions)
-        for i in range(3):
-            self._xty[i] = self._xty[i] * self._forget + weight * x[i] * ms
-            for j in range(3):
-                self._xtx[i][j] = self._xtx[i][j] * self._forget + weight * x[i] * x[j]
+        forget, xty = self._forget, self._xty
+        for i, row in enumerate(self._xtx):
+            weighted = weight * x[i]  # the common first product of weight * x[i] * (ms or x[j])
+            xty[i] = xty[i] * forget + weighted * ms
+            row[:] = [value * forget + weighted * x_j for value, x_j in zip(row, x, strict=True)]
         self.samples += 1
         by_positions = self._seen.setdefault(rows, {})
         seen = by_positions.get(positions)
@@ -125,23 +127,37 @@ class PassCost:
 
 def _solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float] | None:
     """The 3x3 system by Cramer's rule; None when it is singular (too few distinct samples)."""
-
-    def det(m: list[list[float]]) -> float:
-        return (
-            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
-        )
-
-    d = det(matrix)
-    scale = max(abs(v) for row in matrix for v in row) or 1.0
+    (m00, m01, m02), (m10, m11, m12), (m20, m21, m22) = matrix
+    r0, r1, r2 = rhs
+    d = _det3(m00, m01, m02, m10, m11, m12, m20, m21, m22)
+    scale = max(map(abs, (m00, m01, m02, m10, m11, m12, m20, m21, m22))) or 1.0
     if abs(d) <= 1e-9 * scale**3:
         return None
-    out = []
-    for col in range(3):
-        replaced = [[rhs[r] if c == col else matrix[r][c] for c in range(3)] for r in range(3)]
-        out.append(det(replaced) / d)
-    return out[0], out[1], out[2]
+    # Each column replaced by the right-hand side in turn (written out: every pass solves it).
+    return (
+        _det3(r0, m01, m02, r1, m11, m12, r2, m21, m22) / d,
+        _det3(m00, r0, m02, m10, r1, m12, m20, r2, m22) / d,
+        _det3(m00, m01, r0, m10, m11, r1, m20, m21, r2) / d,
+    )
+
+
+def _det3(
+    m00: float,
+    m01: float,
+    m02: float,
+    m10: float,
+    m11: float,
+    m12: float,
+    m20: float,
+    m21: float,
+    m22: float,
+) -> float:
+    """The determinant of a 3x3 matrix given row by row, expanded along its first row."""
+    return (
+        m00 * (m11 * m22 - m12 * m21)
+        - m01 * (m10 * m22 - m12 * m20)
+        + m02 * (m10 * m21 - m11 * m20)
+    )
 
 
 @dataclass
@@ -198,8 +214,15 @@ class PositionAcceptance:
             return cached
         values = [1.0]
         total, survive = 1.0, 1.0
-        for rate in self.rates(k, prior):
-            survive *= rate
+        # rates(k, prior) in the same loop: each rate from the one before (the prior first).
+        positions, pull = self.positions, prior
+        for i in range(k):
+            if i < len(positions):
+                seen = positions[i]
+                pull = (seen.accepted + pull * PRIOR_WEIGHT) / (seen.reached + PRIOR_WEIGHT)
+            else:  # an unseen position: none reached, none accepted
+                pull = (0.0 + pull * PRIOR_WEIGHT) / (0.0 + PRIOR_WEIGHT)
+            survive *= pull
             total += survive
             values.append(total)
         self._expected[prior] = values
@@ -218,6 +241,10 @@ class StreamRow:
     task_type: str
     cap: int  # the most tokens it may draft this round (cloud_k, cut to fit max_new)
     prior: float  # the coordinator's acceptance estimate, or PRIOR_ACCEPT
+
+
+# A kind of stream: StreamRow's fields as a tuple, which hashes and compares as the row does, in C.
+_KIND = attrgetter("draft", "task_type", "cap", "prior")
 
 
 class GoodputControl:
@@ -279,53 +306,51 @@ class GoodputControl:
         # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
         # once per window (this runs between two passes, while the target waits). A kind is
         # StreamRow's fields as a tuple, which hashes and compares as the row does, in C.
-        kinds = Counter((s.draft, s.task_type, s.cap, s.prior) for s in streams)
+        kinds = Counter(map(_KIND, streams))
         windows = [k for k in self.windows if k <= top_cap or k <= 0]
         widest = max(windows, default=0)
         # Per kind: its count, the most E(j) it reaches (a plain stream's are all 1, and so
         # is a cap below 0's, which drafts nothing), E(j) for every j up to it (one pass over
         # its rates, kept by its statistics until they change), its cap and its drafting cost
-        # per window token.
-        scored: list[tuple[int, int, list[float], int, float | None]] = []
+        # per window token (the drafted kinds only).
+        scored: list[tuple[int, int, list[float]]] = []
+        drafting_ms: list[tuple[float, int]] = []
         for (draft, task, cap, prior), count in kinds.items():
             if draft is None:
-                scored.append((count, 0, [1.0], cap, None))
+                scored.append((count, 0, [1.0]))
             else:
                 reach = max(0, min(widest, cap))
                 by_window = self._stats(draft, task).expected_by_window(reach, prior)
-                scored.append((count, reach, by_window, cap, count * self.draft_ms(draft)))
+                scored.append((count, reach, by_window))
+                drafting_ms.append((count * self.draft_ms(draft), cap))
         goodput: dict[str, float] = {}
         cost_at: dict[int, float] = {}
+        names, predict = self._names, self.cost.predict
         for k in windows:
             # E(min(k, cap)) of each kind (1 at k <= 0), summed in the kinds' order as sum()
             # over the rows' kinds would.
             j = max(0, k)
             tokens = fixed_tokens + sum(
-                [
-                    count * by_window[j if j < reach else reach]
-                    for count, reach, by_window, _, _ in scored
-                ]
+                [count * by_window[j if j < reach else reach] for count, reach, by_window in scored]
             )
-            drafting = sum(
-                [
-                    count_ms * (k if k < cap else cap)
-                    for _, _, _, cap, count_ms in scored
-                    if count_ms is not None
-                ]
-            )
-            ms = self.cost.predict(rows, max(k, widest_fixed) + 1) + drafting
+            drafting = sum([count_ms * (k if k < cap else cap) for count_ms, cap in drafting_ms])
+            ms = predict(rows, max(k, widest_fixed) + 1) + drafting
             cost_at[k] = ms
-            goodput[self._names[k]] = tokens / ms * 1000.0 if ms > 0 else math.inf
+            goodput[names[k]] = tokens / ms * 1000.0 if ms > 0 else math.inf
         plain = goodput["0"]
-
-        def worth(k: int) -> float:
-            """A window's goodput, discounted by the certainty it needs: the more it adds to
-            the pass, the more a wrong estimate costs (a lone row's window adds ~2%)."""
-            extra = max(0.0, cost_at[k] / cost_at[0] - 1.0)
-            return goodput[self._names[k]] / (1.0 + SPECULATION_MARGIN * extra)
-
-        best = max((int(k) for k in goodput), key=lambda k: (worth(k), -k))
-        if best > 0 and worth(best) <= plain:
+        # The best window by its goodput, discounted by the certainty it needs: the more it
+        # adds to the pass, the more a wrong estimate costs (a lone row's window adds ~2%).
+        # Ties go to the smaller window (the first, in the ascending windows).
+        plain_ms = cost_at[0]
+        best: int | None = None
+        best_worth = 0.0
+        for k in windows:
+            extra = max(0.0, cost_at[k] / plain_ms - 1.0)
+            worth = goodput[names[k]] / (1.0 + SPECULATION_MARGIN * extra)
+            if best is None or worth > best_worth or (worth == best_worth and k < best):
+                best, best_worth = k, worth
+        assert best is not None  # windows holds 0 (goodput["0"] above)
+        if best > 0 and best_worth <= plain:
             best = 0
         reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
             "" if best == 0 else f" (plain {plain:.1f})"

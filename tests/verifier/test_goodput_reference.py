@@ -1,7 +1,9 @@
 """Goodput control's pass rule against the rule written out plainly: every kind of stream scored
 at every window from its acceptance per position, nothing kept between passes. The rule keeps
 E(j) per (drafter, task) until a round of theirs is observed; its choices, predictions and
-reasons must be these, bit for bit, and a change in acceptance must reach the next choice."""
+reasons must be these, bit for bit, and a change in acceptance must reach the next choice. The
+cost fit, written out, must give the plain loops' sums and Cramer's rule's solution bit for
+bit."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from verifier.goodput import (
     PRIOR_WEIGHT,
     SPECULATION_MARGIN,
     GoodputControl,
+    PassCost,
     PositionAcceptance,
     StreamRow,
+    _solve3,
 )
 
 DRAFTS = ("hybrid", "ngram", "draft-l1")
@@ -155,3 +159,52 @@ def test_acceptance_observed_after_a_choice_changes_the_next_choice() -> None:
     assert accepted.k > 0
     assert accepted.goodput["8"] > 3 * rejected.goodput["8"]
     assert accepted == reference_choose(control, streams, [])
+
+
+def reference_solve3(
+    matrix: list[list[float]], rhs: list[float]
+) -> tuple[float, float, float] | None:
+    def det(m: list[list[float]]) -> float:
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
+
+    d = det(matrix)
+    scale = max(abs(v) for row in matrix for v in row) or 1.0
+    if abs(d) <= 1e-9 * scale**3:
+        return None
+    out = []
+    for col in range(3):
+        replaced = [[rhs[r] if c == col else matrix[r][c] for c in range(3)] for r in range(3)]
+        out.append(det(replaced) / d)
+    return out[0], out[1], out[2]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cost_fit_sums_and_solves_as_the_plain_loops(seed: int) -> None:
+    rng = random.Random(seed)
+    cost = PassCost()
+    xtx = [[0.0] * 3 for _ in range(3)]
+    xty = [0.0] * 3
+    forget = cost._forget
+    for _ in range(400):
+        rows, positions = rng.randint(1, 32), rng.randint(1, 9)
+        ms, weight = rng.uniform(20.0, 900.0), rng.choice((1.0, 0.5, rng.uniform(0.1, 3.0)))
+        cost.observe(rows, positions, ms, weight)
+        x = (1.0, float(rows), float(rows * positions))
+        for i in range(3):
+            xty[i] = xty[i] * forget + weight * x[i] * ms
+            for j in range(3):
+                xtx[i][j] = xtx[i][j] * forget + weight * x[i] * x[j]
+        assert cost._xtx == xtx and cost._xty == xty
+        assert _solve3(xtx, xty) == reference_solve3(xtx, xty)
+    singular = [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 1.0, 1.0]]
+    assert _solve3(singular, [1.0, 2.0, 3.0]) is None is reference_solve3(singular, [1.0, 2.0, 3.0])
+    for _ in range(300):
+        matrix = [
+            [rng.choice((rng.uniform(-50, 50), 2.0, 0.0)) for _ in range(3)] for _ in range(3)
+        ]
+        rhs = [rng.uniform(-100, 100) for _ in range(3)]
+        assert _solve3(matrix, rhs) == reference_solve3(matrix, rhs)
