@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from broker import messages as m
 
 
-@dataclass(frozen=True)
-class RoundObservation:
-    """What one verified round measured."""
+class RoundObservation(NamedTuple):
+    """What one verified round measured. A record, immutable: built for every round the
+    coordinator hears (and the simulator's), where a frozen dataclass took three times as long
+    to build."""
 
     session_id: str
     device_id: str

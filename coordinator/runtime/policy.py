@@ -185,7 +185,9 @@ class AdaptivePolicy:
             rate.update(round_.k, round_.n_accepted)
             # How far the drafter fills a window, an empty proposal included (lookup without a
             # match).
-            fill = self._fill.setdefault((round_.device_id, round_.draft_model), ProposalLength())
+            fill = self._fill.get((round_.device_id, round_.draft_model))
+            if fill is None:
+                fill = self._fill[(round_.device_id, round_.draft_model)] = ProposalLength()
             fill.update(round_.window, round_.k)
         cloud = round_.mode in m.HOST_MODES
         if round_.mode is not m.Mode.PLAIN:

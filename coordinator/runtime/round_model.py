@@ -206,12 +206,17 @@ class ProposalLength:
         if window <= 0:
             return
         self._curve = None
-        self.allowed[1:] = [value * decay for value in self.allowed[1:]]
-        self.drafted[1:] = [value * decay for value in self.drafted[1:]]
-        for i in range(1, min(window, n_drafted + 1) + 1):
-            self.allowed[i] += 1.0
-            if i <= n_drafted:
-                self.drafted[i] += 1.0
+        # Every position decays; positions 1..reached were allowed a token, 1..proposed drafted
+        # one, and count it (value * decay + 1.0, as decaying and then adding would).
+        reached = min(window, n_drafted + 1)
+        proposed = min(reached, n_drafted)
+        allowed, drafted = self.allowed, self.drafted
+        allowed[1:] = [value * decay + 1.0 for value in allowed[1 : reached + 1]] + [
+            value * decay for value in allowed[reached + 1 :]
+        ]
+        drafted[1:] = [value * decay + 1.0 for value in drafted[1 : proposed + 1]] + [
+            value * decay for value in drafted[proposed + 1 :]
+        ]
 
     def go_on(self, i: int) -> float:
         """P(an i-th token is proposed | i - 1 were and the window allows one more)."""

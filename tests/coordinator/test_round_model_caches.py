@@ -46,6 +46,30 @@ def test_the_fill_curve_is_the_plain_one_after_every_update(seed: int) -> None:
         assert fill.survival(k) == survival
 
 
+def reference_fill_update(fill: ProposalLength, window: int, n_drafted: int) -> None:
+    window = min(K_MAX, max(window, n_drafted))
+    if window <= 0:
+        return
+    fill.allowed[1:] = [value * 0.9 for value in fill.allowed[1:]]
+    fill.drafted[1:] = [value * 0.9 for value in fill.drafted[1:]]
+    for i in range(1, min(window, n_drafted + 1) + 1):
+        fill.allowed[i] += 1.0
+        if i <= n_drafted:
+            fill.drafted[i] += 1.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fill_counts_update_as_the_plain_loop_would(seed: int) -> None:
+    rng = random.Random(seed)
+    kept, plain = ProposalLength(), ProposalLength()
+    for _ in range(500):
+        window = rng.randint(-1, 20)
+        n_drafted = rng.randint(0, max(0, window) + rng.choice((0, 0, 3)))
+        kept.update(window, n_drafted)
+        reference_fill_update(plain, window, n_drafted)
+        assert kept.allowed == plain.allowed and kept.drafted == plain.drafted
+
+
 def test_a_drafter_seen_stopping_short_changes_the_next_decision() -> None:
     policy = AdaptivePolicy()
 
