@@ -49,6 +49,10 @@ VERIFY_PRIOR_ROUNDS = 4.0  # how many rounds' worth of belief the prior holds
 VERIFY_FEATURE_SCALE = (0.05, 4.0, 1.0, 4.0, 1.0)
 
 
+# The prior's weight on each coefficient: n S^2 of VerifyCost's solve.
+_RIDGE = tuple(VERIFY_PRIOR_ROUNDS * scale**2 for scale in VERIFY_FEATURE_SCALE)
+
+
 ALPHA_CAP = 0.98  # E(a, k) grows without bound as a -> 1; a few misses always happen
 
 
@@ -162,9 +166,9 @@ class VerifyCost:
             return self._solved
         matrix = [row[:] for row in self.xtx]
         rhs = self.xty[:]
-        for i, scale in enumerate(VERIFY_FEATURE_SCALE):
-            matrix[i][i] += VERIFY_PRIOR_ROUNDS * scale**2
-            rhs[i] += VERIFY_PRIOR_ROUNDS * scale**2 * self.prior[i]
+        for i, ridge in enumerate(_RIDGE):
+            matrix[i][i] += ridge
+            rhs[i] += ridge * self.prior[i]
         a, b, c, d, e = (max(0.0, value) for value in _solve(matrix, rhs))
         self._solved = (a, b, c, d, e)
         return self._solved
@@ -343,15 +347,16 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
                 pivot = r
         rows[col], rows[pivot] = rows[pivot], rows[col]
         top = rows[col]
+        pivot_tail = top[col:]
         for r in range(col + 1, n):
             row = rows[r]
             factor = row[col] / top[col]
-            for c in range(col, n + 1):
-                row[c] -= factor * top[c]
+            row[col:] = [value - factor * t for value, t in zip(row[col:], pivot_tail, strict=True)]
     solution = [0.0] * n
     for r in reversed(range(n)):
-        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
-        solution[r] = (rows[r][n] - tail) / rows[r][r]
+        row = rows[r]
+        tail = sum([row[c] * solution[c] for c in range(r + 1, n)])
+        solution[r] = (row[n] - tail) / row[r]
     return solution
 
 

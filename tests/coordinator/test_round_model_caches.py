@@ -14,6 +14,8 @@ from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
 from coordinator.runtime.round_model import (
     K_MAX,
     K_MIN,
+    VERIFY_FEATURE_SCALE,
+    VERIFY_PRIOR_ROUNDS,
     ProposalLength,
     VerifyCost,
     _solve,
@@ -140,6 +142,20 @@ def reference_solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
         tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
         solution[r] = (rows[r][n] - tail) / rows[r][r]
     return solution
+
+
+def test_the_coefficients_are_the_ridge_solution_bit_for_bit() -> None:
+    rng = random.Random(9)
+    cost = VerifyCost()
+    for _ in range(200):
+        cost.update(rng.randint(0, 16), rng.uniform(0.0, 40.0), rng.uniform(10.0, 900.0))
+        matrix = [row[:] for row in cost.xtx]
+        rhs = cost.xty[:]
+        for i, scale in enumerate(VERIFY_FEATURE_SCALE):
+            matrix[i][i] += VERIFY_PRIOR_ROUNDS * scale**2
+            rhs[i] += VERIFY_PRIOR_ROUNDS * scale**2 * cost.prior[i]
+        expected = tuple(max(0.0, value) for value in reference_solve(matrix, rhs))
+        assert cost.coefficients() == expected
 
 
 @pytest.mark.parametrize("seed", range(3))
