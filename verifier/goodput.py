@@ -75,12 +75,23 @@ class PassCost:
         return (1.0, float(rows), float(rows * positions))
 
     def observe(self, rows: int, positions: int, ms: float, weight: float = 1.0) -> None:
-        x = self._features(rows, positions)
-        forget, xty = self._forget, self._xty
-        for i, row in enumerate(self._xtx):
-            weighted = weight * x[i]  # the common first product of weight * x[i] * (ms or x[j])
-            xty[i] = xty[i] * forget + weighted * ms
-            row[:] = [value * forget + weighted * x_j for value, x_j in zip(row, x, strict=True)]
+        x0, x1, x2 = self._features(rows, positions)
+        # Written out (every pass runs it): x'y and X'X decay and add weight * x_i * (y or x_j),
+        # whose first product is the same for a whole row.
+        forget, xty, (r0, r1, r2) = self._forget, self._xty, self._xtx
+        w0, w1, w2 = weight * x0, weight * x1, weight * x2
+        xty[0] = xty[0] * forget + w0 * ms
+        xty[1] = xty[1] * forget + w1 * ms
+        xty[2] = xty[2] * forget + w2 * ms
+        r0[0] = r0[0] * forget + w0 * x0
+        r0[1] = r0[1] * forget + w0 * x1
+        r0[2] = r0[2] * forget + w0 * x2
+        r1[0] = r1[0] * forget + w1 * x0
+        r1[1] = r1[1] * forget + w1 * x1
+        r1[2] = r1[2] * forget + w1 * x2
+        r2[0] = r2[0] * forget + w2 * x0
+        r2[1] = r2[1] * forget + w2 * x1
+        r2[2] = r2[2] * forget + w2 * x2
         self.samples += 1
         by_positions = self._seen.setdefault(rows, {})
         seen = by_positions.get(positions)
@@ -301,25 +312,27 @@ class GoodputControl:
         rows = len(streams) + len(fixed)
         widest_fixed = max(fixed, default=0)
         # A device-drafted row is worth about 1 + a window's half (its acceptance is unknown here).
-        fixed_tokens = sum(1.0 + 0.5 * k for k in fixed)
-        top_cap = max((s.cap for s in streams if s.draft is not None), default=0)
+        fixed_tokens = sum([1.0 + 0.5 * k for k in fixed])
         # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
         # once per window (this runs between two passes, while the target waits). A kind is
         # StreamRow's fields as a tuple, which hashes and compares as the row does, in C.
         kinds = Counter(map(_KIND, streams))
+        top_cap = max([cap for draft, _, cap, _ in kinds if draft is not None], default=0)
         windows = [k for k in self.windows if k <= top_cap or k <= 0]
-        widest = max(windows, default=0)
+        widest = windows[-1] if windows else 0  # self.windows ascends
         # Per kind: its count, the most E(j) it reaches (a plain stream's are all 1, and so
         # is a cap below 0's, which drafts nothing), E(j) for every j up to it (one pass over
-        # its rates, kept by its statistics until they change), its cap and its drafting cost
-        # per window token (the drafted kinds only).
+        # its rates, kept by its statistics until they change); per drafted kind, its drafting
+        # cost per window token and its cap. Here and below, `a if a > b else b` is max(a, b)
+        # (and `<` min), written out: a pass runs this rule on every window.
         scored: list[tuple[int, int, list[float]]] = []
         drafting_ms: list[tuple[float, int]] = []
         for (draft, task, cap, prior), count in kinds.items():
             if draft is None:
                 scored.append((count, 0, [1.0]))
             else:
-                reach = max(0, min(widest, cap))
+                reach = cap if cap < widest else widest
+                reach = reach if reach > 0 else 0
                 by_window = self._stats(draft, task).expected_by_window(reach, prior)
                 scored.append((count, reach, by_window))
                 drafting_ms.append((count * self.draft_ms(draft), cap))
@@ -329,12 +342,12 @@ class GoodputControl:
         for k in windows:
             # E(min(k, cap)) of each kind (1 at k <= 0), summed in the kinds' order as sum()
             # over the rows' kinds would.
-            j = max(0, k)
+            j = k if k > 0 else 0
             tokens = fixed_tokens + sum(
                 [count * by_window[j if j < reach else reach] for count, reach, by_window in scored]
             )
             drafting = sum([count_ms * (k if k < cap else cap) for count_ms, cap in drafting_ms])
-            ms = predict(rows, max(k, widest_fixed) + 1) + drafting
+            ms = predict(rows, (widest_fixed if widest_fixed > k else k) + 1) + drafting
             cost_at[k] = ms
             goodput[names[k]] = tokens / ms * 1000.0 if ms > 0 else math.inf
         plain = goodput["0"]
@@ -345,8 +358,8 @@ class GoodputControl:
         best: int | None = None
         best_worth = 0.0
         for k in windows:
-            extra = max(0.0, cost_at[k] / plain_ms - 1.0)
-            worth = goodput[names[k]] / (1.0 + SPECULATION_MARGIN * extra)
+            extra = cost_at[k] / plain_ms - 1.0
+            worth = goodput[names[k]] / (1.0 + SPECULATION_MARGIN * (extra if extra > 0.0 else 0.0))
             if best is None or worth > best_worth or (worth == best_worth and k < best):
                 best, best_worth = k, worth
         assert best is not None  # windows holds 0 (goodput["0"] above)
