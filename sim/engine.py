@@ -29,6 +29,7 @@ import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from broker import messages as m
@@ -43,6 +44,7 @@ from verifier.worker import BATCH_WINDOW_MS
 
 # A mode's name, as rounds are counted by it (Enum's .value is a descriptor call, every round).
 MODE_NAMES = {mode: mode.value for mode in m.Mode}
+_LOAD = attrgetter("load")  # a verifier's
 MESSAGE_BYTES = 320  # a draft or a verdict of a few tokens, JSON, with MQTT framing
 TIMELINE_LIMIT = 10_000_000  # events one simulation may run, against a runaway model
 
@@ -210,6 +212,7 @@ class Acceptance:
     def __init__(self, calibration: Calibration, rng: random.Random) -> None:
         self.rates = calibration.acceptance
         self.rng = rng
+        self._tables: dict[tuple[str, str], PositionRates] = {}  # table() of each, once
 
     def table(self, drafter: str, task: str) -> PositionRates:
         by_task = self.rates.get(drafter) or self.rates.get(drafter.split("+")[0])
@@ -219,12 +222,17 @@ class Acceptance:
 
     def draw(self, drafter: str, task: str, window: int) -> tuple[int, int]:
         """(drafted, accepted) for one round with a window of `window`."""
-        table = self.table(drafter, task)
+        if window <= 0:
+            return 0, 0  # nothing drafted, nothing drawn
+        table = self._tables.get((drafter, task))
+        if table is None:
+            table = self._tables[drafter, task] = self.table(drafter, task)
+        random, fill, accept = self.rng.random, table.fill, table.accept
         drafted = 0
-        while drafted < window and self.rng.random() < _at(table.fill, drafted):
+        while drafted < window and random() < _at(fill, drafted):
             drafted += 1
         accepted = 0
-        while accepted < drafted and self.rng.random() < _at(table.accept, accepted):
+        while accepted < drafted and random() < _at(accept, accepted):
             accepted += 1
         return drafted, accepted
 
@@ -327,25 +335,26 @@ class Verifier:
         self.cached: set[str] = set()
         self.outstanding: set[str] = set()  # distributed sessions due back with a draft
         self.worker_cpu = Server()  # the worker process: decoding, persisting, publishing
+        # Its streams and the sessions due back (as the coordinator counts a verifier's load),
+        # kept as they change: every session opened picks the least loaded verifier.
+        self.load = 0
         self.busy = False
         self.waiting = False
         self.passes = 0
         self.busy_ms = 0.0
         self.rows_total = 0
 
-    @property
-    def load(self) -> int:
-        return len(self.streams) + len(self.outstanding)
-
     def due(self, session_id: str) -> None:
         """A distributed session's draft is on its way here."""
         if session_id not in self.outstanding:
             self.outstanding.add(session_id)
+            self.load += 1
             self.fleet.total_load += 1
 
     def not_due(self, session_id: str) -> None:
         if session_id in self.outstanding:
             self.outstanding.discard(session_id)
+            self.load -= 1
             self.fleet.total_load -= 1
 
     def submit(self, row: _Row) -> None:
@@ -356,6 +365,7 @@ class Verifier:
     def open_stream(self, session: Session) -> None:
         if session.id not in self.streams:
             self.streams[session.id] = session
+            self.load += 1
             self.fleet.total_load += 1
             self.fleet.total_streams += 1
         self.last_pass.setdefault(session.id, -1)
@@ -363,6 +373,7 @@ class Verifier:
 
     def stop_stream(self, session: Session) -> None:
         if self.streams.pop(session.id, None) is not None:
+            self.load -= 1
             self.fleet.total_load -= 1
             self.fleet.total_streams -= 1
 
@@ -494,7 +505,7 @@ class Coordinator:
 
     def _opened(self, session: Session) -> None:
         fleet = self.fleet
-        session.verifier = min(fleet.verifiers, key=lambda v: v.load)
+        session.verifier = min(fleet.verifiers, key=_LOAD)
         if session.adaptive:
             decision = self.policy.decide(
                 session.id,
@@ -595,9 +606,15 @@ class Coordinator:
             plain=True,
             beside=self._beside(session),
         )
-        before = session.policy.mode
-        session.policy = decision.policy
-        after = decision.policy.mode
+        current = session.policy
+        before, after = current.mode, decision.mode
+        if (after, decision.draft_model, decision.k, decision.min_confidence) != (
+            before,
+            current.draft_model,
+            current.k,
+            current.min_confidence,
+        ):  # a Policy is validated as it is built: only a changed one is
+            session.policy = decision.policy
         verifier = session.verifier
         assert verifier is not None
         if before in m.HOST_MODES and after not in m.HOST_MODES:

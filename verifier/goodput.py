@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from typing import NamedTuple
 
 from broker.messages import PassChoice
 
@@ -244,18 +244,14 @@ class PositionAcceptance:
         return self.expected_by_window(k, prior)[k]
 
 
-@dataclass(frozen=True)
-class StreamRow:
-    """What the pass knows of one stream it is about to run a round of."""
+class StreamRow(NamedTuple):
+    """What the pass knows of one stream it is about to run a round of. Immutable, and a tuple:
+    a pass counts its kinds of stream by the rows themselves (hashed and compared in C)."""
 
     draft: str | None  # None: a plain stream (no drafter)
     task_type: str
     cap: int  # the most tokens it may draft this round (cloud_k, cut to fit max_new)
     prior: float  # the coordinator's acceptance estimate, or PRIOR_ACCEPT
-
-
-# A kind of stream: StreamRow's fields as a tuple, which hashes and compares as the row does, in C.
-_KIND = attrgetter("draft", "task_type", "cap", "prior")
 
 
 class GoodputControl:
@@ -314,9 +310,8 @@ class GoodputControl:
         # A device-drafted row is worth about 1 + a window's half (its acceptance is unknown here).
         fixed_tokens = sum([1.0 + 0.5 * k for k in fixed])
         # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
-        # once per window (this runs between two passes, while the target waits). A kind is
-        # StreamRow's fields as a tuple, which hashes and compares as the row does, in C.
-        kinds = Counter(map(_KIND, streams))
+        # once per window (this runs between two passes, while the target waits).
+        kinds = Counter(streams)
         top_cap = max([cap for draft, _, cap, _ in kinds if draft is not None], default=0)
         windows = [k for k in self.windows if k <= top_cap or k <= 0]
         widest = windows[-1] if windows else 0  # self.windows ascends
