@@ -45,6 +45,7 @@ from verifier.worker import BATCH_WINDOW_MS
 # A mode's name, as rounds are counted by it (Enum's .value is a descriptor call, every round).
 MODE_NAMES = {mode: mode.value for mode in m.Mode}
 _LOAD = attrgetter("load")  # a verifier's
+_CLOUD = m.Mode.CLOUD
 MESSAGE_BYTES = 320  # a draft or a verdict of a few tokens, JSON, with MQTT framing
 TIMELINE_LIMIT = 10_000_000  # events one simulation may run, against a runaway model
 
@@ -323,7 +324,7 @@ class Verifier:
         self.fleet = fleet
         self.name = name
         self.profile = profile
-        self.truth = ProfileCost(profile)
+        self.truth = fleet.profile_cost(profile)
         self.speed = 1.0  # its host's slowdown now: every pass and prefill costs this times more
         # Seeded as the real worker seeds it, with the passes its child times at start.
         self.control = GoodputControl()
@@ -439,11 +440,10 @@ class Verifier:
         )
 
     def _cap(self, session: Session) -> int:
-        if session.policy.mode is not m.Mode.CLOUD:
+        policy = session.policy
+        if policy.mode is not _CLOUD:
             return 0
-        window = (
-            max(session.policy.k, self.fleet.policy.k_max) if session.adaptive else session.policy.k
-        )
+        window = max(policy.k, self.fleet.policy.k_max) if session.adaptive else policy.k
         return max(0, min(window, session.length - session.generated - 1, m.MAX_CLOUD_K))
 
     def _prefill_ms(self, session: Session) -> float:
@@ -649,6 +649,9 @@ class Fleet:
         self.loop = Loop()
         self.policy = AdaptivePolicy()
         self.acceptance = Acceptance(calibration, self.rng)
+        # One cost table per verifier kind: a pure function of its profile, shared by its
+        # verifiers rather than interpolated again by each.
+        self._profile_costs: dict[int, tuple[VerifierProfile, ProfileCost]] = {}
         hop = calibration.broker_hop_ms if broker_hop_ms is None else broker_hop_ms
         self.broker = Broker(hop, broker_max_messages_per_s)
         self.verifiers = [
@@ -662,6 +665,13 @@ class Fleet:
                 verifier.worker_cpu = host_cpu
         self._service = sorted(calibration.round_service_ms)
         self._round_cpu_ms = calibration.round_cpu_ms
+
+    def profile_cost(self, profile: VerifierProfile) -> ProfileCost:
+        """The pass cost of a verifier of this profile, shared by the verifiers of its kind."""
+        kept = self._profile_costs.get(id(profile))
+        if kept is None:
+            kept = self._profile_costs[id(profile)] = (profile, ProfileCost(profile))
+        return kept[1]
 
     def mean_load(self) -> float:
         """The verifiers' mean load, as the coordinator counts it (verifier_load): the sessions
