@@ -210,17 +210,17 @@ class ProposalLength:
         if window <= 0:
             return
         self._curve = None
-        # Every position decays; positions 1..reached were allowed a token, 1..proposed drafted
-        # one, and count it (value * decay + 1.0, as decaying and then adding would).
+        # Every position decays; positions 1..reached were allowed a token and count it, and of
+        # those 1..n_drafted drafted one (value * decay + 1.0, as decaying, then adding, would).
         reached = min(window, n_drafted + 1)
-        proposed = min(reached, n_drafted)
         allowed, drafted = self.allowed, self.drafted
-        allowed[1:] = [value * decay + 1.0 for value in allowed[1 : reached + 1]] + [
-            value * decay for value in allowed[reached + 1 :]
-        ]
-        drafted[1:] = [value * decay + 1.0 for value in drafted[1 : proposed + 1]] + [
-            value * decay for value in drafted[proposed + 1 :]
-        ]
+        for i in range(1, K_MAX + 1):
+            if i <= reached:
+                allowed[i] = allowed[i] * decay + 1.0
+                drafted[i] = drafted[i] * decay + 1.0 if i <= n_drafted else drafted[i] * decay
+            else:
+                allowed[i] *= decay
+                drafted[i] *= decay
 
     def go_on(self, i: int) -> float:
         """P(an i-th token is proposed | i - 1 were and the window allows one more)."""
@@ -300,18 +300,18 @@ def best_window(
     best: tuple[int, float, float, float, float] | None = None
     best_rate = 0.0
     tokens = accepted = 1.0
-    for i, reach in enumerate(survival):
+    k_min = K_MIN
+    for k, reach, n in zip(range(1, len(survival) + 1), survival, drafted, strict=True):
         accepted *= alpha
         tokens += reach * accepted
-        k = i + 1
-        if k < K_MIN:
+        if k < k_min:
             continue
-        n = drafted[i]
-        verify = verify_fixed + per_verify * n
+        per_verify_n = per_verify * n  # the widened pass's too
+        verify = verify_fixed + per_verify_n
         total = n * per_draft + fixed_ms + (verify if verify > 0.0 else 0.0)
         lost = 0.0
         if losing:
-            wide = stream_fixed + per_verify * n
+            wide = stream_fixed + per_verify_n
             alone = apart_fixed + apart_per * n
             alone = alone if alone > 0.0 else 0.0
             held = (wide if wide > 0.0 else 0.0) - stream_pass
@@ -347,16 +347,15 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
                 pivot = r
         rows[col], rows[pivot] = rows[pivot], rows[col]
         top = rows[col]
-        pivot_tail = top[col:]
         for r in range(col + 1, n):
             row = rows[r]
             factor = row[col] / top[col]
-            row[col:] = [value - factor * t for value, t in zip(row[col:], pivot_tail, strict=True)]
+            for c in range(col, n + 1):
+                row[c] -= factor * top[c]
     solution = [0.0] * n
     for r in reversed(range(n)):
-        row = rows[r]
-        tail = sum([row[c] * solution[c] for c in range(r + 1, n)])
-        solution[r] = (row[n] - tail) / row[r]
+        tail = sum(rows[r][c] * solution[c] for c in range(r + 1, n))
+        solution[r] = (rows[r][n] - tail) / rows[r][r]
     return solution
 
 
