@@ -123,17 +123,25 @@ class PassCost:
             return self.fitted(rows, positions)
         if positions in seen:
             return seen[positions]
-        nearest = sorted(seen, key=lambda t: (abs(t - positions), t))[:2]
-        if len(nearest) == 1:  # one point of this B: the fit's slope from it
-            t = nearest[0]
-            slope = seen[t] + self.fitted(rows, positions) - self.fitted(rows, t)
+        if len(seen) == 1:  # one point of this B: the fit's slope from it
+            (t,) = seen
+            fit_here, fit_there = self.fitted(rows, positions), self.fitted(rows, t)
+            slope = seen[t] + fit_here - fit_there
             # Below the point, a fit steeper than the point (passes that waited on a loaded
             # host pulled it up) went negative: -926 ms, which stopped a verifier. The point
             # scaled by the fit's ratio stays positive; the prediction is never below it.
-            return max(slope, seen[t] * self.fitted(rows, positions) / self.fitted(rows, t))
-        (t1, t2) = sorted(nearest)
-        slope = max(0.0, (seen[t2] - seen[t1]) / (t2 - t1))
-        return max(seen[t1] + slope * (positions - t1), 1e-3)
+            scaled = seen[t] * fit_here / fit_there
+            return scaled if scaled > slope else slope  # max(slope, scaled)
+        # The two nearest points (the lower first where two are as near), in order; of two
+        # points, both. A pass predicts a few shapes per window it weighs: no sort when none
+        # is needed, and max() of two written out.
+        if len(seen) == 2:
+            t1, t2 = sorted(seen)
+        else:
+            t1, t2 = sorted(sorted(seen, key=lambda t: (abs(t - positions), t))[:2])
+        slope = (seen[t2] - seen[t1]) / (t2 - t1)
+        at = seen[t1] + (slope if slope > 0.0 else 0.0) * (positions - t1)
+        return 1e-3 if at < 1e-3 else at
 
 
 def _solve3(matrix: list[list[float]], rhs: list[float]) -> tuple[float, float, float] | None:

@@ -208,3 +208,32 @@ def test_the_cost_fit_sums_and_solves_as_the_plain_loops(seed: int) -> None:
         ]
         rhs = [rng.uniform(-100, 100) for _ in range(3)]
         assert _solve3(matrix, rhs) == reference_solve3(matrix, rhs)
+
+
+def reference_predict(cost: PassCost, rows: int, positions: int) -> float:
+    seen = cost._seen.get(rows)
+    if not seen:
+        return cost.fitted(rows, positions)
+    if positions in seen:
+        return seen[positions]
+    nearest = sorted(seen, key=lambda t: (abs(t - positions), t))[:2]
+    if len(nearest) == 1:
+        t = nearest[0]
+        slope = seen[t] + cost.fitted(rows, positions) - cost.fitted(rows, t)
+        return max(slope, seen[t] * cost.fitted(rows, positions) / cost.fitted(rows, t))
+    (t1, t2) = sorted(nearest)
+    slope = max(0.0, (seen[t2] - seen[t1]) / (t2 - t1))
+    return max(seen[t1] + slope * (positions - t1), 1e-3)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cost_is_predicted_as_the_plain_nearest_points_rule(seed: int) -> None:
+    rng = random.Random(seed)
+    cost = PassCost()
+    for _ in range(300):
+        rows = rng.randint(1, 8)
+        cost.observe(rows, rng.randint(1, 9), rng.choice((rng.uniform(5.0, 900.0), 0.5)))
+        for shape_rows in range(1, 10):
+            for positions in range(1, 12):
+                expected = reference_predict(cost, shape_rows, positions)
+                assert cost.predict(shape_rows, positions) == expected
