@@ -131,7 +131,8 @@ class VerifyCost:
         decay: float = VERIFY_DECAY,
         waits: bool = True,
     ) -> None:
-        x0, x1, x2, x3, x4 = self.features(k, load, waits)
+        # features(k, load, waits), inline
+        x0, x1, x2, x3, x4 = 1.0, float(k), load, k * load, 1.0 if waits else 0.0
         # Written out: this runs on every round the coordinator hears, and loops over the 5 x 5
         # entries cost more than the arithmetic. X'X is symmetric and x_i x_j is x_j x_i bit for
         # bit, so each pair is computed once and written to both places.
@@ -234,12 +235,19 @@ class ProposalLength:
         """(survival(k), drafted_by_window of it), kept until the next update; callers
         read them and must not change them."""
         if self._curve is None or self._curve[0] != k:
+            # go_on(min(i, K_MAX)) and drafted_by_window written into one loop: a drafter's
+            # curve is rebuilt after each of its rounds, for the next decision.
             values: list[float] = []
-            reach = 1.0
+            by_window: list[float] = []
+            reach, drafted_sum = 1.0, 0.0
+            allowed, drafted = self.allowed, self.drafted
             for i in range(1, k + 1):
-                reach *= self.go_on(min(i, K_MAX))
+                j = i if i < K_MAX else K_MAX
+                reach *= (drafted[j] + PRIOR_FILL_WEIGHT) / (allowed[j] + PRIOR_FILL_WEIGHT)
                 values.append(reach)
-            self._curve = (k, values, drafted_by_window(values))
+                drafted_sum += reach
+                by_window.append(drafted_sum)
+            self._curve = (k, values, by_window)
         return self._curve[1], self._curve[2]
 
 
