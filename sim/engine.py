@@ -61,7 +61,8 @@ class Loop:
         self.halted = False  # set by an action to stop run() after it
 
     def at(self, when: float, action: Callable[..., None], *args: Any) -> None:
-        heapq.heappush(self._heap, (max(when, self.now), next(self._seq), action, args))
+        now = self.now  # max(when, now), as max() picks
+        heapq.heappush(self._heap, (now if now > when else when, next(self._seq), action, args))
 
     def after(self, delay_ms: float, action: Callable[..., None], *args: Any) -> None:
         self.at(self.now + delay_ms, action, *args)
@@ -88,7 +89,8 @@ class Server:
     busy_ms: float = 0.0
 
     def serve(self, now: float, ms: float) -> float:
-        start = max(now, self.free_at)
+        free_at = self.free_at
+        start = free_at if free_at > now else now  # max(now, free_at), as max() picks
         self.free_at = start + ms
         self.busy_ms += ms
         return self.free_at
@@ -586,7 +588,7 @@ class Coordinator:
                 t_uplink_ms=None if host else self.fleet.link_ms(session),
                 t_queue_ms=0.0 if host else max(0.0, self.fleet.loop.now - row.arrived - verify_ms),
                 t_verify_ms=verify_ms,
-                verifier_load=self._load(),
+                verifier_load=self.fleet.total_load / len(self.fleet.verifiers),  # mean_load()
                 mode=mode,
                 window=row.window,
                 prefill=prefill,
@@ -756,7 +758,7 @@ class Fleet:
         now = self.loop.now
         session.waits_ms.append(now - session.sent_at)
         session.commits.append((now, kept))
-        if session.finished:
+        if session.generated >= session.length:  # finished
             if session.ended_at is None:
                 session.ended_at = now + self.calibration.close_ms
                 if session.verifier is not None:
