@@ -402,10 +402,14 @@ class Verifier:
             self.queue[: self.profile.max_batch],
             self.queue[self.profile.max_batch :],
         )
-        busy = {row.session.id for row in batch}
         self.passes += 1
-        ready = [s for s in self.streams.values() if s.id not in busy]
-        ready.sort(key=lambda s: self.last_pass[s.id])
+        if batch:
+            busy = {row.session.id for row in batch}
+            ready = [s for s in self.streams.values() if s.id not in busy]
+        else:
+            ready = list(self.streams.values())
+        last_pass = self.last_pass
+        ready.sort(key=lambda s: last_pass[s.id])
         turn = ready[: self.profile.max_batch - len(batch)]
         for session in turn:
             self.last_pass[session.id] = self.passes
@@ -421,18 +425,20 @@ class Verifier:
             fixed += [cap for s, cap in zip(turn, caps, strict=True) if not s.adaptive]
             k = self.control.choose(rows, fixed).k
         for session, cap in zip(turn, caps, strict=True):
-            window = min(k, cap) if session.adaptive else cap
+            window = (cap if cap < k else k) if session.adaptive else cap  # min(k, cap)
             drafter = session.policy.draft_model
             drafted, accepted = self.fleet.acceptance.draw(drafter, session.task, window)
             batch.append(_Row(session, window, drafted, accepted, loop.now, stream=True))
-        positions = max(row.drafted for row in batch) + 1
-        prefill = sum(self._prefill_ms(row.session) for row in batch) * self.speed
+        positions = max([row.drafted for row in batch]) + 1
+        prefill = sum([self._prefill_ms(row.session) for row in batch]) * self.speed
         verify_ms = self.truth.predict(len(batch), positions) * self.speed
         verify_ms *= max(0.2, rng.gauss(1.0, self.profile.pass_cv))
         drafting = self.speed * sum(
-            self.fleet.host_draft_ms(row.session.policy.draft_model) * row.window
-            for row in batch
-            if row.stream and row.window
+            [
+                self.fleet.host_draft_ms(row.session.policy.draft_model) * row.window
+                for row in batch
+                if row.stream and row.window
+            ]
         )
         self.busy = True
         self.busy_ms += verify_ms + prefill + drafting
