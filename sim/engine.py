@@ -81,7 +81,7 @@ class Loop:
             self.now = max(self.now, until) if until != math.inf else self.now
 
 
-@dataclass
+@dataclass(slots=True)  # read and written on every round
 class Server:
     """A FIFO single server (a CPU, a broker's throughput): when work given now would end."""
 
@@ -247,7 +247,7 @@ def _at(rates: list[float], index: int) -> float:
 # -- sessions ----------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)  # read and written on every round
 class Device:
     id: str
     device_class: str
@@ -265,7 +265,7 @@ class Device:
         return tokens * per_token * factor
 
 
-@dataclass
+@dataclass(slots=True)  # read and written on every round
 class Session:
     id: str
     device: Device
@@ -307,7 +307,7 @@ class Session:
         return kept
 
 
-@dataclass
+@dataclass(slots=True)  # read and written on every round
 class _Row:
     """One row of a pass: a device's draft or a round of a host stream."""
 
