@@ -109,6 +109,9 @@ def test_cpu_is_shared_out_by_role_and_the_rest_of_the_host() -> None:
         "coordinators": 0.5, "broker": 0.25, "rest_of_host": 0.75, "host_busy": 1.5,
         "host_cores": 2,
     }  # fmt: skip
+    # A saturated host, its clock read a moment apart from the wall clock: never above its cores.
+    saturated = fleet.cpu_used(before, (after[0], (104.0, 404.0)), 1.99)
+    assert (saturated["host_busy"], saturated["host_cores"]) == (2.0, 2)
 
 
 def test_a_rerun_with_the_same_seed_gets_new_session_ids() -> None:
