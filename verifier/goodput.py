@@ -109,6 +109,10 @@ class PassCost:
             a, b, c = solved
             self._coefficients = (max(0.0, a), max(0.0, b), max(1e-3, c))
 
+    def measured(self, rows: int, positions: int) -> bool:
+        """Whether a pass of this shape has been timed here (the profile's passes count)."""
+        return positions in self._seen.get(rows, ())
+
     @property
     def coefficients(self) -> tuple[float, float, float]:
         return self._coefficients
@@ -371,6 +375,13 @@ class GoodputControl:
         reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
             "" if best == 0 else f" (plain {plain:.1f})"
         )
+        if best > 0 and rows > 1 and widest_fixed == 0 and not self.cost.measured(rows, 1):
+            # Plain decoding at this batch size was never timed here: its cost is the fit's,
+            # and a fit of speculative passes alone prices it wrongly (bench e2e at 32 streams:
+            # plain predicted at 0.7-1.2 s a pass, where plain serving's take 0.36 s, so windows
+            # that cost twice a plain pass were chosen throughout). One plain pass measures it.
+            reason = f"k=0: plain passes of {rows} rows not timed yet (predicted best: {reason})"
+            best = 0
         return PassChoice(
             k=best, rows=rows, goodput=goodput, cost_ms=cost_at[best], reason=reason[:256]
         )

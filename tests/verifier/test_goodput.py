@@ -205,3 +205,27 @@ def test_a_wide_device_window_gets_a_pass_of_its_own_beside_many_plain_streams()
     assert worker._apart(device, many, together)
     one = many[:1]
     assert not worker._apart(device, one, worker._choose(one, [8]))
+
+
+def test_a_batch_size_never_timed_plain_runs_one_plain_pass_first() -> None:
+    """Plain passes of 32 rows never timed (only speculative ones were): their cost is the fit's,
+    which speculative passes alone price wrongly, so the pass runs plain once to measure it; a
+    batch size whose plain pass was timed (here by the profile's shapes) is not held back."""
+    control = GoodputControl()
+    for _ in range(20):
+        control.observe_pass(32, 3, 900.0)
+        control.observe_pass(4, 1, 44.0)
+        control.observe_pass(4, 3, 59.0)
+    learned(control, "hybrid", [8])  # drafts that always hold: the rule wants a window
+    streams = [StreamRow("hybrid", "chat", 8, 0.5)] * 32
+    first = control.choose(streams, [])
+    assert first.k == 0 and "not timed yet" in first.reason, first.reason
+    control.observe_pass(32, 1, 300.0)
+    again = control.choose(streams, [])
+    assert "not timed yet" not in again.reason
+    # A lone row, and a batch size whose plain pass was timed, choose by goodput alone.
+    assert "not timed yet" not in control.choose(streams[:1], []).reason
+    assert control.choose(streams[:4], []).k > 0
+    # Device rows set the pass's width whatever the streams do: nothing to measure there.
+    with_device = control.choose(streams[:15], [4])
+    assert "not timed yet" not in with_device.reason
