@@ -88,7 +88,7 @@ def reference_choose(
     reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
         "" if best == 0 else f" (plain {plain:.1f})"
     )
-    if best > 0 and rows > 1 and widest_fixed == 0 and 1 not in control.cost._seen.get(rows, {}):
+    if best > 0 and rows > 1 and widest_fixed == 0 and not control.cost.measured(rows, 1):
         reason = f"k=0: plain passes of {rows} rows not timed yet (predicted best: {reason})"
         best = 0
     return PassChoice(
