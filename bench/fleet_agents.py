@@ -279,10 +279,9 @@ class SessionRun:
             if reply.finished:
                 self.record.finished = True
                 break
-        close = m.SessionClose(session_id=self.record.session_id, reason="bench fleet")
-        await self.agent.send(DeviceChannel.SESSION, close)
-        with contextlib.suppress(_Refused):
-            await self._reply((m.SessionState,), REPLY_TIMEOUT_S)
+        # An ended session is not closed, as a device agent does not close one (it closes only
+        # what it cancels). A close here went to the coordinator of the device's shard: one
+        # SIGKILLed before the session ended never answered it, and the swarm waited a minute.
 
     async def _reply(
         self, kinds: tuple[type[m.Message], ...], timeout_s: float, round_index: int | None = None

@@ -194,7 +194,10 @@ def test_a_small_fleet_runs_with_nothing_lost_or_duplicated(
     assert document["rounds_path"] == ("via_coordinator" if via_coordinator else "direct")
     cpu = document["cpu_cores"]
     assert cpu["host_cores"] >= 1 and 0 < cpu["host_busy"] <= cpu["host_cores"]
-    assert cpu["coordinators"] > 0 and cpu["agent_swarms"] > 0 and cpu["broker"] > 0
+    assert cpu["coordinators"] > 0 and cpu["agent_swarms"] > 0
+    # The broker's CPU is read in clock ticks (10 ms) over a run of half a second: it may use
+    # less than one tick here, so it is only required to be read.
+    assert cpu["broker"] >= 0
 
 
 @pytest.mark.parametrize("via_coordinator", [False, True], ids=["direct", "via-coordinator"])
