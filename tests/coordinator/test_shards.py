@@ -4,6 +4,7 @@ after the handler is done with them, and taken over when a holder's connection d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -290,6 +291,70 @@ def test_a_taken_over_device_is_known_from_the_status_kept_while_another_held_it
 ) -> None:
     found = asyncio.run(_presence_kept_for_a_takeover(create_pg_database(), tmp_path))
     assert found == {"before": None, "after": 7}
+
+
+async def _close_kept_for_a_takeover(url: str, tmp_path: Path) -> dict[str, Any]:
+    """A device opens a session on its shard's holder; the holder stops; the device closes the
+    session before another coordinator has taken the shard over, so only that one hears the
+    close (a device does not send it again). The takeover must close the session rather than
+    bring it back active."""
+    from broker import messages as m
+    from broker.mosquitto import PrivateMosquitto
+    from coordinator.db import migrate
+    from coordinator.db.engine import make_engine
+
+    engine = make_engine(url)
+    migrate.upgrade(engine)
+    with PrivateMosquitto() as broker:
+        first, second = (
+            rig_settings(tmp_path / name, engine, broker.url).model_copy(
+                update={"shared_fleet": True}
+            )
+            for name in ("a", "b")
+        )
+        async with (
+            running_coordinator(second, engine) as heir,
+            contextlib.AsyncExitStack() as devices,
+        ):
+            assert heir.shards is not None
+            async with running_coordinator(first, engine) as holder:
+                assert holder.shards is not None
+                async with asyncio.timeout(60):  # the two share the shards
+                    while not (holder.shards.held and heir.shards.held):
+                        await asyncio.sleep(0.1)
+                device_id = next(
+                    f"pi-close-{i}" for i in range(10_000) if holder.shards.owns(f"pi-close-{i}")
+                )
+                session_id = str(uuid.uuid4())
+                # The device outlives the holder.
+                device = await devices.enter_async_context(raw_device(broker.url, device_id))
+                opened = m.SessionOpen(session_id=session_id, prompt="hi", prompt_ids=(1, 2, 3),
+                                       draft_model="lookup")  # fmt: skip
+                await device.send(DeviceChannel.SESSION, opened)
+                await device.reply(accept=lambda r: isinstance(r, m.SessionState))
+            owned_at_close = heir.shards.owns(device_id)
+            await device.send(DeviceChannel.SESSION, m.SessionClose(session_id=session_id))
+            async with asyncio.timeout(60):  # the holder is gone: its shards come to the heir
+                while not heir.shards.owns(device_id):
+                    await asyncio.sleep(0.1)
+            told = await device.reply(
+                accept=lambda r: isinstance(r, m.SessionState) and r.status != "active"
+            )
+            stored = await asyncio.to_thread(heir.book.store.load, session_id)
+            return {
+                "owned_at_close": owned_at_close,
+                "told": str(getattr(told, "status", "")),
+                "stored": stored.status.value if stored else None,
+                "live": session_id in heir.book.live,
+            }
+
+
+def test_a_close_sent_while_no_coordinator_held_the_shard_ends_the_session_at_takeover(
+    create_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
+    found = asyncio.run(_close_kept_for_a_takeover(create_pg_database(), tmp_path))
+    assert found == {"owned_at_close": False, "told": "cancelled", "stored": "cancelled",
+                     "live": False}  # fmt: skip
 
 
 async def _two_statuses_at_once(url: str, tmp_path: Path) -> str:
