@@ -9,13 +9,16 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from coordinator_rig import raw_device, rig_settings, running_coordinator
 
 from broker.topics import DeviceChannel, device_topic
 from coordinator.runtime.shards import N_SHARDS, ShardLeases, ShardsUnavailable, shard_of
+
+if TYPE_CHECKING:
+    from coordinator.runtime.service import Coordinator
 
 
 class Holder:
@@ -236,6 +239,16 @@ def test_a_taken_over_device_is_known_at_takeover(
     assert found == {"online": True, "drafts": ["ngram"], "keepalive_s": 7}
 
 
+async def _device_of_the_holder(holder: Coordinator, heir: Coordinator,
+                                prefix: str) -> str:  # fmt: skip
+    """Once the two coordinators share the shards: a device id of a shard the holder has."""
+    assert holder.shards is not None and heir.shards is not None
+    async with asyncio.timeout(60):
+        while not (holder.shards.held and heir.shards.held):
+            await asyncio.sleep(0.1)
+    return next(f"{prefix}-{i}" for i in range(10_000) if holder.shards.owns(f"{prefix}-{i}"))
+
+
 async def _presence_kept_for_a_takeover(url: str, tmp_path: Path) -> dict[str, Any]:
     """A device's status reaches a coordinator that does not hold its shard; the shard's holder
     stops; the one that takes the shard over knows the device from that status. It was sent
@@ -258,14 +271,7 @@ async def _presence_kept_for_a_takeover(url: str, tmp_path: Path) -> dict[str, A
         async with running_coordinator(second, engine) as heir:
             assert heir.shards is not None
             async with running_coordinator(first, engine) as holder:
-                assert holder.shards is not None
-                async with asyncio.timeout(60):  # the two share the shards
-                    while not (holder.shards.held and heir.shards.held):
-                        await asyncio.sleep(0.1)
-                # A device of a shard the holder has.
-                device_id = next(
-                    f"pi-kept-{i}" for i in range(10_000) if holder.shards.owns(f"pi-kept-{i}")
-                )
+                device_id = await _device_of_the_holder(holder, heir, "pi-kept")
                 async with raw_device(broker.url, device_id) as device:
                     status = m.Status(device_id=device_id, state=m.DeviceState.ONLINE,
                                       at=time.time(), kind="phone", drafts=("ngram",),
@@ -318,13 +324,7 @@ async def _close_kept_for_a_takeover(url: str, tmp_path: Path) -> dict[str, Any]
         ):
             assert heir.shards is not None
             async with running_coordinator(first, engine) as holder:
-                assert holder.shards is not None
-                async with asyncio.timeout(60):  # the two share the shards
-                    while not (holder.shards.held and heir.shards.held):
-                        await asyncio.sleep(0.1)
-                device_id = next(
-                    f"pi-close-{i}" for i in range(10_000) if holder.shards.owns(f"pi-close-{i}")
-                )
+                device_id = await _device_of_the_holder(holder, heir, "pi-close")
                 session_id = str(uuid.uuid4())
                 # The device outlives the holder.
                 device = await devices.enter_async_context(raw_device(broker.url, device_id))
