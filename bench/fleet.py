@@ -733,8 +733,9 @@ def cpu_used(before: CpuSnapshot, after: CpuSnapshot, wall_s: float) -> dict[str
     host_cores = round(all_s / wall_s)
     # The busy share of the host's own time, read in the same snapshots, times its cores: busy
     # seconds over this process's wall clock came out at 2.004 of 2 cores on a saturated host
-    # (the two clocks are read a moment apart).
-    busy = busy_s / all_s * host_cores if all_s > 0 else 0.0
+    # (the two clocks are read a moment apart). A share of all of it is 1 (the float product
+    # read 2.000000000000565 of 2).
+    busy = min(1.0, busy_s / all_s) * host_cores if all_s > 0 else 0.0
     cores["rest_of_host"] = max(0.0, busy - sum(cores.values()))
     cores["host_busy"] = busy
     cores["host_cores"] = host_cores

@@ -36,6 +36,7 @@ from coordinator.db.registry import DeviceRegistry
 from coordinator.runtime.draft_fetches import DraftFetches
 from coordinator.runtime.draft_wants import deliverable_drafts
 from coordinator.runtime.fleet import Fleet
+from coordinator.runtime.foreign_closes import ForeignCloses
 from coordinator.runtime.quotas import Quotas
 from coordinator.runtime.session_state import LiveSession
 from coordinator.runtime.sessions import SessionBook
@@ -73,13 +74,6 @@ FORWARDED_CLOSE_WAIT_S = 5.0
 # A shared fleet's coordinator keeps the last status of each device of other shards, for the
 # day it takes their shard over; at most this many (one a device: far more than a fleet).
 MAX_FOREIGN_STATUSES = 250_000
-# It also keeps the closes that devices of other shards send: a device sends a close once, so
-# one that reached a SIGKILLed owner was lost, and the session stayed active after the takeover
-# (bench fleet: the agent waited a minute for its answer). Kept this long (a takeover comes a
-# few lock steps after its owner's death), at most this many; a takeover makes those of its
-# shards whose sessions it rebuilt active.
-FOREIGN_CLOSE_KEEP_S = 60.0
-MAX_FOREIGN_CLOSES = 100_000
 
 
 def configured_target(settings: Settings) -> TargetIdentity | None:
@@ -210,8 +204,7 @@ class Coordinator:
         # validated when handled, if ever): a takeover handles those of its new shards.
         self._foreign_statuses: dict[str, bytes] = {}
         self._foreign_statuses_full = False
-        # Session id -> (device id, its close, when it came), oldest first.
-        self._foreign_closes: dict[str, tuple[str, m.SessionClose, float]] = {}
+        self._foreign_closes = ForeignCloses()
         self._connections = 0
         # A shared fleet: this coordinator answers only the devices of the shards it holds.
         self.shards: ShardLeases | None = None
@@ -354,7 +347,7 @@ class Coordinator:
         if shared_out and channel is not DeviceChannel.ACK:
             # Another coordinator's device; acks answer whoever sent the command.
             if channel is DeviceChannel.SESSION:
-                self._keep_foreign_close(device_id, payload)
+                self._foreign_closes.keep(device_id, payload)
             return
         try:
             message = m.decode(payload)
@@ -400,33 +393,12 @@ class Coordinator:
             return
         self._foreign_statuses[device_id] = payload
 
-    def _keep_foreign_close(self, device_id: str, payload: bytes) -> None:
-        try:
-            message = m.decode(payload)
-        except m.BusError:
-            return  # the shard's owner refuses it, with the reason
-        if not isinstance(message, m.SessionClose):
-            return  # an open is sent again by its device until it is answered
-        now = time.monotonic()
-        closes = self._foreign_closes
-        while closes and next(iter(closes.values()))[2] < now - FOREIGN_CLOSE_KEEP_S:
-            del closes[next(iter(closes))]
-        if len(closes) < MAX_FOREIGN_CLOSES:
-            closes.pop(message.session_id, None)
-            closes[message.session_id] = (device_id, message, now)
-
     async def _close_kept(
         self, rebuilt: list[LiveSession], shards: frozenset[int]
     ) -> list[LiveSession]:
         """Close the sessions just rebuilt whose devices closed them while another coordinator
         held their shard (the close never reached an owner that was alive); the rest."""
-        kept = {
-            session_id: (device_id, close)
-            for session_id, (device_id, close, _) in self._foreign_closes.items()
-            if shard_of(device_id) in shards
-        }
-        for session_id in kept:
-            del self._foreign_closes[session_id]
+        kept = self._foreign_closes.take(lambda device_id: shard_of(device_id) in shards)
         closed = set()
         for live in rebuilt:
             device_id, close = kept.get(live.id, ("", None))

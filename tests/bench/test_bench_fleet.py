@@ -112,6 +112,9 @@ def test_cpu_is_shared_out_by_role_and_the_rest_of_the_host() -> None:
     # A saturated host, its clock read a moment apart from the wall clock: never above its cores.
     saturated = fleet.cpu_used(before, (after[0], (104.0, 404.0)), 1.99)
     assert (saturated["host_busy"], saturated["host_cores"]) == (2.0, 2)
+    # Every tick busy: exactly all the cores, not a rounding above them.
+    full = fleet.cpu_used(before, (after[0], (100.0 + 0.2, 400.0 + 0.2)), 0.1)
+    assert (full["host_busy"], full["host_cores"]) == (2.0, 2)
 
 
 def test_a_rerun_with_the_same_seed_gets_new_session_ids() -> None:
