@@ -200,3 +200,63 @@ def test_forward_rejects_empty_input(target: Target) -> None:
     runtime, _ = target
     with pytest.raises(ValueError, match="at least one"):
         runtime.forward([], runtime.new_cache())
+
+
+def _decode_rows(
+    runtime: OnnxRuntime, prompts: list[list[int]], steps: int, fresh_batches: bool
+) -> tuple[list[np.ndarray], list[OnnxKVCache]]:
+    """Prefill each prompt, then `steps` batched passes of one greedy token a row, with a
+    rollback of the second row after the third pass (as a rejected window leaves it);
+    `fresh_batches` stacks every pass's pasts anew, as without the reuse of the last pass's."""
+    caches = []
+    tokens = []
+    for prompt in prompts:
+        cache = runtime.new_cache()
+        tokens.append(int(runtime.forward(prompt, cache)[-1].argmax()))
+        caches.append(cache)
+    logits_seen = []
+    for step in range(steps):
+        if fresh_batches:
+            runtime._last = None
+        rows = runtime.forward_batch([([t], c) for t, c in zip(tokens, caches, strict=True)])
+        logits_seen += rows
+        tokens = [int(row[-1].argmax()) for row in rows]
+        if step == 2:
+            caches[1].trim(caches[1].length - 1)
+            tokens[1] = 13
+    return logits_seen, caches
+
+
+def test_a_pass_over_the_same_rows_reuses_the_last_pass_and_changes_no_bit(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steady batched decoding feeds a pass's presents to the next pass instead of stacking the
+    rows' caches again; a cache changed since (a rollback) makes the pass stack them. Logits
+    and caches are the same, bit for bit, as when every pass stacks."""
+    runtime, tokenizer = target
+    prompts = [
+        tokenizer.apply_chat_template(FRANCE),
+        tokenizer.apply_chat_template("Name three colours."),
+        tokenizer.encode("Once upon a time"),
+    ]
+    reference, reference_caches = _decode_rows(runtime, prompts, 6, fresh_batches=True)
+    stacked = 0
+    stack = runtime._stack_pasts
+
+    def counted(*args: object, **kwargs: object) -> None:
+        nonlocal stacked
+        stacked += 1
+        stack(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runtime, "_stack_pasts", counted)
+    runtime._last = None
+    reused, caches = _decode_rows(runtime, prompts, 6, fresh_batches=False)
+    # The three prefills (a row each) and two of the six passes stack: the first, and the one
+    # after the rollback; the other four reuse the pass before.
+    assert stacked == len(prompts) + 2
+    for got, want in zip(reused, reference, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for cache, expected in zip(caches, reference_caches, strict=True):
+        pairs = zip(cache.keys + cache.values, expected.keys + expected.values, strict=True)
+        for got, want in pairs:
+            np.testing.assert_array_equal(got, want)
