@@ -402,9 +402,14 @@ class Coordinator:
         closed = set()
         for live in rebuilt:
             device_id, close = kept.get(live.id, ("", None))
-            if close is not None and device_id == live.device_id:
+            if close is None or device_id != live.device_id:
+                continue
+            try:
                 await self.book.on_session_close(device_id, close)
-                closed.add(live.id)
+            except Exception:  # the takeover goes on; the session is announced as it stands
+                log.exception("could not close session %s at the takeover", live.id)
+                continue
+            closed.add(live.id)
         if closed:
             log.info(
                 "closed %d sessions whose devices closed them while another coordinator held "
