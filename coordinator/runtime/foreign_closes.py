@@ -10,10 +10,18 @@ devices closed them meanwhile.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from broker import messages as m
+
+if TYPE_CHECKING:
+    from coordinator.runtime.session_state import LiveSession
+    from coordinator.runtime.sessions import SessionBook
+
+log = logging.getLogger(__name__)
 
 # A takeover comes a few lock steps after its owner's death: kept this long, at most this many.
 KEEP_S = 60.0
@@ -58,3 +66,29 @@ class ForeignCloses:
         for session_id in found:
             del self._closes[session_id]
         return found
+
+    async def close_rebuilt(
+        self, book: SessionBook, rebuilt: list[LiveSession], taken: Callable[[str], bool]
+    ) -> list[LiveSession]:
+        """At a takeover of the devices `taken(device_id)`: close the sessions just rebuilt
+        whose devices closed them while another coordinator held their shard (the close never
+        reached an owner that was alive). Returns the rest, to be announced."""
+        kept = self.take(taken)
+        closed = set()
+        for live in rebuilt:
+            device_id, close = kept.get(live.id, ("", None))
+            if close is None or device_id != live.device_id:
+                continue
+            try:
+                await book.on_session_close(device_id, close)
+            except Exception:  # the takeover goes on; the session is announced as it stands
+                log.exception("could not close session %s at the takeover", live.id)
+                continue
+            closed.add(live.id)
+        if closed:
+            log.info(
+                "closed %d sessions whose devices closed them while another coordinator held "
+                "their shards",
+                len(closed),
+            )
+        return [live for live in rebuilt if live.id not in closed]

@@ -393,31 +393,6 @@ class Coordinator:
             return
         self._foreign_statuses[device_id] = payload
 
-    async def _close_kept(
-        self, rebuilt: list[LiveSession], shards: frozenset[int]
-    ) -> list[LiveSession]:
-        """Close the sessions just rebuilt whose devices closed them while another coordinator
-        held their shard (the close never reached an owner that was alive); the rest."""
-        kept = self._foreign_closes.take(lambda device_id: shard_of(device_id) in shards)
-        closed = set()
-        for live in rebuilt:
-            device_id, close = kept.get(live.id, ("", None))
-            if close is None or device_id != live.device_id:
-                continue
-            try:
-                await self.book.on_session_close(device_id, close)
-            except Exception:  # the takeover goes on; the session is announced as it stands
-                log.exception("could not close session %s at the takeover", live.id)
-                continue
-            closed.add(live.id)
-        if closed:
-            log.info(
-                "closed %d sessions whose devices closed them while another coordinator held "
-                "their shards",
-                len(closed),
-            )
-        return [live for live in rebuilt if live.id not in closed]
-
     async def _take_shards(self, shards: frozenset[int]) -> None:
         """Shards just locked: their active sessions come back from the database and their
         devices are told where each stands (a draft sent to the old owner is re-sent); then
@@ -431,7 +406,9 @@ class Coordinator:
         rebuilt = await self.book.rebuild(
             lambda device_id: shard_of(device_id) in shards, heard_at=since
         )
-        rebuilt = await self._close_kept(rebuilt, shards)
+        rebuilt = await self._foreign_closes.close_rebuilt(
+            self.book, rebuilt, lambda device_id: shard_of(device_id) in shards
+        )
         if rebuilt:
             log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))
             await self.book.announce(rebuilt, quiet_since=since)
