@@ -58,6 +58,10 @@ LOCAL_STEP_TOKENS = 8  # tokens generated alone between two looks at the inbox
 # several seconds on a CPU verifier), and the coordinator has just confirmed the session. So,
 # while the link is up, that verdict gets this many times fallback_after_s before local mode.
 FIRST_VERDICT_GRACE = 4.0
+# ... and so do the verdicts after it up to this many: a session whose first round went in a
+# pass of its own sends its second while the verifier prefills the rest of the wave (31 prompts
+# in one 5.6 s pass at 32 sessions, past the default 5 s), and it went local for that alone.
+GRACE_VERDICTS = 2
 
 Publish = Callable[[DeviceChannel, m.Message], Awaitable[bool]]
 T = TypeVar("T")
@@ -529,10 +533,11 @@ class AgentSession:
 
     def _fallback_after_s(self) -> float:
         """How long a silence starts local mode: fallback_after_s, and FIRST_VERDICT_GRACE
-        times that while the first verdict, which waits on the prompt's prefill, is due from a
-        coordinator that confirmed the session, over a link that is up."""
+        times that while one of the first GRACE_VERDICTS verdicts, which wait on the prompt's
+        prefill and on those of the sessions opened with it, is due from a coordinator that
+        confirmed the session, over a link that is up."""
         fallback = self.book.settings.fallback_after_s
-        if self._confirmed and not self._verdicts and self.book.bus_up:
+        if self._confirmed and self._verdicts < GRACE_VERDICTS and self.book.bus_up:
             return fallback * FIRST_VERDICT_GRACE
         return fallback
 
