@@ -220,14 +220,13 @@ class OnnxRuntime:
             POSITION_IDS: position_ids,
             ATTENTION_MASK: mask,
         }
-        padded = batch > 1 and (min(past_lens) != past)
         last, self._last = self._last, None
         if last is not None and batch > 1 and last.continues([cache for _, cache in own]):
             for layer in range(c.n_layers):
                 feeds[past_name(layer, "key")] = last.presents[2 * layer]
                 feeds[past_name(layer, "value")] = last.presents[2 * layer + 1]
         else:
-            self._stack_pasts(feeds, own, past_lens, past, padded)
+            self._stack_pasts(feeds, own, past_lens, past)
 
         outputs_asked = [*self._outputs, HIDDEN] if with_hidden else self._outputs
         results = self.session.run(outputs_asked, feeds)
@@ -269,11 +268,11 @@ class OnnxRuntime:
         own: list[tuple[Sequence[int], OnnxKVCache]],
         past_lens: list[int],
         past: int,
-        padded: bool,
     ) -> None:
         """Every row's cache into the batch's past of each layer, left-padded to `past`."""
         c = self.config
         batch = len(own)
+        padded = batch > 1 and min(past_lens) != past
         for layer in range(c.n_layers):
             for kind in ("key", "value"):
                 parts = [(cache.keys if kind == "key" else cache.values)[layer] for _, cache in own]

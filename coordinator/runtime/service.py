@@ -403,23 +403,23 @@ class Coordinator:
         # Drafts of the new shards' sessions are answered from now on: their devices need no
         # state (it would only make them send again a draft being answered).
         since = time.monotonic()
-        rebuilt = await self.book.rebuild(
-            lambda device_id: shard_of(device_id) in shards, heard_at=since
-        )
-        rebuilt = await self._foreign_closes.close_rebuilt(
-            self.book, rebuilt, lambda device_id: shard_of(device_id) in shards
-        )
+
+        def taken(device_id: str) -> bool:
+            return shard_of(device_id) in shards
+
+        rebuilt = await self.book.rebuild(taken, heard_at=since)
+        rebuilt = await self._foreign_closes.close_rebuilt(self.book, rebuilt, taken)
         if rebuilt:
             log.info("took over %d sessions with %d shards", len(rebuilt), len(shards))
             await self.book.announce(rebuilt, quiet_since=since)
-        taken = [device_id for device_id in self._foreign_statuses if shard_of(device_id) in shards]
-        for device_id in taken:
+        statuses = [device_id for device_id in self._foreign_statuses if taken(device_id)]
+        for device_id in statuses:
             # Gone when a newer status came meanwhile (handled as it came).
             payload = self._foreign_statuses.pop(device_id, None)
             if payload is not None:
                 await self.dispatch(device_topic(device_id, DeviceChannel.STATUS), payload)
-        if taken:
-            log.info("took the presence of %d devices with %d shards", len(taken), len(shards))
+        if statuses:
+            log.info("took the presence of %d devices with %d shards", len(statuses), len(shards))
 
     async def close_session(self, device_id: str, close: m.SessionClose) -> None:
         """A close asked of this coordinator (the API's cancel), made by the session's owner:
