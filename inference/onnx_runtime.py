@@ -50,57 +50,123 @@ def _provider_chain(provider: str) -> list[str]:
     return [PROVIDERS[provider]] + ([] if provider == "cpu" else [PROVIDERS["cpu"]])
 
 
+# A batch whose rows come from one earlier pass takes that pass's presents as its pasts, dead
+# slots (rejected positions, right padding, rows gone) and all, until the dead slots beyond
+# the longest row pass this many, or this share of it; then its rows are stacked anew.
+DEAD_SLOTS_MIN = 16
+DEAD_SLOTS_SHARE = 1 / 8
+
+Slots = npt.NDArray[np.bool_]
+
+
 class OnnxKVCache:
-    """Keys and values of one sequence, per layer # [1, n_kv, length, head_dim]."""
+    """Keys and values of one sequence, per layer # [1, n_kv, length, head_dim].
+
+    After a pass of several rows a cache is a row of that pass's presents, left where they are
+    (`_Pass`): its positions are the slots `valid` marks, so that a rejected window's positions
+    and a shorter row's padding become dead slots rather than a copy. Its own arrays are made
+    only when it is needed alone: a pass of it alone, its keys read, or its pass's other rows
+    gone on without it.
+    """
 
     def __init__(self, keys: list[F32], values: list[F32]) -> None:
-        self.keys = keys
-        self.values = values
+        self._keys: list[F32] = keys
+        self._values: list[F32] = values
+        self._length = int(keys[0].shape[2])
+        self._pass: _Pass | None = None
+        self._row = 0
+        self._valid: Slots | None = None  # [slots of the pass], set while in a pass
 
     @property
     def length(self) -> int:
-        return int(self.keys[0].shape[2])
+        return self._length
+
+    @property
+    def keys(self) -> list[F32]:
+        self._detach()
+        return self._keys
+
+    @property
+    def values(self) -> list[F32]:
+        self._detach()
+        return self._values
 
     def trim(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot trim a cache of {self.length} positions to {length}")
-        if length == self.length:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot trim a cache of {self._length} positions to {length}")
+        if length == self._length:
             return
-        # A view, not a copy (a rejected window's rollback copied the whole cache, ~14 MB for
-        # SmolLM2-135M at 300 positions): the next pass copies every cache into its batch
-        # anyway, a lone row's made contiguous there, and the positions cut off go with it.
-        self.keys = [k[:, :, :length] for k in self.keys]
-        self.values = [v[:, :, :length] for v in self.values]
+        if self._valid is not None:
+            valid = self._valid.copy()
+            valid[np.flatnonzero(valid)[length:]] = False
+            self._valid = valid
+        else:
+            # A view, not a copy (a rejected window's rollback copied the whole cache, ~14 MB
+            # for SmolLM2-135M at 300 positions): a lone row's is made contiguous by its next
+            # pass, and the positions cut off go with it.
+            self._keys = [k[:, :, :length] for k in self._keys]
+            self._values = [v[:, :, :length] for v in self._values]
+        self._length = length
 
     def copy(self) -> OnnxKVCache:
-        return OnnxKVCache([k.copy() for k in self.keys], [v.copy() for v in self.values])
+        keys, values = self._parts()
+        return OnnxKVCache([k.copy() for k in keys], [v.copy() for v in values])
+
+    def _parts(self) -> tuple[list[F32], list[F32]]:
+        """Per layer, its positions in order # [1, n_kv, length, head_dim]: its own arrays, or
+        its row of its pass (views where its slots are contiguous, copies where not)."""
+        if self._pass is None or self._valid is None:
+            return self._keys, self._values
+        slots = np.flatnonzero(self._valid)
+        row = self._row
+        presents = self._pass.presents
+        if slots.size and int(slots[-1]) - int(slots[0]) + 1 == slots.size:
+            span = slice(int(slots[0]), int(slots[-1]) + 1)
+            return (
+                [k[row : row + 1, :, span] for k in presents[0::2]],
+                [v[row : row + 1, :, span] for v in presents[1::2]],
+            )
+        return (
+            [k[row : row + 1][:, :, slots] for k in presents[0::2]],
+            [v[row : row + 1][:, :, slots] for v in presents[1::2]],
+        )
+
+    def _join(self, done: _Pass, row: int, valid: Slots, length: int) -> None:
+        self._pass, self._row, self._valid, self._length = done, row, valid, length
+        self._keys = self._values = []
+
+    def _detach(self) -> None:
+        """Arrays of its own, out of its pass."""
+        if self._pass is None:
+            return
+        keys, values = self._parts()
+        self._keys = [np.ascontiguousarray(k) for k in keys]
+        self._values = [np.ascontiguousarray(v) for v in values]
+        self._pass, self._valid = None, None
+
+
+class _Pass:
+    """The presents of one pass of several rows, kept as the caches of its rows."""
+
+    __slots__ = ("caches", "presents")
+
+    def __init__(self, presents: tuple[F32, ...], caches: list[OnnxKVCache]) -> None:
+        self.presents = presents  # key and value of each layer in turn # [rows, n_kv, slots, d]
+        self.caches = caches  # by row
+
+    def release(self) -> None:
+        """Copy out the rows still here: the others have gone on to another pass, and a pass
+        kept alive by a few rows would hold every row's memory."""
+        for cache in self.caches:
+            if cache._pass is self:
+                cache._detach()
+        self.caches = []
 
 
 def _own_cache(cache: KVCache) -> OnnxKVCache:
     if not isinstance(cache, OnnxKVCache):
         raise TypeError(f"OnnxRuntime needs its own caches, got {type(cache).__name__}")
     return cache
-
-
-@dataclass(frozen=True)
-class _LastBatch:
-    """A pass of several rows, each of which took every position of the pass (no right
-    padding): its `presents` are, row for row, the left-padded pasts of the next pass over the
-    same caches, as long as no cache has changed since (each still holds the lists this pass
-    gave it; a trim to another length, or another pass, gives it new ones)."""
-
-    caches: tuple[OnnxKVCache, ...]
-    keys: tuple[list[F32], ...]
-    values: tuple[list[F32], ...]
-    presents: tuple[F32, ...]  # [2 * n_layers], key and value of each layer in turn
-
-    def continues(self, caches: Sequence[OnnxKVCache]) -> bool:
-        return len(caches) == len(self.caches) and all(
-            cache is last and cache.keys is keys and cache.values is values
-            for cache, last, keys, values in zip(
-                caches, self.caches, self.keys, self.values, strict=True
-            )
-        )
 
 
 @dataclass(frozen=True)
@@ -162,10 +228,6 @@ class OnnxRuntime:
         ]
         self.has_hidden = HIDDEN in {output.name for output in self.session.get_outputs()}
         self.hidden_size = self.config.d_model
-        # Steady batched decoding (the same rows, one token each, pass after pass) feeds a
-        # pass's presents to the next one as they are: copying every row's cache into a new
-        # padded batch took a third of a 16-row pass on a CPU. Holds one batch's cache more.
-        self._last: _LastBatch | None = None
 
     def new_cache(self) -> OnnxKVCache:
         c = self.config
@@ -190,101 +252,126 @@ class OnnxRuntime:
         """One pass over several sequences; each cache grows by its own new tokens.
 
         Pasts are left-padded to the longest and new tokens right-padded to the longest, so every
-        row's new block starts at the same slot; `attention_mask` hides the padding. The hidden
-        states come back only `with_hidden`: ORT copies out only the outputs asked for.
+        row's new block starts at the same slot; `attention_mask` hides the padding and the dead
+        slots, and `position_ids` count each row's own positions. Rows that all come from one
+        earlier pass run on its presents as they are, or on those rows taken from them
+        (`_pasts_in_place`); others are stacked. The hidden states come back only
+        `with_hidden`: ORT copies out only the outputs asked for.
         """
         if not requests:
             return []
         if with_hidden and not self.has_hidden:
             raise ValueError(f"{self.name} was built without the {HIDDEN!r} output")
         c = self.config
-        own = [(ids, _own_cache(cache)) for ids, cache in requests]
-        past_lens = [cache.length for _, cache in own]
-        new_lens = [len(ids) for ids, _ in own]
+        caches = [_own_cache(cache) for _, cache in requests]
+        token_ids = [ids for ids, _ in requests]
+        lengths = [cache.length for cache in caches]
+        new_lens = [len(ids) for ids in token_ids]
         if min(new_lens) == 0:
             raise ValueError("every sequence needs at least one new token")
-        batch, past, new = len(own), max(past_lens), max(new_lens)
+        batch, new = len(caches), max(new_lens)
         if batch == 1 and new == 1 and self.consistent_decode:
             new = 2
 
+        feeds: dict[str, npt.NDArray[np.generic]] = {}
+        valid = self._pasts_in_place(feeds, caches, lengths)
+        if valid is None:
+            valid = self._stack_pasts(feeds, caches, lengths)
+        slots = valid.shape[1]
         input_ids = np.zeros((batch, new), dtype=np.int64)
         position_ids = np.zeros((batch, new), dtype=np.int64)
-        mask = np.zeros((batch, past + new), dtype=np.int64)
-        for row, ((ids, _), p, n) in enumerate(zip(own, past_lens, new_lens, strict=True)):
+        mask = np.zeros((batch, slots + new), dtype=np.int64)
+        mask[:, :slots] = valid
+        for row, (ids, length, n) in enumerate(zip(token_ids, lengths, new_lens, strict=True)):
             input_ids[row, :n] = ids
-            position_ids[row] = np.arange(p, p + new)
-            mask[row, past - p : past + n] = 1
-
-        feeds: dict[str, npt.NDArray[np.generic]] = {
-            INPUT_IDS: input_ids,
-            POSITION_IDS: position_ids,
-            ATTENTION_MASK: mask,
-        }
-        last, self._last = self._last, None
-        if last is not None and batch > 1 and last.continues([cache for _, cache in own]):
-            for layer in range(c.n_layers):
-                feeds[past_name(layer, "key")] = last.presents[2 * layer]
-                feeds[past_name(layer, "value")] = last.presents[2 * layer + 1]
-        else:
-            self._stack_pasts(feeds, own, past_lens, past)
+            position_ids[row] = np.arange(length, length + new)
+            mask[row, slots : slots + n] = 1
+        feeds[INPUT_IDS] = input_ids
+        feeds[POSITION_IDS] = position_ids
+        feeds[ATTENTION_MASK] = mask
 
         outputs_asked = [*self._outputs, HIDDEN] if with_hidden else self._outputs
         results = self.session.run(outputs_asked, feeds)
         logits = results[0]
-        presents = results[1 : 1 + 2 * c.n_layers]
+        presents = tuple(results[1 : 1 + 2 * c.n_layers])
         hidden = results[-1] if with_hidden else None
 
-        outputs: list[StepOutput] = []
-        for row, ((_, cache), p, n) in enumerate(zip(own, past_lens, new_lens, strict=True)):
-            start, stop = past - p, past + n
-            if batch == 1 and n == new:  # the common case needs no copy
-                cache.keys, cache.values = list(presents[0::2]), list(presents[1::2])
-            else:
-                cache.keys = [
-                    np.ascontiguousarray(k[row : row + 1, :, start:stop]) for k in presents[0::2]
-                ]
-                cache.values = [
-                    np.ascontiguousarray(v[row : row + 1, :, start:stop]) for v in presents[1::2]
-                ]
-            outputs.append(
-                StepOutput(
-                    logits=logits[row, :n],
-                    hidden=hidden[row, :n] if hidden is not None else None,
-                )
+        earlier = {id(cache._pass): cache._pass for cache in caches if cache._pass is not None}
+        done = _Pass(presents, caches)
+        kept = mask.astype(np.bool_)
+        for row, (cache, length, n) in enumerate(zip(caches, lengths, new_lens, strict=True)):
+            cache._join(done, row, kept[row], length + n)
+        for source in earlier.values():
+            source.release()
+        return [
+            StepOutput(
+                logits=logits[row, :n], hidden=hidden[row, :n] if hidden is not None else None
             )
-        if batch > 1 and min(new_lens) == new:
-            caches = tuple(cache for _, cache in own)
-            self._last = _LastBatch(
-                caches,
-                tuple(cache.keys for cache in caches),
-                tuple(cache.values for cache in caches),
-                tuple(presents),
-            )
-        return outputs
+            for row, n in enumerate(new_lens)
+        ]
+
+    def _pasts_in_place(
+        self,
+        feeds: dict[str, npt.NDArray[np.generic]],
+        caches: list[OnnxKVCache],
+        lengths: list[int],
+    ) -> Slots | None:
+        """The pasts of rows that all come from one earlier pass, and their valid slots: its
+        presents as they are (the same rows in the same order), or those rows taken from them
+        (one copy a layer, the slots no row uses dropped). None when the rows must be stacked:
+        a lone row (kept bit for bit as decoding alone leaves it), rows of several passes or of
+        none, or more dead slots than `DEAD_SLOTS_MIN` and `DEAD_SLOTS_SHARE` allow."""
+        source = caches[0]._pass
+        if len(caches) < 2 or source is None or any(c._pass is not source for c in caches):
+            return None
+        rows = [cache._row for cache in caches]
+        valid = np.stack([cache._valid for cache in caches if cache._valid is not None])
+        longest = max(lengths)
+        allowed = max(DEAD_SLOTS_MIN, int(longest * DEAD_SLOTS_SHARE))
+        c = self.config
+        if rows == list(range(len(source.caches))) and valid.shape[1] - longest <= allowed:
+            pasts = source.presents
+        else:
+            used = np.flatnonzero(valid.any(axis=0))
+            start = int(used[0]) if used.size else valid.shape[1]
+            if valid.shape[1] - start - longest > allowed:
+                return None
+            index = np.asarray(rows)
+            pasts = tuple(present[index, :, start:] for present in source.presents)
+            valid = valid[:, start:]
+        for layer in range(c.n_layers):
+            feeds[past_name(layer, "key")] = pasts[2 * layer]
+            feeds[past_name(layer, "value")] = pasts[2 * layer + 1]
+        return valid
 
     def _stack_pasts(
         self,
         feeds: dict[str, npt.NDArray[np.generic]],
-        own: list[tuple[Sequence[int], OnnxKVCache]],
-        past_lens: list[int],
-        past: int,
-    ) -> None:
-        """Every row's cache into the batch's past of each layer, left-padded to `past`."""
+        caches: list[OnnxKVCache],
+        lengths: list[int],
+    ) -> Slots:
+        """Every row's positions into the batch's past of each layer, left-padded to the
+        longest; the valid slots."""
         c = self.config
-        batch = len(own)
-        padded = batch > 1 and min(past_lens) != past
+        batch, past = len(caches), max(lengths)
+        padded = batch > 1 and min(lengths) != past
+        parts = [cache._parts() for cache in caches]
         for layer in range(c.n_layers):
-            for kind in ("key", "value"):
-                parts = [(cache.keys if kind == "key" else cache.values)[layer] for _, cache in own]
-                if batch == 1:  # a copy only after a rollback left a view
-                    feeds[past_name(layer, kind)] = np.ascontiguousarray(parts[0])
+            for side, kind in enumerate(("key", "value")):
+                arrays = [part[side][layer] for part in parts]
+                if batch == 1:  # a copy only where the row is not contiguous
+                    feeds[past_name(layer, kind)] = np.ascontiguousarray(arrays[0])
                 elif not padded:
-                    feeds[past_name(layer, kind)] = np.concatenate(parts, axis=0)
+                    feeds[past_name(layer, kind)] = np.concatenate(arrays, axis=0)
                 else:
                     stacked = np.zeros((batch, c.n_kv_heads, past, c.head_dim), dtype=np.float32)
-                    for row, (part, p) in enumerate(zip(parts, past_lens, strict=True)):
-                        stacked[row, :, past - p :] = part[0]
+                    for row, (array, length) in enumerate(zip(arrays, lengths, strict=True)):
+                        stacked[row, :, past - length :] = array[0]
                     feeds[past_name(layer, kind)] = stacked
+        valid = np.zeros((batch, past), dtype=np.bool_)
+        for row, length in enumerate(lengths):
+            valid[row, past - length :] = True
+        return valid
 
 
 class OnnxGraph:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inference.onnx_runtime import OnnxKVCache, OnnxRuntime
+from inference.onnx_runtime import DEAD_SLOTS_MIN, OnnxKVCache, OnnxRuntime
 from inference.tokenizer import ChatTokenizer
 
 Target = tuple[OnnxRuntime, ChatTokenizer]
@@ -203,60 +203,132 @@ def test_forward_rejects_empty_input(target: Target) -> None:
 
 
 def _decode_rows(
-    runtime: OnnxRuntime, prompts: list[list[int]], steps: int, fresh_batches: bool
+    runtime: OnnxRuntime, prompts: list[list[int]], steps: int, stack_every_pass: bool
 ) -> tuple[list[np.ndarray], list[OnnxKVCache]]:
-    """Prefill each prompt, then `steps` batched passes of one greedy token a row, with a
-    rollback of the second row after the third pass (as a rejected window leaves it);
-    `fresh_batches` stacks every pass's pasts anew, as without the reuse of the last pass's."""
+    """Prefill each prompt, then `steps` batched passes: one greedy token a row, except that
+    the second row sends a window of three after the second pass, of which the third pass
+    rejects all but one (as a verdict leaves it), and the third row a window of two in the
+    fifth pass, kept whole. `stack_every_pass` takes every cache out of its pass first, so that
+    each pass stacks the rows anew."""
     caches = []
-    tokens = []
+    tokens: list[list[int]] = []
     for prompt in prompts:
         cache = runtime.new_cache()
-        tokens.append(int(runtime.forward(prompt, cache)[-1].argmax()))
+        tokens.append([int(runtime.forward(prompt, cache)[-1].argmax())])
         caches.append(cache)
     logits_seen = []
     for step in range(steps):
-        if fresh_batches:
-            runtime._last = None
-        rows = runtime.forward_batch([([t], c) for t, c in zip(tokens, caches, strict=True)])
+        if stack_every_pass:
+            for cache in caches:
+                cache._detach()
+        rows = runtime.forward_batch(list(zip(tokens, caches, strict=True)))
         logits_seen += rows
-        tokens = [int(row[-1].argmax()) for row in rows]
+        tokens = [[int(row[-1].argmax())] for row in rows]
+        if step == 1:
+            tokens[1] = [tokens[1][0], 13, 28]
         if step == 2:
-            caches[1].trim(caches[1].length - 1)
-            tokens[1] = 13
+            caches[1].trim(caches[1].length - 2)
+            tokens[1] = [int(rows[1][0].argmax())]
+        if step == 3:
+            tokens[2] = [tokens[2][0], 13]
     return logits_seen, caches
 
 
-def test_a_pass_over_the_same_rows_reuses_the_last_pass_and_changes_no_bit(
+def _counting_stacks(runtime: OnnxRuntime, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    stacks: list[int] = []
+    stack = runtime._stack_pasts
+
+    def counted(feeds, caches, lengths):  # type: ignore[no-untyped-def]
+        stacks.append(len(caches))
+        return stack(feeds, caches, lengths)
+
+    monkeypatch.setattr(runtime, "_stack_pasts", counted)
+    return stacks
+
+
+def test_rows_of_one_pass_go_on_in_its_presents_with_dead_slots_masked(
     target: Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Steady batched decoding feeds a pass's presents to the next pass instead of stacking the
-    rows' caches again; a cache changed since (a rollback) makes the pass stack them. Logits
-    and caches are the same, bit for bit, as when every pass stacks."""
+    """Batched decoding feeds a pass's presents to the next pass over the same rows, rejected
+    positions and right padding left in place as dead slots, instead of stacking the rows'
+    caches again. Logits and caches agree with stacking every pass, to the last bits of a
+    different kernel shape, and so do the greedy tokens."""
     runtime, tokenizer = target
     prompts = [
         tokenizer.apply_chat_template(FRANCE),
         tokenizer.apply_chat_template("Name three colours."),
         tokenizer.encode("Once upon a time"),
     ]
-    reference, reference_caches = _decode_rows(runtime, prompts, 6, fresh_batches=True)
-    stacked = 0
-    stack = runtime._stack_pasts
-
-    def counted(*args: object, **kwargs: object) -> None:
-        nonlocal stacked
-        stacked += 1
-        stack(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(runtime, "_stack_pasts", counted)
-    runtime._last = None
-    reused, caches = _decode_rows(runtime, prompts, 6, fresh_batches=False)
-    # The three prefills (a row each) and two of the six passes stack: the first, and the one
-    # after the rollback; the other four reuse the pass before.
-    assert stacked == len(prompts) + 2
-    for got, want in zip(reused, reference, strict=True):
-        np.testing.assert_array_equal(got, want)
+    reference, reference_caches = _decode_rows(runtime, prompts, 6, stack_every_pass=True)
+    stacks = _counting_stacks(runtime, monkeypatch)
+    in_place, caches = _decode_rows(runtime, prompts, 6, stack_every_pass=False)
+    # The three prefills (a row each) and the first batched pass stack; the other five passes,
+    # the window, the rollback and the padding included, go on in the pass before.
+    assert stacks == [1, 1, 1, 3]
+    assert caches[1]._valid is not None and not caches[1]._valid[-8:].all()  # dead slots
+    for got, want in zip(in_place, reference, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOLERANCE)
+        assert (got.argmax(-1) == want.argmax(-1)).all()
     for cache, expected in zip(caches, reference_caches, strict=True):
+        assert cache.length == expected.length
         pairs = zip(cache.keys + cache.values, expected.keys + expected.values, strict=True)
         for got, want in pairs:
-            np.testing.assert_array_equal(got, want)
+            np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_TOLERANCE)
+
+
+def test_some_rows_of_a_pass_are_taken_from_it_and_the_rest_copied_out(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime, tokenizer = target
+    prompts = [tokenizer.encode(text) for text in ("Hello there", "Once upon a time", "Paris is")]
+    caches = [runtime.new_cache() for _ in prompts]
+    runtime.forward_batch(list(zip(prompts, caches, strict=True)))
+    left = caches[1]
+    expected = left.copy()
+    stacks = _counting_stacks(runtime, monkeypatch)
+    two = runtime.forward_batch([([13], caches[2]), ([13], caches[0])])
+    assert stacks == []  # taken from the pass before, in the new order
+    assert left._pass is None  # the row left behind has its own arrays again
+    for got, want in zip(left.keys + left.values, expected.keys + expected.values, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for logits, prompt in zip(two, [prompts[2], prompts[0]], strict=True):
+        alone = runtime.new_cache()
+        runtime.forward(prompt, alone)
+        np.testing.assert_allclose(
+            logits, runtime.forward([13], alone), rtol=0, atol=LOGIT_TOLERANCE
+        )
+
+
+def test_too_many_dead_slots_stack_the_rows_anew(
+    target: Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Windows rejected pass after pass would grow every pass by their dead slots; past
+    DEAD_SLOTS_MIN the rows are stacked again, with their positions only."""
+    runtime, tokenizer = target
+    prompts = [tokenizer.encode("Hello there"), tokenizer.encode("Once upon a time")]
+    caches = [runtime.new_cache() for _ in prompts]
+    runtime.forward_batch(list(zip(prompts, caches, strict=True)))
+    stacks = _counting_stacks(runtime, monkeypatch)
+    passes = 0
+    while not stacks:
+        lengths = [cache.length for cache in caches]
+        runtime.forward_batch([([13, 28, 29, 30], cache) for cache in caches])
+        for cache, length in zip(caches, lengths, strict=True):
+            cache.trim(length + 1)
+        passes += 1
+        assert passes < 10
+    # Each pass leaves 3 dead slots beyond the longest row: the seventh starts with 18, more
+    # than DEAD_SLOTS_MIN, and stacks.
+    assert DEAD_SLOTS_MIN == 16 and passes == 7 and stacks == [2]
+    # The stacked pass held the longest row's positions only: its window's 3 rejected are all
+    # that is dead of it now.
+    assert caches[1]._valid is not None and len(caches[1]._valid) == caches[1].length + 3
+    for cache, prompt in zip(caches, prompts, strict=True):
+        alone = runtime.new_cache()
+        runtime.forward(prompt + [13] * passes, alone)
+        np.testing.assert_allclose(
+            runtime.forward([13], cache.copy()),
+            runtime.forward([13], alone),
+            rtol=0,
+            atol=LOGIT_TOLERANCE,
+        )
