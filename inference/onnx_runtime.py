@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,6 +228,9 @@ class OnnxRuntime:
             present_name(i, kind) for i in range(self.config.n_layers) for kind in ("key", "value")
         ]
         self.has_hidden = HIDDEN in {output.name for output in self.session.get_outputs()}
+        # Time spent stacking rows' caches into a batch, in all: a pass's cost beyond what its
+        # shape costs in place, paid when its rows change (goodput control leaves it out).
+        self.stack_ms = 0.0
         self.hidden_size = self.config.d_model
 
     def new_cache(self) -> OnnxKVCache:
@@ -276,7 +280,9 @@ class OnnxRuntime:
         feeds: dict[str, npt.NDArray[np.generic]] = {}
         valid = self._pasts_in_place(feeds, caches, lengths)
         if valid is None:
+            started = time.perf_counter()
             valid = self._stack_pasts(feeds, caches, lengths)
+            self.stack_ms += (time.perf_counter() - started) * 1e3
         slots = valid.shape[1]
         input_ids = np.zeros((batch, new), dtype=np.int64)
         position_ids = np.zeros((batch, new), dtype=np.int64)

@@ -82,6 +82,14 @@ class ChildReply:
     # How long the child sat idle before this batch came: from its last reply sent to this
     # batch read. The target's time lost between passes, whatever the worker was doing.
     idle_ms: float = 0.0
+    # Of compute_ms, what the target spent stacking rows' caches into the batch (its rows
+    # changed): not what a pass of this shape costs, so goodput control leaves it out.
+    stack_ms: float = 0.0
+
+
+def stacking_ms(runtime: Runtime) -> float:
+    """The target's stacking time so far (0 for a runtime that does not count it)."""
+    return float(getattr(runtime, "stack_ms", 0.0))
 
 
 def child_main(conn: Connection, config: ChildConfig) -> None:
@@ -150,9 +158,16 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         if batch is None:
             return
         t0 = time.perf_counter()
+        stacked = stacking_ms(runtime)
         verifications = core.verify_batch(batch)
         compute_ms = (time.perf_counter() - t0) * 1e3
-        reply = ChildReply(verifications, compute_ms, core.stats(), (t0 - replied) * 1e3)
+        reply = ChildReply(
+            verifications,
+            compute_ms,
+            core.stats(),
+            (t0 - replied) * 1e3,
+            stack_ms=stacking_ms(runtime) - stacked,
+        )
         if not _send_or_exit(conn, reply):
             return
         replied = time.perf_counter()
@@ -180,9 +195,12 @@ def profile_passes(
             caches = [runtime.new_cache() for _ in range(rows)]
             for cache in caches:
                 runtime.forward(list(range(1, context + 1)), cache)
+            stacked = stacking_ms(runtime)
             t0 = time.perf_counter()
             runtime.forward_batch([(list(range(2, positions + 2)), cache) for cache in caches])
-            best = min(best, (time.perf_counter() - t0) * 1e3)
+            elapsed = (time.perf_counter() - t0) * 1e3
+            # What the shape costs in place, as the worker observes its passes.
+            best = min(best, elapsed - (stacking_ms(runtime) - stacked))
         samples.append((rows, positions, best))
     return tuple(samples)
 

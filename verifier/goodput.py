@@ -28,6 +28,12 @@ COST_HALF_LIFE_PASSES = 400.0
 # sample may differ from it (a pass stalled by the host counts as this many times slower).
 SHAPE_WEIGHT = 0.1
 SHAPE_CLIP = 1.5
+# A batch size's plain pass not timed in this many passes is timed again before a window is
+# chosen over it, and that sample moves its shape's mean by STALE_SHAPE_WEIGHT: a plain cost
+# taken once in a pass that did more (bench e2e at 16 streams: 146 ms, where steady plain passes
+# took 90) otherwise stood for the whole run, since the windows it favoured never timed it.
+PLAIN_REMEASURE_PASSES = 24
+STALE_SHAPE_WEIGHT = 0.5
 # Forgetting of acceptance: per window position, per (drafter, task).
 ACCEPT_HALF_LIFE = 200.0
 # What a drafter is taken to achieve before this host has seen it on a task: the coordinator's
@@ -68,6 +74,7 @@ class PassCost:
         self._xty = [0.0] * 3
         self._coefficients = (30.0, 2.0, 2.5)  # the shape of DESIGN.md's table, before any data
         self._seen: dict[int, dict[int, float]] = {}  # rows -> positions -> mean ms
+        self._seen_at: dict[tuple[int, int], int] = {}  # (rows, positions) -> its last sample
         self.samples = 0
 
     @staticmethod
@@ -95,6 +102,8 @@ class PassCost:
         self.samples += 1
         by_positions = self._seen.setdefault(rows, {})
         seen = by_positions.get(positions)
+        last = self._seen_at.get((rows, positions))
+        self._seen_at[(rows, positions)] = self.samples
         if seen is None:
             # A first sample far off the fit (a pass that waited on a busy host) would stand
             # for its shape until the next one, which a shape that looks dear never gets.
@@ -102,16 +111,21 @@ class PassCost:
             by_positions[positions] = min(max(ms, fit / SHAPE_CLIP), fit * SHAPE_CLIP)
         else:
             ms = min(max(ms, seen / SHAPE_CLIP), seen * SHAPE_CLIP)
-            by_positions[positions] = seen + SHAPE_WEIGHT * (ms - seen)
+            stale = last is not None and self.samples - last > PLAIN_REMEASURE_PASSES
+            by_positions[positions] = seen + (STALE_SHAPE_WEIGHT if stale else SHAPE_WEIGHT) * (
+                ms - seen
+            )
         solved = _solve3(self._xtx, self._xty)
         if solved is not None:
             # Negative terms fit noise; a pass never costs less for more rows or positions.
             a, b, c = solved
             self._coefficients = (max(0.0, a), max(0.0, b), max(1e-3, c))
 
-    def measured(self, rows: int, positions: int) -> bool:
-        """Whether a pass of this shape has been timed here (the profile's passes count)."""
-        return positions in self._seen.get(rows, ())
+    def measured(self, rows: int, positions: int, within: int | None = None) -> bool:
+        """Whether a pass of this shape has been timed here (the profile's passes count), in
+        the last `within` passes when given."""
+        last = self._seen_at.get((rows, positions))
+        return last is not None and (within is None or self.samples - last <= within)
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -375,12 +389,21 @@ class GoodputControl:
         reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
             "" if best == 0 else f" (plain {plain:.1f})"
         )
-        if best > 0 and rows > 1 and widest_fixed == 0 and not self.cost.measured(rows, 1):
-            # Plain decoding at this batch size was never timed here: its cost is the fit's,
-            # and a fit of speculative passes alone prices it wrongly (bench e2e at 32 streams:
-            # plain predicted at 0.7-1.2 s a pass, where plain serving's take 0.36 s, so windows
-            # that cost twice a plain pass were chosen throughout). One plain pass measures it.
-            reason = f"k=0: plain passes of {rows} rows not timed yet (predicted best: {reason})"
+        if (
+            best > 0
+            and rows > 1
+            and widest_fixed == 0
+            and not self.cost.measured(rows, 1, within=PLAIN_REMEASURE_PASSES)
+        ):
+            # Plain decoding at this batch size was not timed here lately: its cost is the
+            # fit's or an old sample's, and a fit of speculative passes alone prices it wrongly
+            # (bench e2e at 32 streams: plain predicted at 0.7-1.2 s a pass, where plain
+            # serving's take 0.36 s, so windows that cost twice a plain pass were chosen
+            # throughout). One plain pass measures it.
+            reason = (
+                f"k=0: plain passes of {rows} rows not timed in the last "
+                f"{PLAIN_REMEASURE_PASSES} passes (predicted best: {reason})"
+            )
             best = 0
         return PassChoice(
             k=best, rows=rows, goodput=goodput, cost_ms=cost_at[best], reason=reason[:256]

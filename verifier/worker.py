@@ -524,7 +524,10 @@ class VerifierWorker:
                 (len(r.tokens) or len(v.draft_tokens or ()))
                 for r, v in zip(requests, verifications, strict=True)
             )
-            self.goodput.observe_pass(len(requests), widest + 1, verify_ms)
+            # In place: stacking is paid when the rows change, whatever the window.
+            self.goodput.observe_pass(
+                len(requests), widest + 1, max(0.0, verify_ms - reply.stack_ms)
+            )
             counters.rows += len(requests)
             counters.positions += len(requests) * (widest + 1)
         pipe_ms = max(0.0, roundtrip_ms - reply.compute_ms)

@@ -332,3 +332,17 @@ def test_too_many_dead_slots_stack_the_rows_anew(
             rtol=0,
             atol=LOGIT_TOLERANCE,
         )
+
+
+def test_the_time_spent_stacking_rows_is_counted_apart(target: Target) -> None:
+    """Goodput control times a pass's shape without it: stacking is paid when the rows change."""
+    runtime, tokenizer = target
+    caches = [runtime.new_cache() for _ in range(2)]
+    for cache, text in zip(caches, ("Hello there", "Once upon a time"), strict=True):
+        runtime.forward(tokenizer.encode(text), cache)
+    before = runtime.stack_ms
+    runtime.forward_batch([([13], cache) for cache in caches])
+    stacked = runtime.stack_ms
+    assert stacked > before
+    runtime.forward_batch([([13], cache) for cache in caches])  # in place
+    assert runtime.stack_ms == stacked

@@ -7,7 +7,11 @@ import pytest
 from broker.client import BrokerAddress
 from broker.messages import StreamSpec, VerifyRequest
 from verifier.goodput import (
+    PLAIN_REMEASURE_PASSES,
+    SHAPE_CLIP,
+    SHAPE_WEIGHT,
     SPECULATION_MARGIN,
+    STALE_SHAPE_WEIGHT,
     GoodputControl,
     PassCost,
     PositionAcceptance,
@@ -219,13 +223,40 @@ def test_a_batch_size_never_timed_plain_runs_one_plain_pass_first() -> None:
     learned(control, "hybrid", [8])  # drafts that always hold: the rule wants a window
     streams = [StreamRow("hybrid", "chat", 8, 0.5)] * 32
     first = control.choose(streams, [])
-    assert first.k == 0 and "not timed yet" in first.reason, first.reason
+    assert first.k == 0 and "not timed in the last" in first.reason, first.reason
     control.observe_pass(32, 1, 300.0)
     again = control.choose(streams, [])
-    assert "not timed yet" not in again.reason
+    assert "not timed in the last" not in again.reason
     # A lone row, and a batch size whose plain pass was timed, choose by goodput alone.
-    assert "not timed yet" not in control.choose(streams[:1], []).reason
+    assert "not timed in the last" not in control.choose(streams[:1], []).reason
     assert control.choose(streams[:4], []).k > 0
     # Device rows set the pass's width whatever the streams do: nothing to measure there.
     with_device = control.choose(streams[:15], [4])
-    assert "not timed yet" not in with_device.reason
+    assert "not timed in the last" not in with_device.reason
+
+
+def test_a_plain_pass_not_timed_lately_is_timed_again_and_weighs_more() -> None:
+    """A plain cost sampled once in a slow pass (146 ms where steady plain passes take 90) would
+    stand while windows are chosen over it; after PLAIN_REMEASURE_PASSES passes without a plain
+    one the pass runs plain again, and that sample moves the stale mean by STALE_SHAPE_WEIGHT,
+    not SHAPE_WEIGHT."""
+    control = GoodputControl()
+    learned(control, "hybrid", [8])
+    streams = [StreamRow("hybrid", "chat", 8, 0.5)] * 16
+    control.observe_pass(16, 1, 146.0)
+    control.observe_pass(16, 3, 150.0)
+    assert control.choose(streams, []).k > 0
+    for _ in range(PLAIN_REMEASURE_PASSES):
+        control.observe_pass(16, 3, 150.0)
+    again = control.choose(streams, [])
+    assert again.k == 0 and "not timed in the last" in again.reason, again.reason
+    control.observe_pass(16, 1, 90.0)
+    # Clipped to 146 / SHAPE_CLIP first, as every sample of a seen shape is.
+    clipped = 146.0 / SHAPE_CLIP
+    assert control.cost.predict(16, 1) == pytest.approx(
+        146.0 + STALE_SHAPE_WEIGHT * (clipped - 146.0)
+    )
+    control.observe_pass(16, 1, 90.0)
+    settled = 146.0 + STALE_SHAPE_WEIGHT * (clipped - 146.0)
+    fresh = max(90.0, settled / SHAPE_CLIP)
+    assert control.cost.predict(16, 1) == pytest.approx(settled + SHAPE_WEIGHT * (fresh - settled))

@@ -16,6 +16,7 @@ import pytest
 
 from broker.messages import PassChoice
 from verifier.goodput import (
+    PLAIN_REMEASURE_PASSES,
     PRIOR_WEIGHT,
     SPECULATION_MARGIN,
     GoodputControl,
@@ -88,8 +89,12 @@ def reference_choose(
     reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
         "" if best == 0 else f" (plain {plain:.1f})"
     )
-    if best > 0 and rows > 1 and widest_fixed == 0 and not control.cost.measured(rows, 1):
-        reason = f"k=0: plain passes of {rows} rows not timed yet (predicted best: {reason})"
+    lately = control.cost.measured(rows, 1, within=PLAIN_REMEASURE_PASSES)
+    if best > 0 and rows > 1 and widest_fixed == 0 and not lately:
+        reason = (
+            f"k=0: plain passes of {rows} rows not timed in the last {PLAIN_REMEASURE_PASSES} "
+            f"passes (predicted best: {reason})"
+        )
         best = 0
     return PassChoice(
         k=best, rows=rows, goodput=goodput, cost_ms=cost_at[best], reason=reason[:256]
@@ -146,7 +151,7 @@ def test_the_pass_rule_chooses_as_the_plain_rule_over_many_random_passes(seed: i
 
 def test_acceptance_observed_after_a_choice_changes_the_next_choice() -> None:
     control = GoodputControl()
-    for rows, positions, ms in ((8, 1, 60.0), (8, 9, 61.0), (1, 1, 40.0), (1, 9, 41.0)):
+    for rows, positions, ms in ((8, 9, 61.0), (1, 1, 40.0), (1, 9, 41.0), (8, 1, 60.0)):
         for _ in range(20):
             control.observe_pass(rows, positions, ms)
     streams = [StreamRow("hybrid", "code", 8, 0.5)] * 8
