@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,13 +154,15 @@ class _Pass:
 
     def __init__(self, presents: tuple[F32, ...], caches: list[OnnxKVCache]) -> None:
         self.presents = presents  # key and value of each layer in turn # [rows, n_kv, slots, d]
-        self.caches = caches  # by row
+        # By row, weakly: a cache its session dropped is not copied out for nobody.
+        self.caches = [weakref.ref(cache) for cache in caches]
 
     def release(self) -> None:
         """Copy out the rows still here: the others have gone on to another pass, and a pass
         kept alive by a few rows would hold every row's memory."""
-        for cache in self.caches:
-            if cache._pass is self:
+        for ref in self.caches:
+            cache = ref()
+            if cache is not None and cache._pass is self:
                 cache._detach()
         self.caches = []
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -346,3 +348,16 @@ def test_the_time_spent_stacking_rows_is_counted_apart(target: Target) -> None:
     assert stacked > before
     runtime.forward_batch([([13], cache) for cache in caches])  # in place
     assert runtime.stack_ms == stacked
+
+
+def test_a_pass_does_not_keep_a_dropped_cache_alive(target: Target) -> None:
+    """The verifier drops an evicted session's cache while its pass's other rows go on: the
+    pass holds its rows weakly, so that the cache goes (and is not copied out for nobody)."""
+    runtime, tokenizer = target
+    caches = [runtime.new_cache() for _ in range(3)]
+    runtime.forward_batch([(tokenizer.encode("Hello there"), cache) for cache in caches])
+    dropped = weakref.ref(caches.pop())
+    gc.collect()
+    assert dropped() is None
+    runtime.forward_batch([([13], cache) for cache in caches])
+    assert all(cache.length == 3 for cache in caches)
