@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from broker import messages as m
-from coordinator.db.models import Round
+from coordinator.db.models import Round, SessionStatus
 from coordinator.runtime.book_core import BookCore
 from coordinator.runtime.decisions import opening_candidate
 from coordinator.runtime.policy import STREAM_DECISION_EVERY, RoundObservation
@@ -60,9 +60,14 @@ class AdaptiveBook(BookCore):
             return live.policy, live.policy.model_dump(mode="json")
         return self._decide(live, row.draft_model or live.policy.draft_model, load)
 
-    def _streams_beside(self, session_id: str) -> float:
+    def _streams_beside(self, session_id: str, *, opening: bool = False) -> float:
         """The host streams a verifier runs beside this session's own, on the live verifiers'
-        mean: what a window drafted on its device would hold up."""
+        mean: what a window drafted on its device would hold up. `opening`: also the sessions
+        opened in a host mode whose streams have not started (their first round waits on its
+        prefill): a wave's sessions open within milliseconds of each other, and each saw none
+        of the others' streams, so some opened on their devices and held up the streams'
+        first passes with their windows (bench e2e at 16: passes of 180-240 ms where plain
+        ones took 90)."""
         live = self.pool.live()
         if not live:
             return 0.0
@@ -72,6 +77,16 @@ class AdaptiveBook(BookCore):
             for stream in info.streams.values()
             if stream.request.session_id != session_id
         )
+        if opening:
+            streams += sum(
+                1
+                for other in self.live.values()
+                if other.id != session_id
+                and other.next_round == 0
+                and not other.streaming
+                and other.status is SessionStatus.ACTIVE
+                and other.policy.mode in m.HOST_MODES
+            )
         return streams / len(live)
 
     def _open_where_best(self, live: LiveSession) -> None:
@@ -88,7 +103,7 @@ class AdaptiveBook(BookCore):
             load,
             host_drafts=host_drafts,
             plain=True,
-            beside=self._streams_beside(live.id),
+            beside=self._streams_beside(live.id, opening=True),
         )
         best = opening_candidate(decision)
         if best is None:
