@@ -64,7 +64,7 @@ Slots = npt.NDArray[np.bool_]
 class OnnxKVCache:
     """Keys and values of one sequence, per layer # [1, n_kv, length, head_dim].
 
-    After a pass of several rows a cache is a row of that pass's presents, left where they are
+    After a pass a cache is its row of that pass's presents, left where they are
     (`_Pass`): its positions are the slots `valid` marks, so that a rejected window's positions
     and a shorter row's padding become dead slots rather than a copy. Its own arrays are made
     only when it is needed alone: a pass of it alone, its keys read, or its pass's other rows
@@ -148,7 +148,7 @@ class OnnxKVCache:
 
 
 class _Pass:
-    """The presents of one pass of several rows, kept as the caches of its rows."""
+    """The presents of one pass, kept as the caches of its rows."""
 
     __slots__ = ("caches", "presents")
 

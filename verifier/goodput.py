@@ -29,9 +29,10 @@ COST_HALF_LIFE_PASSES = 400.0
 SHAPE_WEIGHT = 0.1
 SHAPE_CLIP = 1.5
 # A batch size's plain pass not timed in this many passes is timed again before a window is
-# chosen over it, and that sample moves its shape's mean by STALE_SHAPE_WEIGHT: a plain cost
-# taken once in a pass that did more (bench e2e at 16 streams: 146 ms, where steady plain passes
-# took 90) otherwise stood for the whole run, since the windows it favoured never timed it.
+# chosen over it; a sample of any shape not timed in as many passes moves its mean by
+# STALE_SHAPE_WEIGHT. A plain cost taken once in a pass that did more (bench e2e at 16 streams:
+# 146 ms, where steady plain passes took 90) otherwise stood for the whole run, since the
+# windows it favoured never timed it.
 PLAIN_REMEASURE_PASSES = 24
 STALE_SHAPE_WEIGHT = 0.5
 # Forgetting of acceptance: per window position, per (drafter, task).
