@@ -37,6 +37,11 @@ BENCHMARKS = (
         "tool: no model, recorded answers)",
     ),
     (
+        "target-passes",
+        "bench.target_passes",
+        "batched target passes with rows kept in the last pass against stacking every pass",
+    ),
+    (
         "draft-boundary",
         "bench.draft_boundary",
         "a drafting round's cost with the draft in a child process against in-process",

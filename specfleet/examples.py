@@ -183,6 +183,10 @@ EXAMPLES: dict[str, str] = {
     "specfleet bench fleet": """
         specfleet bench fleet --agents 2000 --sessions 200 --json
     """,
+    "specfleet bench target-passes": """
+        specfleet bench target-passes --json
+        specfleet bench target-passes --rows 8,32 --k 0,2 --passes 20 --turns 3
+    """,
     "specfleet bench draft-boundary": """
         specfleet bench draft-boundary --json
         specfleet bench draft-boundary --drafts draft-l1,draft-l1-tflite --k 2 --rounds 500
