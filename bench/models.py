@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from core.report import add_json_argument, format_table, median, write_json
+from core.report import add_json_argument, format_table, int_list, median, write_json
 from inference.runtime import KVCache, Logits, Runtime
 from localfleet.prompts import DEFAULT_PROMPTS, BenchPrompt, read_prompts
 
@@ -221,20 +221,8 @@ def drafter_run(args: argparse.Namespace) -> DrafterRun:
     unknown = [name for name in names if name not in available]
     if unknown:
         raise CommandError(f"unknown drafters {unknown}; known: {', '.join(available)}")
-    windows = None if args.k is None else _int_list(args.k, "--k")
+    windows = None if args.k is None else int_list(args.k, "--k")
     return DrafterRun(prompts, models_dir, names, windows)
-
-
-def _int_list(text: str, option: str) -> list[int]:
-    from core.errors import CommandError
-
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise CommandError(f"{option} must be comma-separated integers, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise CommandError(f"{option} values must be >= 1, got {text!r}")
-    return values
 
 
 def run(args: argparse.Namespace) -> int:

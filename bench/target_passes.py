@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from core.report import add_json_argument, format_table, median, write_json
+from core.report import add_json_argument, format_table, int_list, median, write_json
 
 DEFAULT_JSON = Path("bench-results/target-passes.json")
 PROMPT_TOKENS = (60, 140)  # each row's prompt length is drawn from this range
@@ -43,26 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _ints(text: str, flag: str, least: int) -> list[int]:
-    from core.errors import CommandError
-
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise CommandError(f"{flag} takes comma-separated integers, not {text!r}") from None
-    if min(values) < least:
-        raise CommandError(f"{flag}: every value must be at least {least}")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from core.errors import CommandError
     from modelbuild.target_build import load_target
 
-    rows_list = _ints(args.rows, "--rows", 2)
-    windows = _ints(args.k, "--k", 0)
+    rows_list = int_list(args.rows, "--rows", least=2)
+    windows = int_list(args.k, "--k", least=0)
     if args.passes < 2 or args.turns < 1:
         raise CommandError("--passes must be at least 2 and --turns at least 1")
     runtime, _ = load_target(args.models_dir, threads=args.threads)

@@ -23,6 +23,19 @@ def add_json_argument(parser: argparse.ArgumentParser, default_path: Path) -> No
     )
 
 
+def int_list(text: str, option: str, least: int = 1) -> list[int]:
+    """A benchmark's comma-separated integers (`--k 1,2,4`); CommandError naming the option."""
+    from core.errors import CommandError
+
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise CommandError(f"{option} must be comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < least:
+        raise CommandError(f"{option} values must be >= {least}, got {text!r}")
+    return values
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
     if not values:

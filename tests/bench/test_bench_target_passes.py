@@ -41,9 +41,9 @@ def test_a_short_run_times_both_ways_and_their_logits_agree(
 @pytest.mark.parametrize(
     ("args", "reason"),
     [
-        (["--rows", "1"], "--rows: every value must be at least 2"),
-        (["--k", "one"], "--k takes comma-separated integers"),
-        (["--k", "-1"], "--k: every value must be at least 0"),
+        (["--rows", "1"], "--rows values must be >= 2"),
+        (["--k", "one"], "--k must be comma-separated integers"),
+        (["--k", "-1"], "--k values must be >= 0"),
         (["--passes", "1"], "--passes must be at least 2"),
     ],
 )
