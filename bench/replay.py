@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     from core.errors import CommandError
     from inference.drafters import DrafterError, default_k, make_proposer
+    from inference.proposers import wants_features
+    from inference.runtime import FeatureRuntime
     from inference.sampling import SamplingParams
     from inference.speculative import decode_target, replay_greedy
     from modelbuild.target_build import load_target
@@ -46,17 +48,35 @@ def run(args: argparse.Namespace) -> int:
         for ids in tqdm(prompt_ids, desc="target answers", unit="prompt")
     ]
 
+    # A feature drafter is handed the target's features along each answer as its verdicts would
+    # carry them: one prefill of prompt + answer each, taken once for every such drafter.
+    hidden: list[Any] | None = None
     rows: list[dict[str, Any]] = []
     for name in names:
         try:
             proposer = make_proposer(name, models_dir, threads=args.threads)
         except DrafterError as exc:
             raise CommandError(str(exc)) from exc
+        if hidden is None and wants_features(proposer):
+            if not (isinstance(target, FeatureRuntime) and target.has_hidden):
+                raise CommandError(f"{name} drafts from features the target does not output")
+            hidden = [
+                target.forward_batch_hidden([([*ids, *answer], target.new_cache())])[0][1]
+                for ids, answer in tqdm(
+                    list(zip(prompt_ids, answers, strict=True)), desc="features", unit="prompt"
+                )
+            ]
+        features = hidden if wants_features(proposer) else None
         for k in windows or [default_k(name)]:
             per_task: dict[str, RunTotals] = defaultdict(RunTotals)
             started = time.perf_counter()
-            for prompt, ids, answer in zip(prompts, prompt_ids, answers, strict=True):
-                result = replay_greedy(proposer, ids, answer, k, args.max_tokens)
+            for i, (prompt, ids, answer) in enumerate(
+                zip(prompts, prompt_ids, answers, strict=True)
+            ):
+                result = replay_greedy(
+                    proposer, ids, answer, k, args.max_tokens,
+                    hidden=None if features is None else features[i],
+                )  # fmt: skip
                 per_task[prompt.task].add(result)
                 per_task["all"].add(result)
             t = per_task["all"]

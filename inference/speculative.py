@@ -258,6 +258,7 @@ def replay_greedy(
     target_tokens: Sequence[int],
     k: int,
     max_new_tokens: int,
+    hidden: Features | None = None,
 ) -> DecodeResult:
     """Greedy speculative decoding replayed along the target's known greedy output.
 
@@ -268,7 +269,9 @@ def replay_greedy(
     passes and drafted counts, and the same accepted counts but where a draft runs past the
     target's eos (the target may accept those positions too before they are cut).
     `target_tokens` is the target's greedy output for `max_new_tokens`, ending at its eos if
-    it stopped there.
+    it stopped there. A feature drafter gets, after each round as a verdict brings it (none
+    before the first), the target's feature from `hidden`, its hidden states over prompt_ids +
+    target_tokens # [len, H] (one prefill's; a verify pass's differ from them by rounding only).
     """
     _check(prompt_ids, max_new_tokens)
     if k < 1:
@@ -301,6 +304,8 @@ def replay_greedy(
         new_tokens = path[generated : generated + n_accepted + 1]
         committed += new_tokens
         generated += len(new_tokens)
+        if hidden is not None and generated < len(path):
+            give_features(proposer, hidden[len(committed) - 2], len(committed))
     return DecodeResult(
         tokens=path,
         rounds=rounds,

@@ -38,14 +38,15 @@ def test_bad_arguments_are_refused_in_one_line(
 
 
 def test_replay_reports_the_tokens_per_pass_of_real_speculative_decoding(tmp_path: Path) -> None:
+    """Copying drafters, and a feature head handed the target's features as verdicts would."""
     out = tmp_path / "replay.json"
     argv = ["bench", "replay", "--prompts", str(TUNE_PROMPTS), "--limit", "3",
-            "--max-tokens", "24", "--drafters", "lookup,hybrid", "--k", "2,5",
+            "--max-tokens", "24", "--drafters", "lookup,hybrid,eagle-h1", "--k", "2,5",
             "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     document = json.loads(out.read_text())
     rows = {(row["drafter"], row["k"]): row for row in document["rows"]}
-    assert set(rows) == {("lookup", 2), ("lookup", 5), ("hybrid", 2), ("hybrid", 5)}
+    assert set(rows) == {(name, k) for name in ("lookup", "hybrid", "eagle-h1") for k in (2, 5)}
 
     target, tokenizer = load_target()
     prompts = [json.loads(line)["prompt"] for line in TUNE_PROMPTS.read_text().splitlines()][:3]

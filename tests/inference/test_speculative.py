@@ -301,6 +301,28 @@ def test_replay_on_the_real_target_gives_its_rounds(name: str) -> None:
         assert_same_rounds(replay_greedy(real_drafter(name), ids, answer, 8, 48), decoded)
 
 
+@pytest.mark.parametrize("name", ["eagle-h1", "hybrid+eagle-h1"])
+def test_replay_hands_a_feature_drafter_the_features_its_verdicts_would(name: str) -> None:
+    """Replayed with the target's hidden states over prompt + answer (one prefill), a feature
+    head drafts what it drafts in real speculative decoding, whose verify passes hand it the
+    same features round by round; without them it falls back from the first round on."""
+    from real_target import greedy_reference, one_prompt_per_task, prompt_ids, target_pair
+
+    target, tokenizer = target_pair()
+    fell_back = 0
+    for prompt in one_prompt_per_task()[:3]:
+        ids = prompt_ids(prompt.id)
+        decoded = decode_speculative(
+            target, real_drafter(name), ids, 8, 48, GREEDY, eos=tokenizer.eos_id
+        )
+        answer = list(greedy_reference(prompt.id, REAL_MAX_TOKENS)[:48])
+        ((_, hidden),) = target.forward_batch_hidden([([*ids, *answer], target.new_cache())])
+        assert_same_rounds(replay_greedy(real_drafter(name), ids, answer, 8, 48, hidden), decoded)
+        blind = replay_greedy(real_drafter(name), ids, answer, 8, 48)
+        fell_back += [r.k for r in blind.rounds] != [r.k for r in decoded.rounds]
+    assert fell_back > 0
+
+
 def test_real_target_sampling_is_reproducible() -> None:
     """The hybrid, and a neural draft sampling its own q' when one is built."""
     from real_target import one_prompt_per_task, prompt_ids, target_pair
