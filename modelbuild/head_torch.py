@@ -85,9 +85,8 @@ class HeadModel(nn.Module):
             current = torch.cat([features[:, :1], predicted[:, :-1]], dim=1)
         return outputs
 
-    def trained_tensors(self) -> dict[str, F32]:
-        """Every trained tensor under the names of inference/feature_head.py, as fp32 numpy."""
-        tensors = {
+    def _named(self) -> dict[str, torch.Tensor]:
+        return {
             "feature_norm.weight": self.feature_norm.weight,
             "token_norm.weight": self.token_norm.weight,
             "fc.weight": self.fc,
@@ -98,12 +97,28 @@ class HeadModel(nn.Module):
             "out_norm.weight": self.out_norm.weight,
             "head.weight": self.head,
         }
+
+    def trained_tensors(self) -> dict[str, F32]:
+        """Every trained tensor under the names of inference/feature_head.py, as fp32 numpy."""
         result = {
-            name: t.detach().float().numpy().astype(np.float32) for name, t in tensors.items()
+            name: t.detach().float().numpy().astype(np.float32) for name, t in self._named().items()
         }
         expected = tensor_shapes(self.config, self.head.shape[0])
         assert {k: v.shape for k, v in result.items()} == expected
         return result
+
+    def load_tensors(self, tensors: dict[str, F32]) -> None:
+        """Start from a trained head's tensors (`trained_tensors`' names and shapes)."""
+        named = self._named()
+        if set(tensors) != set(named):
+            raise ValueError(f"tensors {sorted(tensors)} are not a head's {sorted(named)}")
+        with torch.no_grad():
+            for name, parameter in named.items():
+                if tuple(parameter.shape) != tensors[name].shape:
+                    raise ValueError(
+                        f"{name} is {tensors[name].shape}, this head's {tuple(parameter.shape)}"
+                    )
+                parameter.copy_(torch.from_numpy(tensors[name]))
 
 
 def head_loss(

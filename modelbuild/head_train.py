@@ -316,9 +316,11 @@ def train_head(
     resume: bool,
     threads: int,
     facts: dict[str, Any],
+    init: HeadWeights | None = None,
 ) -> HeadWeights:
     """Train for `minutes` of wall time (checkpointed every CHECKPOINT_EVERY_S; `resume` goes on
-    from the last checkpoint); returns the trained weights with their record."""
+    from the last checkpoint), from `init`'s tensors when given (a head trained before, on less
+    text: its reduced vocabulary is `vocab_ids`); returns the trained weights with their record."""
     import torch
     from tqdm import tqdm
 
@@ -348,6 +350,8 @@ def train_head(
         rms_eps=source.config.rms_eps,
     )
     model = HeadModel(config, embed, embed[ids], target_weights[NORM])
+    if init is not None and state is None:
+        model.load_tensors(init.tensors)
     target_rows = torch.from_numpy(embed[ids]).t().contiguous()  # [H, V']: the target's head
     to_column = np.full(config.vocab_size, -1, dtype=np.int64)
     to_column[ids] = np.arange(len(ids))
@@ -473,6 +477,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="continue training from the last checkpoint"
     )
     parser.add_argument(
+        "--init-from", type=Path, default=None, metavar="WEIGHTS",
+        help="start from a trained head's weights.npz (the shipped one, to go on with more "
+        "teacher text than it had) rather than from the target's own output rows; its reduced "
+        "vocabulary is kept",
+    )  # fmt: skip
+    parser.add_argument(
         "--extra-minutes", type=float, default=0.0,
         help=f"first write more answers with {EXTRA_DRAFT} for this many minutes (resumes; the "
         "target's features and greedy choices over them are trained on beside the teacher text)",
@@ -514,7 +524,8 @@ def run(args: argparse.Namespace) -> int:
     target_dir = ensure_target(models_dir)
     weights_path: Path = args.weights_dir / recipe.name / "weights.npz"
     if not args.export_only:
-        trained = _features_and_training(args, models_dir, target_dir, recipe)
+        init = None if args.init_from is None else _initial_head(args.init_from, recipe)
+        trained = _features_and_training(args, models_dir, target_dir, recipe, init)
         if trained is None:
             return 0
         from inference.feature_head import save_head_weights
@@ -602,9 +613,14 @@ def evaluate_head(models_dir: Path, target_dir: Path, weights: HeadWeights) -> d
 
 
 def _features_and_training(
-    args: argparse.Namespace, models_dir: Path, target_dir: Path, recipe: HeadRecipe
+    args: argparse.Namespace,
+    models_dir: Path,
+    target_dir: Path,
+    recipe: HeadRecipe,
+    init: HeadWeights | None,
 ) -> HeadWeights | None:
     from core.errors import CommandError
+    from inference.artifacts import sha256_file
     from inference.tokenizer import ChatTokenizer
     from modelbuild.distill import TEACHER_FILE, read_teacher, teacher_tokens, without_benchmark
     from modelbuild.target_build import load_target
@@ -643,6 +659,8 @@ def _features_and_training(
         tokenizer.eos_id,
     )
     vocab_ids = ranked[: recipe.n_vocab]
+    if init is not None:
+        vocab_ids = [int(i) for i in init.vocab_ids]
     valid_records = [r for r in records if r.index in set(valid.indices)]
     facts = {
         "teacher_answers": len(records),
@@ -656,11 +674,38 @@ def _features_and_training(
             for n in (1024, 2048, 4096, 8192, 16384)
         },
     }
+    if init is not None:
+        facts["initialised_from"] = {
+            "weights_sha256": sha256_file(args.init_from),
+            "teacher_tokens": init.record.get("teacher_tokens"),
+            "train_minutes": init.record.get("train_minutes"),
+            "train_steps": init.record.get("train_steps"),
+            "valid": init.record.get("valid"),
+        }
+        facts["vocab_coverage_kept"] = round(coverage(valid_records, vocab_ids), 4)
     log.info("reduced vocabulary coverage on held-out answers: %s", facts["vocab_coverage_valid"])
     return train_head(
         recipe, train, valid, vocab_ids, work, minutes=args.minutes, resume=args.resume,
-        threads=args.threads, facts=facts,
+        threads=args.threads, facts=facts, init=init,
     )  # fmt: skip
+
+
+def _initial_head(path: Path, recipe: HeadRecipe) -> HeadWeights:
+    """The trained head `--init-from` names, checked against the recipe it goes on with."""
+    from core.errors import CommandError
+    from inference.feature_head import FeatureHeadError, load_head_weights
+
+    try:
+        weights = load_head_weights(path)
+    except FeatureHeadError as exc:
+        raise CommandError(str(exc)) from exc
+    shape = (weights.config.intermediate_size, len(weights.vocab_ids))
+    if shape != (recipe.intermediate_size, recipe.n_vocab):
+        raise CommandError(
+            f"{path} is a head of width {shape[0]} over {shape[1]} tokens; {recipe.name} is "
+            f"{recipe.intermediate_size} over {recipe.n_vocab}"
+        )
+    return weights
 
 
 def extra_answers(

@@ -170,3 +170,60 @@ def test_torch_head_exports_the_step_it_trained() -> None:
     chained, logits = step_reference(weights, embed, unrolled[0][:, 1].numpy(), tokens[:, 2])
     np.testing.assert_allclose(unrolled[1][:, 2].numpy(), chained, atol=1e-5)
     np.testing.assert_allclose(model.logits(unrolled[1][:, 2]).detach().numpy(), logits, atol=1e-4)
+
+
+def test_a_head_starts_from_trained_tensors_and_refuses_a_misfit() -> None:
+    """`train-head --init-from`: a new torch head takes a trained head's tensors as they are
+    (the step it computes is theirs), and tensors of another shape are refused by name."""
+    torch = pytest.importorskip("torch")
+    from inference.feature_head import HeadConfig
+    from modelbuild.head_torch import HeadModel
+
+    config = HeadConfig("eagle-test", hidden_size=32, intermediate_size=48, vocab_size=90)
+    rng = np.random.default_rng(5)
+    embed = (0.1 * rng.standard_normal((90, 32))).astype(np.float32)
+    ids = np.arange(10, 50, dtype=np.int64)
+    trained = HeadModel(config, embed, embed[ids], np.ones(32, np.float32), seed=1)
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    tensors = trained.trained_tensors()
+    fresh = HeadModel(config, embed, embed[ids], np.ones(32, np.float32), seed=2)
+    assert not np.allclose(fresh.trained_tensors()["gate.weight"], tensors["gate.weight"])
+    fresh.load_tensors(tensors)
+    for name, tensor in fresh.trained_tensors().items():
+        np.testing.assert_array_equal(tensor, tensors[name])
+    features = torch.from_numpy(rng.standard_normal((3, 32)).astype(np.float32))
+    tokens = torch.from_numpy(rng.integers(0, 90, size=3))
+    with torch.no_grad():
+        np.testing.assert_array_equal(
+            fresh.step(features, tokens).numpy(), trained.step(features, tokens).numpy()
+        )
+    wider = dict(tensors, **{"gate.weight": np.zeros((64, 32), np.float32)})
+    with pytest.raises(ValueError, match=r"gate\.weight is \(64, 32\)"):
+        fresh.load_tensors(wider)
+    with pytest.raises(ValueError, match="not a head's"):
+        fresh.load_tensors({k: v for k, v in tensors.items() if k != "fc.weight"})
+
+
+@pytest.mark.parametrize(
+    ("size", "weights", "reason"),
+    [
+        ("small", "missing", "not a head's weights"),
+        ("tiny", "shipped", "is a head of width 1536 over 8192 tokens; eagle-t1 is 768 over 4096"),
+    ],
+)
+def test_train_head_refuses_a_head_it_cannot_go_on_from(
+    size: str, weights: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from modelbuild.head_build import SHIPPED_HEADS
+    from specfleet.cli import main
+
+    path = SHIPPED_HEADS / "eagle-h1" / "weights.npz" if weights == "shipped" else tmp_path / "x"
+    argv = ["models", "train-head", "--size", size, "--init-from", str(path),
+            "--weights-dir", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert reason in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
