@@ -797,9 +797,18 @@ class PlainArm:
                 "rounds": passes,
                 "elapsed_s": elapsed,
                 "tokens_per_s": len(tokens) / elapsed if elapsed > 0 else None,
+                # What `sim calibrate` prices plain serving's prefills with.
+                "prompt_tokens": len(prompt_ids),
+                "prefill_ms": prefill_ms,
             }
-            for prompt, tokens, passes, elapsed in zip(
-                prompts, served.token_ids, served.passes, served.elapsed_s, strict=True
+            for prompt, prompt_ids, tokens, passes, elapsed, prefill_ms in zip(
+                prompts,
+                ids,
+                served.token_ids,
+                served.passes,
+                served.elapsed_s,
+                served.prefill_ms,
+                strict=True,
             )
         ]
         return sessions, served.wall_s, served.batch_sizes, served.pass_ms

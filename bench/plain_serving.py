@@ -55,6 +55,7 @@ class ServedWave:
     wall_s: float  # the wave's start until its last session ended
     batch_sizes: list[int]  # [decode steps]: sessions in each batched pass
     pass_ms: list[float] = field(default_factory=list)  # [decode steps]: each pass's time
+    prefill_ms: list[float] = field(default_factory=list)  # [sessions]: its prompt's pass
 
     @property
     def passes(self) -> list[int]:
@@ -88,10 +89,13 @@ def serve_wave(
         else:
             running.append(session)
 
+    prefill_ms: list[float] = []
     for session, ids in enumerate(prompts):
         cache = runtime.new_cache()
         caches.append(cache)
+        t0 = time.perf_counter()
         logits = runtime.forward(ids, cache)  # [len(ids), vocab]
+        prefill_ms.append((time.perf_counter() - t0) * 1e3)
         commit(session, int(np.argmax(logits[-1])))
     batch_sizes: list[int] = []
     pass_ms: list[float] = []
@@ -103,7 +107,7 @@ def serve_wave(
         pass_ms.append((time.perf_counter() - t0) * 1e3)
         for session, logits in zip(batch, rows, strict=True):
             commit(session, int(np.argmax(logits[-1])))
-    return ServedWave(generated, elapsed, max(elapsed), batch_sizes, pass_ms)
+    return ServedWave(generated, elapsed, max(elapsed), batch_sizes, pass_ms, prefill_ms)
 
 
 @dataclass(frozen=True)

@@ -424,6 +424,72 @@ def run_passes(
     return list(found.values())
 
 
+PREFILL_MIN_PASSES = 3  # fewer passes that prefilled than this: the profile's prefill stays
+PREFILL_SCALE_LIMITS = (0.5, 4.0)
+
+
+def fit_prefill_scale(
+    rounds: Iterable[RecordedRound],
+    sessions: Iterable[RecordedSession],
+    documents: Sequence[dict[str, Any]],
+    profile: VerifierProfile,
+    host_speed: dict[str, float],
+) -> float | None:
+    """How much more than the profile's prefills the verifier's passes that prefilled cost in
+    the benchmark's runs, as the simulator prices such a pass (the pass's own shape at the run's
+    speed, plus each new session's prefill at the run's speed): the median over bench e2e's
+    passes that held a session's first round, of (ms / speed - pass) / sum of the prefills.
+    A wave's sessions are prefilled together in one padded pass, which costs more than the
+    profile's prompts timed alone (best of three)."""
+    from sim.engine import ProfileCost
+
+    keys: dict[str, str] = {}
+    for document in documents:
+        keys.update(run_keys(document))
+    prompt = {s.session_id.replace("-", ""): s.prompt_tokens for s in sessions}
+    by_pass: dict[float, list[RecordedRound]] = defaultdict(list)
+    for r in rounds:
+        if r.t_verify_ms:
+            by_pass[r.t_verify_ms].append(r)
+    cost = ProfileCost(profile)
+    line = (profile.prefill_fixed_ms, profile.prefill_ms_per_token)
+    factors: list[float] = []
+    for ms, members in by_pass.items():
+        first = [r for r in members if r.round_index == 0]
+        key = keys.get(first[0].session_id.replace("-", "")) if first else None
+        if key is None or not key.startswith("e2e ") or key not in host_speed:
+            continue
+        tokens = [prompt.get(r.session_id.replace("-", "")) for r in first]
+        if any(t is None for t in tokens):
+            continue
+        prefills = sum(line[0] + line[1] * int(t or 0) for t in tokens)
+        positions = max(r.drafted for r in members) + 1
+        rest = cost.predict(len(members), positions)
+        factors.append((ms / host_speed[key] - rest) / prefills)
+    if len(factors) < PREFILL_MIN_PASSES:
+        return None
+    low, high = PREFILL_SCALE_LIMITS
+    return min(max(statistics.median(factors), low), high)
+
+
+def plain_prefill_speed(
+    documents: Sequence[dict[str, Any]], profile: VerifierProfile
+) -> dict[str, float]:
+    """Per plain-serving run of bench e2e (`e2e LABEL prefill`): the median of its prompts'
+    prefills (each its own pass) over the profile's. Runs written before bench e2e timed them
+    have none, and the simulator prices their prefills at the run's decode speed."""
+    out: dict[str, float] = {}
+    fixed, per_token = profile.prefill_fixed_ms, profile.prefill_ms_per_token
+    for document in documents:
+        ratios: dict[str, list[float]] = defaultdict(list)
+        for s in document.get("sessions", []):
+            ms, tokens = s.get("prefill_ms"), s.get("prompt_tokens")
+            if isinstance(ms, (int, float)) and isinstance(tokens, int) and s.get("run"):
+                ratios[f"e2e {s['run']} prefill"].append(float(ms) / (fixed + per_token * tokens))
+        out |= {key: statistics.median(v) for key, v in ratios.items() if len(v) >= 3}
+    return out
+
+
 def fit_run_cost(passes: Sequence[tuple[str | None, int, int, float]]) -> tuple[float, ...] | None:
     """ms = a + b rows + c rows (positions - 1), fitted (least squares, coefficients >= 0) on
     the medians of the run's passes by shape, each weighted by its count: the target's pass
@@ -481,6 +547,12 @@ def fit_emulated_link(
     return max(0.0, statistics.median(extra)) if len(extra) >= 10 else None
 
 
+# A pass that took this many times the run's typical ratio to the model stalled (the host
+# descheduled the target): it is left out of the run's speed, which the simulator's own noise
+# and the bench's other passes already carry.
+STALL_RATIO = 2.0
+
+
 def fit_host_speed(
     profile: VerifierProfile, passes: Sequence[tuple[str | None, int, int, float]]
 ) -> dict[str, float]:
@@ -492,11 +564,18 @@ def fit_host_speed(
     from sim.engine import ProfileCost
 
     cost = ProfileCost(profile)
-    ratios: dict[str, list[float]] = defaultdict(list)
+    timed: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for key, rows, positions, ms in passes:
         if key is not None:
-            ratios[key].append(ms / cost.predict(rows, positions))
-    return {key: statistics.median(v) for key, v in sorted(ratios.items()) if len(v) >= 5}
+            timed[key].append((ms, cost.predict(rows, positions)))
+    speed: dict[str, float] = {}
+    for key, pairs in sorted(timed.items()):
+        if len(pairs) < 5:
+            continue
+        typical = statistics.median(ms / predicted for ms, predicted in pairs)
+        kept = [(ms, p) for ms, p in pairs if ms / p <= STALL_RATIO * typical]
+        speed[key] = sum(ms for ms, _ in kept) / sum(p for _, p in kept)
+    return speed
 
 
 # -- everything together -----------------------------------------------------------------------
@@ -581,6 +660,21 @@ def calibrate(
     else:
         unfit.append("the run's own pass costs: no host-stream round recorded one (profile as is)")
     host_speed = fit_host_speed(profile, [*timed, *plain_passes(documents)])
+    prefill_scale = fit_prefill_scale(rounds, sessions, documents, profile, host_speed)
+    if prefill_scale is not None:
+        profile = profile.model_copy(
+            update={
+                "prefill_fixed_ms": profile.prefill_fixed_ms * prefill_scale,
+                "prefill_ms_per_token": profile.prefill_ms_per_token * prefill_scale,
+                "source": f"{profile.source}, times {prefill_scale:.2f} as the run's passes "
+                "that prefilled paid it",
+            }
+        )
+    elif e2e:
+        unfit.append(
+            f"prefill: under {PREFILL_MIN_PASSES} passes of bench e2e prefilled (profile as is)"
+        )
+    host_speed |= plain_prefill_speed(documents, profile)
     if any(d.get("benchmark") == "adaptive" for d in documents):
         emulated = fit_emulated_link(rounds, documents, statistics.median(service))
         if emulated is not None:

@@ -15,6 +15,7 @@ from core.report import format_table, write_json
 
 DEFAULT_CALIBRATION = Path("bench-results/sim-calibration.json")
 ERROR_GOAL = 0.10
+DEFAULT_REPLAYS = 8  # seeds averaged by sim validate
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,7 +64,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="measure first, in this invocation: bench e2e (levels 1 4 16 32), sim profile and "
         "bench adaptive into DIR, calibrate on them, then replay both",
     )
-    v.add_argument("--seed", type=int, default=0, help="the simulation's seed")
+    v.add_argument("--seed", type=int, default=0, help="the first replay's seed")
+    v.add_argument(
+        "--replays", type=int, default=DEFAULT_REPLAYS,
+        help=f"replays averaged, seeds --seed, --seed + 1, ... (default {DEFAULT_REPLAYS})",
+    )  # fmt: skip
     v.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the report")
     v.set_defaults(func=_validate)
 
@@ -180,8 +185,10 @@ def _calibration(path: Path) -> Any:
 
 def _validate(args: argparse.Namespace) -> int:
     from sim.inputs import SimInputError
-    from sim.validate import replay_adaptive, replay_e2e
+    from sim.validate import mean_of, replay_adaptive, replay_e2e
 
+    if args.replays < 1:
+        raise CommandError("--replays must be >= 1")
     if args.measure is not None:
         if args.e2e is not None or args.adaptive is not None:
             raise CommandError("--measure writes its own runs: give it without --e2e/--adaptive")
@@ -199,7 +206,9 @@ def _validate(args: argparse.Namespace) -> int:
         except (OSError, json.JSONDecodeError) as exc:
             raise CommandError(f"cannot read {path}: {exc}") from None
         try:
-            comparisons += replay(calibration, document, seed=args.seed)
+            comparisons += mean_of(
+                [replay(calibration, document, seed=args.seed + i) for i in range(args.replays)]
+            )
         except SimInputError as exc:
             raise CommandError(f"{path.name}: {exc}") from None
     wall = time.perf_counter() - started
@@ -210,17 +219,22 @@ def _validate(args: argparse.Namespace) -> int:
             c.measured_tokens_per_s,
             c.simulated_tokens_per_s,
             f"{c.error:+.1%}",
+            f"{c.simulated_range[0]:.1f} - {c.simulated_range[1]:.1f}" if c.simulated_range else "",
             f"{c.measured_wait_ms[0]:.1f} / {c.measured_wait_ms[1]:.1f}",
             f"{c.simulated_wait_ms[0]:.1f} / {c.simulated_wait_ms[1]:.1f}",
         ]
         for c in comparisons
     ]
     headers = ["bench", "configuration", "measured tok/s", "simulated tok/s", "error",
-               "measured wait p50/p99 ms", "simulated wait p50/p99 ms"]  # fmt: skip
+               f"simulated range ({args.replays} replays)", "measured wait p50/p99 ms",
+               "simulated wait p50/p99 ms"]  # fmt: skip
     print(format_table(headers, rows))
     worst = max(abs(c.error) for c in comparisons) if comparisons else float("nan")
     within = sum(abs(c.error) <= ERROR_GOAL for c in comparisons)
-    print(f"\n{within}/{len(comparisons)} within {ERROR_GOAL:.0%}; worst {worst:.1%}; {wall:.2f} s")
+    print(
+        f"\n{within}/{len(comparisons)} within {ERROR_GOAL:.0%}; worst {worst:.1%}; "
+        f"{args.replays} replays in {wall:.2f} s"
+    )
     if args.json is not None:
         write_json(args.json, {
             "benchmark": "sim-validate",
@@ -230,6 +244,8 @@ def _validate(args: argparse.Namespace) -> int:
             "within_goal": within,
             "worst_error": worst,
             "goal": ERROR_GOAL,
+            "replays": args.replays,
+            "seeds": [args.seed + i for i in range(args.replays)],
         })  # fmt: skip
         print(f"wrote {args.json}")
     return 0

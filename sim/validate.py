@@ -37,6 +37,8 @@ class Comparison:
     simulated_tokens_per_s: float
     measured_wait_ms: tuple[float, float]  # p50, p99
     simulated_wait_ms: tuple[float, float]
+    # The lowest and highest simulated tokens/s over the replays averaged (one replay: itself).
+    simulated_range: tuple[float, float] | None = None
 
     @property
     def error(self) -> float:
@@ -55,7 +57,37 @@ class Comparison:
                 "p50": self.simulated_wait_ms[0],
                 "p99": self.simulated_wait_ms[1],
             },
+            "simulated_range": list(self.simulated_range or (self.simulated_tokens_per_s,) * 2),
         }
+
+
+def mean_of(replays: Sequence[Sequence[Comparison]]) -> list[Comparison]:
+    """The same configurations simulated under several seeds, as one comparison each: the mean
+    simulated tokens/s and wait percentiles, with the range of the tokens/s. A bench
+    configuration runs for seconds, so one replay's draws (acceptance, pass noise, links) move
+    it by several percent; the prediction is their mean."""
+    first, n = replays[0], len(replays)
+    merged = []
+    for i, c in enumerate(first):
+        runs = [replay[i] for replay in replays]
+        if any((r.benchmark, r.label) != (c.benchmark, c.label) for r in runs):
+            raise ValueError("replays of different configurations cannot be averaged")
+        rates = [r.simulated_tokens_per_s for r in runs]
+        merged.append(
+            Comparison(
+                benchmark=c.benchmark,
+                label=c.label,
+                measured_tokens_per_s=c.measured_tokens_per_s,
+                simulated_tokens_per_s=sum(rates) / n,
+                measured_wait_ms=c.measured_wait_ms,
+                simulated_wait_ms=(
+                    sum(r.simulated_wait_ms[0] for r in runs) / n,
+                    sum(r.simulated_wait_ms[1] for r in runs) / n,
+                ),
+                simulated_range=(min(rates), max(rates)),
+            )
+        )
+    return merged
 
 
 @dataclass(frozen=True)
@@ -144,12 +176,14 @@ def _wave(
     return wall, [w for s in sessions for w in s.waits_ms]
 
 
-def _plain_wave(fleet: Fleet, work: list[_Work]) -> float:
-    """Plain serving of one wave: prefill each prompt in turn, then decode the batch."""
+def _plain_wave(fleet: Fleet, work: list[_Work], prefill_speed: float | None = None) -> float:
+    """Plain serving of one wave: prefill each prompt in turn (at `prefill_speed` times the
+    profile's where the run timed its prefills, else at its decode speed), then decode the
+    batch."""
     verifier = fleet.verifiers[0]  # plain serving runs on the CPU the verifier's target has
     profile, truth, speed = verifier.profile, verifier.truth, verifier.speed
     rng = fleet.rng
-    elapsed = speed * sum(
+    elapsed = (speed if prefill_speed is None else prefill_speed) * sum(
         profile.prefill_fixed_ms + profile.prefill_ms_per_token * w.prompt_tokens for w in work
     )
     left = [w.tokens - 1 for w in work if w.tokens > 1]  # each prefill made the first token
@@ -199,7 +233,8 @@ def replay_e2e(
                 fleet.verifiers[0].speed = calibration.host_speed.get(f"e2e {label}", 1.0)
                 tokens = sum(item.tokens for item in work)
                 if run["arm"] == "plain":
-                    outcomes[label].add(tokens, _plain_wave(fleet, work), [])
+                    prefill_speed = calibration.host_speed.get(f"e2e {label} prefill")
+                    outcomes[label].add(tokens, _plain_wave(fleet, work, prefill_speed), [])
                     continue
                 k = int(by_run[label][0].get("k") or 0)
                 wall, waits = _bus_wave(fleet, devices, str(run["arm"]), drafter, k, work)

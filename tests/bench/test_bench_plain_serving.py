@@ -22,6 +22,10 @@ def test_a_wave_answers_as_the_target_decoding_alone(max_tokens: int) -> None:
     # One prefill per session gives its first token; each decode pass, one token per session.
     assert sum(wave.batch_sizes) == sum(wave.passes) - len(PROMPTS)
     assert wave.batch_sizes == sorted(wave.batch_sizes, reverse=True)
+    # Every decode pass and every prompt's prefill is timed (what `sim calibrate` prices).
+    assert len(wave.pass_ms) == len(wave.batch_sizes)
+    assert len(wave.prefill_ms) == len(PROMPTS)
+    assert all(ms > 0 for ms in [*wave.pass_ms, *wave.prefill_ms])
 
 
 def test_sessions_stop_at_the_first_eos_which_is_kept() -> None:

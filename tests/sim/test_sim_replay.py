@@ -8,10 +8,19 @@ import random
 
 import pytest
 
-from sim.calibrate import fit_host_speed, fit_run_cost, plain_passes, run_keys
+from sim.calibrate import (
+    RecordedRound,
+    RecordedSession,
+    fit_host_speed,
+    fit_prefill_scale,
+    fit_run_cost,
+    plain_passes,
+    plain_prefill_speed,
+    run_keys,
+)
 from sim.engine import Broker, Link
 from sim.inputs import LinkSpec
-from sim.validate import replay_adaptive, replay_e2e
+from sim.validate import Comparison, mean_of, replay_adaptive, replay_e2e
 from tests.sim.conftest import PASS_MS, flat_profile, make_calibration
 
 
@@ -55,6 +64,94 @@ def test_each_run_gets_its_host_speed_from_its_own_passes() -> None:
     passes = [("e2e hybrid x4", 4, 2, PASS_MS * 1.5)] * 5 + [("e2e adaptive x4", 4, 2, PASS_MS)] * 5
     passes += [("e2e adaptive x16", 16, 2, PASS_MS)] * 4  # under 5 passes: no figure
     assert fit_host_speed(profile, passes) == {"e2e hybrid x4": 1.5, "e2e adaptive x4": 1.0}
+
+
+def test_a_runs_speed_is_its_passes_time_over_the_models_with_stalls_left_out() -> None:
+    """What a run's passes took in all, against what the model prices them at: the figure
+    throughput follows (a median of ratios would let the most common shape decide). A pass
+    over twice the run's typical ratio stalled, and is left out."""
+    profile = flat_profile()
+    passes = [("e2e adaptive x32", 32, 1, PASS_MS)] * 6 + [
+        ("e2e adaptive x32", 4, 1, PASS_MS * 1.6)
+    ]
+    passes += [("e2e adaptive x32", 32, 1, PASS_MS * 9.0)]  # the host descheduled the target
+    speed = fit_host_speed(profile, passes)["e2e adaptive x32"]
+    assert speed == pytest.approx((6 + 1.6) / 7)
+
+
+def _round(session: str, index: int, ms: float, drafted: int = 0) -> RecordedRound:
+    return RecordedRound(
+        session_id=session, round_index=index, mode="distributed", draft_model="hybrid",
+        drafted=drafted, n_accepted=0, window=drafted, t_draft_ms=0.0, t_verify_ms=ms,
+    )  # fmt: skip
+
+
+def test_prefills_are_priced_as_the_runs_passes_that_prefilled_paid_them() -> None:
+    """Three sessions prefilled in one pass of the run at speed 2 cost 1.5 times the profile's
+    prefills beyond the pass itself: the scale is 1.5. Later rounds' passes do not count."""
+    profile = flat_profile().model_copy(
+        update={"prefill_fixed_ms": 10.0, "prefill_ms_per_token": 1.0}
+    )
+    speed = {"e2e adaptive x16": 2.0}
+    sessions = [RecordedSession(f"s{i}", "chat", 40, 10, 10, True) for i in range(9)]
+    prefills = 3 * (10.0 + 40.0)
+    rounds = []
+    for wave in range(3):  # three passes that prefilled, each with its own time
+        ms = 2.0 * (PASS_MS + 1.5 * prefills) + wave * 1e-3
+        rounds += [_round(f"s{3 * wave + i}", 0, ms, drafted=4) for i in range(3)]
+    rounds += [_round("s0", 1, 2.0 * PASS_MS), _round("s1", 1, 2.0 * PASS_MS)]
+    document = {"sessions": [{"session_id": f"s{i}", "run": "adaptive x16"} for i in range(9)]}
+    scale = fit_prefill_scale(rounds, sessions, [document], profile, speed)
+    assert scale == pytest.approx(1.5, rel=1e-4)
+    # Two such passes are too few to trust; a run without a speed is not priced.
+    assert fit_prefill_scale(rounds[:6], sessions, [document], profile, speed) is None
+    assert fit_prefill_scale(rounds, sessions, [document], profile, {}) is None
+
+
+def test_plain_servings_prefills_get_their_own_speed_from_the_json() -> None:
+    profile = flat_profile().model_copy(
+        update={"prefill_fixed_ms": 10.0, "prefill_ms_per_token": 1.0}
+    )
+    sessions = [
+        {"run": "plain serving x4", "prompt_tokens": 40, "prefill_ms": ms}
+        for ms in (55.0, 60.0, 75.0)
+    ]
+    sessions += [{"run": "plain serving x1", "prompt_tokens": 40}]  # written before they were
+    assert plain_prefill_speed([{"sessions": sessions}], profile) == {
+        "e2e plain serving x4 prefill": pytest.approx(60.0 / 50.0)
+    }
+
+
+def test_replays_under_several_seeds_are_averaged_with_their_range() -> None:
+    def replay(rate: float, p99: float) -> list[Comparison]:
+        return [Comparison("e2e", "hybrid x1", 10.0, rate, (1.0, 2.0), (3.0, p99))]
+
+    (merged,) = mean_of([replay(9.0, 10.0), replay(12.0, 20.0), replay(12.0, 30.0)])
+    assert merged.simulated_tokens_per_s == pytest.approx(11.0)
+    assert merged.simulated_range == (9.0, 12.0)
+    assert merged.simulated_wait_ms == pytest.approx((3.0, 20.0))
+    assert merged.error == pytest.approx(0.1)
+    other = [Comparison("e2e", "hybrid x4", 10.0, 9.0, (1.0, 2.0), (3.0, 4.0))]
+    with pytest.raises(ValueError, match="different configurations"):
+        mean_of([replay(9.0, 10.0), other])
+
+
+def test_plain_serving_is_replayed_with_its_own_prefill_speed() -> None:
+    """A plain-serving wave's prefills at the speed its JSON measured for them, not at its
+    decode passes' speed."""
+    profile = flat_profile().model_copy(update={"prefill_fixed_ms": 100.0})
+    runs = [{"label": "plain serving x1", "arm": "plain", "sessions": 1,
+             "throughput_tokens_per_s": 50.0}]  # fmt: skip
+    document = {"settings": {"sessions": [1], "drafter": "hybrid", "agents": 1}, "runs": runs,
+                "sessions": _sessions(1, 10, run="plain serving x1")}  # fmt: skip
+    decode_ms = 9 * PASS_MS
+    for prefill_speed, prefill_ms in ((None, 100.0), (3.0, 300.0)):
+        host_speed = {"e2e plain serving x1": 1.0}
+        if prefill_speed is not None:
+            host_speed["e2e plain serving x1 prefill"] = prefill_speed
+        calibration = make_calibration(verifiers={"cpu": profile}, host_speed=host_speed)
+        (plain,) = replay_e2e(calibration, document)
+        assert plain.simulated_tokens_per_s == pytest.approx(10 / (decode_ms + prefill_ms) * 1e3)
 
 
 def test_plain_serving_passes_and_run_keys_come_from_the_json() -> None:
