@@ -798,7 +798,7 @@ class PlainArm:
                 "elapsed_s": elapsed,
                 "tokens_per_s": len(tokens) / elapsed if elapsed > 0 else None,
                 # What `sim calibrate` prices plain serving's prefills with.
-                "prompt_tokens": len(prompt_ids),
+                "prompt_len": len(prompt_ids),  # as the agents report it
                 "prefill_ms": prefill_ms,
             }
             for prompt, prompt_ids, tokens, passes, elapsed, prefill_ms in zip(

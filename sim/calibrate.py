@@ -483,7 +483,7 @@ def plain_prefill_speed(
     for document in documents:
         ratios: dict[str, list[float]] = defaultdict(list)
         for s in document.get("sessions", []):
-            ms, tokens = s.get("prefill_ms"), s.get("prompt_tokens")
+            ms, tokens = s.get("prefill_ms"), s.get("prompt_len")
             if isinstance(ms, (int, float)) and isinstance(tokens, int) and s.get("run"):
                 ratios[f"e2e {s['run']} prefill"].append(float(ms) / (fixed + per_token * tokens))
         out |= {key: statistics.median(v) for key, v in ratios.items() if len(v) >= 3}

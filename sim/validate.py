@@ -115,9 +115,19 @@ class _Outcome:
         return self.tokens / self.wall_ms * 1e3 if self.wall_ms > 0 else math.nan
 
 
-def _waves(sessions: list[dict[str, Any]], size: int) -> list[list[_Work]]:
+def _waves(
+    sessions: list[dict[str, Any]], size: int, prompt_lens: dict[str, int] | None = None
+) -> list[list[_Work]]:
+    """A run's sessions in its waves of `size`. A session's prompt length is its own, else its
+    prompt's in another arm (plain serving recorded none before bench e2e timed its prefills),
+    else 32."""
+    lens = prompt_lens or {}
     work = [
-        _Work(str(s["task"]), int(s.get("prompt_len") or 32), max(1, int(s["tokens"])))
+        _Work(
+            str(s["task"]),
+            int(s.get("prompt_len") or lens.get(str(s.get("prompt_id"))) or 32),
+            max(1, int(s["tokens"])),
+        )
         for s in sessions
     ]
     return [work[i : i + size] for i in range(0, len(work), size)]
@@ -208,8 +218,11 @@ def replay_e2e(
     except (KeyError, TypeError, ValueError) as exc:
         raise SimInputError(f"not a bench e2e document: missing or bad {exc}") from None
     by_run: dict[str, list[dict[str, Any]]] = {}
+    prompt_lens: dict[str, int] = {}
     for s in document.get("sessions", []):
         by_run.setdefault(str(s["run"]), []).append(s)
+        if s.get("prompt_len") and s.get("prompt_id") is not None:
+            prompt_lens[str(s["prompt_id"])] = int(s["prompt_len"])
     # The benchmark's host: the targets on a CPU of their own, everything else on the other.
     host_cpu = Server()
     fleet = Fleet(calibration, ["cpu"], seed=seed, host_cpu=host_cpu)
@@ -223,7 +236,7 @@ def replay_e2e(
     for level in levels:
         labels = [label for label, r in runs.items() if int(r["sessions"]) == level]
         outcomes = {label: _Outcome() for label in labels}
-        waves = {label: _waves(by_run.get(label, []), level) for label in labels}
+        waves = {label: _waves(by_run.get(label, []), level, prompt_lens) for label in labels}
         for w in range(max((len(v) for v in waves.values()), default=0)):
             order = labels if w % 2 == 0 else list(reversed(labels))
             for label in order:

@@ -113,10 +113,9 @@ def test_plain_servings_prefills_get_their_own_speed_from_the_json() -> None:
         update={"prefill_fixed_ms": 10.0, "prefill_ms_per_token": 1.0}
     )
     sessions = [
-        {"run": "plain serving x4", "prompt_tokens": 40, "prefill_ms": ms}
-        for ms in (55.0, 60.0, 75.0)
+        {"run": "plain serving x4", "prompt_len": 40, "prefill_ms": ms} for ms in (55.0, 60.0, 75.0)
     ]
-    sessions += [{"run": "plain serving x1", "prompt_tokens": 40}]  # written before they were
+    sessions += [{"run": "plain serving x1", "prompt_len": 40}]  # written before they were
     assert plain_prefill_speed([{"sessions": sessions}], profile) == {
         "e2e plain serving x4 prefill": pytest.approx(60.0 / 50.0)
     }
@@ -152,6 +151,26 @@ def test_plain_serving_is_replayed_with_its_own_prefill_speed() -> None:
         calibration = make_calibration(verifiers={"cpu": profile}, host_speed=host_speed)
         (plain,) = replay_e2e(calibration, document)
         assert plain.simulated_tokens_per_s == pytest.approx(10 / (decode_ms + prefill_ms) * 1e3)
+
+
+def test_a_session_without_its_prompt_length_takes_its_prompts_from_another_arm() -> None:
+    """Plain serving's sessions carried no prompt length before bench e2e timed its prefills:
+    the same prompt's length in a bus arm prices its prefill, not a default."""
+    profile = flat_profile().model_copy(update={"prefill_ms_per_token": 1.0})
+    calibration = make_calibration(verifiers={"cpu": profile})
+    runs = [
+        {"label": "plain serving x1", "arm": "plain", "sessions": 1, "throughput_tokens_per_s": 1},
+        {"label": "hybrid x1", "arm": "fixed", "sessions": 1, "throughput_tokens_per_s": 1},
+    ]
+    sessions = [
+        {"run": "plain serving x1", "task": "chat", "prompt_id": "chat-01", "tokens": 10},
+        {"run": "hybrid x1", "task": "chat", "prompt_id": "chat-01", "prompt_len": 70,
+         "tokens": 10, "k": 4, "wait_ms": [20.0]},
+    ]  # fmt: skip
+    document = {"settings": {"sessions": [1], "drafter": "hybrid", "agents": 1}, "runs": runs,
+                "sessions": sessions}  # fmt: skip
+    plain = replay_e2e(calibration, document)[0]
+    assert plain.simulated_tokens_per_s == pytest.approx(10 / (9 * PASS_MS + 70.0) * 1e3)
 
 
 def test_plain_serving_passes_and_run_keys_come_from_the_json() -> None:
