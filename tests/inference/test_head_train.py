@@ -145,19 +145,27 @@ def test_features_are_cached_and_resumed(
     assert collect_features(runtime, greedy_records[1:2], tmp_path).indices == [1]
 
 
-def test_torch_head_exports_the_step_it_trained() -> None:
+def small_torch_head(rng: np.random.Generator, seed: int, moved: bool):  # type: ignore[no-untyped-def]
+    """(model, config, embed, ids) of a small torch head; `moved`: away from its start."""
     torch = pytest.importorskip("torch")
     from inference.feature_head import HeadConfig
     from modelbuild.head_torch import HeadModel
 
     config = HeadConfig("eagle-test", hidden_size=32, intermediate_size=48, vocab_size=90)
-    rng = np.random.default_rng(3)
     embed = (0.1 * rng.standard_normal((90, 32))).astype(np.float32)
     ids = np.arange(10, 50, dtype=np.int64)
-    model = HeadModel(config, embed, embed[ids], np.ones(32, np.float32), seed=1)
-    with torch.no_grad():
-        for parameter in model.parameters():  # move away from the identity start
-            parameter.add_(0.05 * torch.randn_like(parameter))
+    model = HeadModel(config, embed, embed[ids], np.ones(32, np.float32), seed=seed)
+    if moved:  # move away from the identity start
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+    return model, config, embed, ids
+
+
+def test_torch_head_exports_the_step_it_trained() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    model, config, embed, ids = small_torch_head(rng, seed=1, moved=True)
     features = rng.standard_normal((2, 5, 32)).astype(np.float32)
     tokens = rng.integers(0, 90, size=(2, 5))
     with torch.no_grad():
@@ -176,17 +184,10 @@ def test_a_head_starts_from_trained_tensors_and_refuses_a_misfit() -> None:
     """`train-head --init-from`: a new torch head takes a trained head's tensors as they are
     (the step it computes is theirs), and tensors of another shape are refused by name."""
     torch = pytest.importorskip("torch")
-    from inference.feature_head import HeadConfig
     from modelbuild.head_torch import HeadModel
 
-    config = HeadConfig("eagle-test", hidden_size=32, intermediate_size=48, vocab_size=90)
     rng = np.random.default_rng(5)
-    embed = (0.1 * rng.standard_normal((90, 32))).astype(np.float32)
-    ids = np.arange(10, 50, dtype=np.int64)
-    trained = HeadModel(config, embed, embed[ids], np.ones(32, np.float32), seed=1)
-    with torch.no_grad():
-        for parameter in trained.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
+    trained, config, embed, ids = small_torch_head(rng, seed=1, moved=True)
     tensors = trained.trained_tensors()
     fresh = HeadModel(config, embed, embed[ids], np.ones(32, np.float32), seed=2)
     assert not np.allclose(fresh.trained_tensors()["gate.weight"], tensors["gate.weight"])
