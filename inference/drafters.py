@@ -49,10 +49,17 @@ DEFAULT_NEURAL_K = 2
 HYBRID_NEURAL_MIN_CONFIDENCE = 0.3
 HYBRID_NEURAL_MAX_TOKENS = 2
 HYBRID_NEURAL_BEFORE = "lookup-1"  # the copying tier a hybrid's neural draft goes before
-# A feature head in a hybrid takes the draft's place, with the same confidence gate; it chains
-# from the target's own features, so it may go further than a small draft (to be tuned on
-# bench/prompts/tune.jsonl once a trained head ships).
-HYBRID_HEAD_MAX_TOKENS = 4
+# A feature head in a hybrid: where it goes among the copying tiers, its confidence gate, how
+# far it drafts, and whether later tiers fill a proposal short of k. Chosen on
+# bench/prompts/tune.jsonl with `bench replay`'s rounds (the target's features handed over as
+# verdicts carry them), k = 8, tokens per target pass over the 40 prompts: the head before
+# lookup-1, gate 0.3, at most 4 tokens, no fill (as first shipped) 1.884; gate 0.2 and 8 tokens
+# 1.908; with fill 1.924; before ngram-3, gate 0.2, 8 tokens 1.966, with fill 1.978 (hybrid
+# alone 1.768; the head first, or gated at 0.6-0.9 before every tier, 1.79-1.86).
+HYBRID_HEAD_BEFORE = "ngram-3"
+HYBRID_HEAD_MIN_CONFIDENCE = 0.2
+HYBRID_HEAD_MAX_TOKENS = 8
+HYBRID_HEAD_FILL = True
 LOOKUP_2_MAX_TOKENS = 5
 LOOKUP_1_MAX_TOKENS = 2
 # A 3-token table context chains on while its contexts are in the table; past 4 tokens only
@@ -203,23 +210,28 @@ def make_proposer(
         # only when it is itself fairly sure of them.
         tiers = tiered_copying(load_ngram_table(ngram_path))
         model = name[len(HYBRID_PREFIX) :]
-        draft: Proposer
         if model in heads:
-            # Without a feature the head proposes nothing and the copying tiers go on alone.
-            draft = head(
+            # A feature head goes further, and earlier: after the matches of two tokens or more
+            # (before the table), and what a tier proposes short of k the tiers after it fill
+            # (the head chains on through copied tokens). Without a feature the head proposes
+            # nothing and the copying tiers go on alone.
+            feature_draft = head(
                 model,
                 None,
-                min_confidence=HYBRID_NEURAL_MIN_CONFIDENCE,
+                min_confidence=HYBRID_HEAD_MIN_CONFIDENCE,
                 min_tokens=0,
                 max_tokens=HYBRID_HEAD_MAX_TOKENS,
             )
-        else:
-            draft = neural(
-                model,
-                min_confidence=HYBRID_NEURAL_MIN_CONFIDENCE,
-                min_tokens=0,
-                max_tokens=HYBRID_NEURAL_MAX_TOKENS,
+            at = next(i for i, tier in enumerate(tiers) if tier.name == HYBRID_HEAD_BEFORE)
+            return HybridProposer(
+                [*tiers[:at], feature_draft, *tiers[at:]], fill=HYBRID_HEAD_FILL, name=name
             )
+        draft = neural(
+            model,
+            min_confidence=HYBRID_NEURAL_MIN_CONFIDENCE,
+            min_tokens=0,
+            max_tokens=HYBRID_NEURAL_MAX_TOKENS,
+        )
         at = next(i for i, tier in enumerate(tiers) if tier.name == HYBRID_NEURAL_BEFORE)
         return HybridProposer([*tiers[:at], draft, *tiers[at:]], name=name)
     if name in heads:
