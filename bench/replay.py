@@ -57,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
             proposer = make_proposer(name, models_dir, threads=args.threads)
         except DrafterError as exc:
             raise CommandError(str(exc)) from exc
-        if hidden is None and wants_features(proposer):
+        feature_drafting = wants_features(proposer)
+        if hidden is None and feature_drafting:
             if not (isinstance(target, FeatureRuntime) and target.has_hidden):
                 raise CommandError(f"{name} drafts from features the target does not output")
             hidden = [
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                     list(zip(prompt_ids, answers, strict=True)), desc="features", unit="prompt"
                 )
             ]
-        features = hidden if wants_features(proposer) else None
+        features = hidden if feature_drafting else None
         for k in windows or [default_k(name)]:
             per_task: dict[str, RunTotals] = defaultdict(RunTotals)
             started = time.perf_counter()

@@ -443,16 +443,13 @@ def fit_prefill_scale(
     profile's prompts timed alone (best of three)."""
     from sim.engine import ProfileCost
 
-    keys: dict[str, str] = {}
-    for document in documents:
-        keys.update(run_keys(document))
+    keys = {sid: key for document in documents for sid, key in run_keys(document).items()}
     prompt = {s.session_id.replace("-", ""): s.prompt_tokens for s in sessions}
     by_pass: dict[float, list[RecordedRound]] = defaultdict(list)
     for r in rounds:
         if r.t_verify_ms:
             by_pass[r.t_verify_ms].append(r)
     cost = ProfileCost(profile)
-    line = (profile.prefill_fixed_ms, profile.prefill_ms_per_token)
     factors: list[float] = []
     for ms, members in by_pass.items():
         first = [r for r in members if r.round_index == 0]
@@ -462,7 +459,7 @@ def fit_prefill_scale(
         tokens = [prompt.get(r.session_id.replace("-", "")) for r in first]
         if any(t is None for t in tokens):
             continue
-        prefills = sum(line[0] + line[1] * int(t or 0) for t in tokens)
+        prefills = sum(profile.prefill_ms(int(t or 0)) for t in tokens)
         positions = max(r.drafted for r in members) + 1
         rest = cost.predict(len(members), positions)
         factors.append((ms / host_speed[key] - rest) / prefills)
@@ -479,13 +476,12 @@ def plain_prefill_speed(
     prefills (each its own pass) over the profile's. Runs written before bench e2e timed them
     have none, and the simulator prices their prefills at the run's decode speed."""
     out: dict[str, float] = {}
-    fixed, per_token = profile.prefill_fixed_ms, profile.prefill_ms_per_token
     for document in documents:
         ratios: dict[str, list[float]] = defaultdict(list)
         for s in document.get("sessions", []):
             ms, tokens = s.get("prefill_ms"), s.get("prompt_len")
             if isinstance(ms, (int, float)) and isinstance(tokens, int) and s.get("run"):
-                ratios[f"e2e {s['run']} prefill"].append(float(ms) / (fixed + per_token * tokens))
+                ratios[f"e2e {s['run']} prefill"].append(float(ms) / profile.prefill_ms(tokens))
         out |= {key: statistics.median(v) for key, v in ratios.items() if len(v) >= 3}
     return out
 

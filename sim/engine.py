@@ -459,7 +459,7 @@ class Verifier:
             return 0.0
         self.cached.add(session.id)
         tokens = session.prompt_tokens + session.generated
-        return self.profile.prefill_fixed_ms + self.profile.prefill_ms_per_token * tokens
+        return self.profile.prefill_ms(tokens)
 
     def _end_pass(
         self, batch: list[_Row], positions: int, verify_ms: float, prefill: float

@@ -49,6 +49,10 @@ class VerifierProfile(_Strict):
     scale: list[tuple[int, Annotated[float, Field(gt=0.0)]]] = Field(default_factory=list)
     source: str = ""
 
+    def prefill_ms(self, tokens: int) -> float:
+        """One prompt's prefill of `tokens` positions, alone in its pass."""
+        return self.prefill_fixed_ms + self.prefill_ms_per_token * tokens
+
     def scale_at(self, rows: int) -> float:
         if not self.scale:
             return 1.0

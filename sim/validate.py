@@ -194,7 +194,7 @@ def _plain_wave(fleet: Fleet, work: list[_Work], prefill_speed: float | None = N
     profile, truth, speed = verifier.profile, verifier.truth, verifier.speed
     rng = fleet.rng
     elapsed = (speed if prefill_speed is None else prefill_speed) * sum(
-        profile.prefill_fixed_ms + profile.prefill_ms_per_token * w.prompt_tokens for w in work
+        profile.prefill_ms(w.prompt_tokens) for w in work
     )
     left = [w.tokens - 1 for w in work if w.tokens > 1]  # each prefill made the first token
     while left:
