@@ -964,6 +964,8 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
     from core.settings import Settings
     from inference.tokenizer import ChatTokenizer
     from localfleet.fleet import AgentSpec, local_fleet
+    from modelbuild.distill import ensure_drafts
+    from modelbuild.head_build import ensure_heads
     from modelbuild.target_build import ensure_target
 
     base = Settings()
@@ -976,6 +978,11 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
         coordinator_id=f"bench-e2e-{uuid.uuid4().hex[:8]}",
     )
     target_dir = await asyncio.to_thread(ensure_target, settings.resolved_models_dir)
+    # The shipped drafts and heads (built once from the committed weights, then cached): the
+    # verifier host drafts cloud rounds with what its models directory holds, and without them
+    # the adaptive arm would be rated on the copying drafters alone.
+    for ensure in (ensure_drafts, ensure_heads):
+        await asyncio.to_thread(ensure, settings.resolved_models_dir, target_dir)
     tokenizer = ChatTokenizer.load(target_dir)
     prompt_ids = {p.id: tokenizer.apply_chat_template(p.prompt) for p in prompts}
     neural = any(is_neural(name) for name in [args.drafter, *args.proactive_drafters])

@@ -461,6 +461,12 @@ class VerifierStatus(_Message):
     idle_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     rows: int = Field(default=0, ge=0)
     positions: int = Field(default=0, ge=0)
+    # Its own cost model, profiled when it started and refined by every pass: a pass of B rows
+    # of T positions takes pass_cost[0] + pass_cost[1] B + pass_cost[2] B T ms; and what its
+    # drafters have cost a drafted token on this host (ms), those it has timed. The policy
+    # prices rounds with them rather than with a fit of its own (None, {}: nothing reported).
+    pass_cost: tuple[Milliseconds, Milliseconds, Milliseconds] | None = None
+    draft_ms: dict[Name, Milliseconds] = Field(default_factory=dict, max_length=64)
 
 
 MAX_STREAM_ROUNDS = 256

@@ -44,6 +44,11 @@ PRIOR_WEIGHT = 4.0
 # A copying drafter's draft costs ~0.05 ms a token and a small neural one 1-2 ms on this CPU
 # (bench models); until measured, a drafter is taken to cost this.
 PRIOR_DRAFT_MS_PER_TOKEN = 1.0
+# How far one window's draft time may pull the estimate (a factor either way of it): a neural
+# draft's first window on a session also prefills it on the whole prompt (20-30x a token's
+# cost), and an estimate taken from it priced the drafter out for the rest of the run, where
+# no window was drafted to correct it. Each window still moves it by a tenth.
+DRAFT_MS_CLIP = 3.0
 # A speculative window's goodput is discounted by this fraction of what it adds to the pass's
 # cost: the estimates are noisy (a pass's cost varies by 5-10% on a shared host), and a wrong
 # window costs the whole padded pass. A window that adds 30% to a 32-row pass must promise 15%
@@ -309,9 +314,9 @@ class GoodputControl:
     def observe_draft_ms(self, draft: str, tokens: int, ms: float) -> None:
         if tokens <= 0:
             return
-        per_token = ms / tokens
-        old = self._draft_ms.get(draft)
-        self._draft_ms[draft] = per_token if old is None else 0.9 * old + 0.1 * per_token
+        old = self._draft_ms.get(draft, PRIOR_DRAFT_MS_PER_TOKEN)
+        per_token = min(max(ms / tokens, old / DRAFT_MS_CLIP), old * DRAFT_MS_CLIP)
+        self._draft_ms[draft] = 0.9 * old + 0.1 * per_token
 
     def expected_tokens(self, row: StreamRow, k: int) -> float:
         if row.draft is None or k <= 0:
@@ -325,6 +330,10 @@ class GoodputControl:
 
     def draft_ms(self, draft: str) -> float:
         return self._draft_ms.get(draft, PRIOR_DRAFT_MS_PER_TOKEN)
+
+    def timed_drafts(self) -> dict[str, float]:
+        """The estimate of every drafter timed here (ms per window token), for the status."""
+        return dict(self._draft_ms)
 
     # -- the rule ---------------------------------------------------------------------------
 

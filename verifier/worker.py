@@ -255,6 +255,8 @@ class VerifierWorker:
             idle_s=self.counters.idle_s,
             rows=self.counters.rows,
             positions=self.counters.positions,
+            pass_cost=self.goodput.cost.coefficients if self.goodput.cost.samples else None,
+            draft_ms=self.goodput.timed_drafts(),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -95,6 +95,7 @@ class AdaptiveBook(BookCore):
         a session that does best on the host has no round drafted on the device first."""
         load = verifier_load(v.load for v in self.pool.live())
         host_drafts = self.host_drafts() if m.Mode.CLOUD in live.modes else ()
+        self.policy.observe_verifiers(*self.pool.reported_costs())
         decision = self.policy.decide(
             live.id,
             live.device_id,
@@ -127,6 +128,7 @@ class AdaptiveBook(BookCore):
         self, live: LiveSession, draft_model: str, load: float
     ) -> tuple[m.Policy, dict[str, Any]]:
         assert live.policy_task is not None
+        self.policy.observe_verifiers(*self.pool.reported_costs())
         decision = self.policy.decide(
             live.id,
             live.device_id,

@@ -32,7 +32,7 @@ from coordinator.ops.releases import (
     released_manifest,
 )
 from coordinator.runtime.decisions import Candidate
-from coordinator.runtime.round_model import AcceptanceRate, Ewma
+from coordinator.runtime.round_model import PRIOR_ALPHA_WEIGHT, AcceptanceRate, Ewma
 from inference.artifacts import (
     DECODER,
     MANIFEST_FILE,
@@ -153,6 +153,32 @@ class DraftWants:
             return rate.alpha
         deliverable = self.deliverable.get(draft)
         return None if deliverable is None else deliverable.prior_alpha
+
+    def unseen_alpha(
+        self, rates: dict[tuple[str, str], AcceptanceRate], draft: str, task: str
+    ) -> float:
+        """The acceptance of `draft` on `task` for a device that has no round of it on the
+        task, from its `rates` by (draft, task): what it does with the draft on any task, else
+        the fleet's on the task (or the build's), else what its other drafts see on the task."""
+        seen = [r for (d, _), r in rates.items() if d == draft]
+        if seen:
+            pooled = AcceptanceRate(
+                accepted=sum(r.accepted for r in seen), tried=sum(r.tried for r in seen)
+            )
+            return pooled.alpha
+        fleet = self.alpha(draft, task)
+        if fleet is not None:
+            return fleet
+        # A draft this device never ran: what its other drafts see on this task, held as lightly
+        # as the prior, so that a draft is tried on its merits, not on hope.
+        device = [r for (_, t), r in rates.items() if t == task]
+        if device:
+            accepted = sum(r.accepted for r in device)
+            tried = sum(r.tried for r in device)
+            return AcceptanceRate(
+                accepted=PRIOR_ALPHA_WEIGHT * accepted / tried, tried=PRIOR_ALPHA_WEIGHT
+            ).alpha
+        return AcceptanceRate().alpha
 
     def class_cost(self, device_id: str, draft: str) -> float | None:
         kind = self.kinds.get(device_id)

@@ -32,10 +32,9 @@ is rated as before; beside 16 streams on a CPU verifier, a window of 4 costs the
 
 The module is pure: no clock, no I/O; callers pass in what they measured.
 
-Its parts: task_types (the task a session is rated under), round_model (E, T and n(k)
-from the measurements), device_conditions (a hot or low device spared), decisions
-(candidates and the mode chosen), and here the AdaptivePolicy that holds the
-measurements and decides."""
+Its parts: task_types (the task a session is rated under), round_model (E, T and n(k) from the
+measurements), device_conditions (a hot or low device spared), decisions (candidates and the
+mode chosen), and here the AdaptivePolicy that holds the measurements and decides."""
 
 from __future__ import annotations
 
@@ -56,7 +55,6 @@ from coordinator.runtime.observations import RoundObservation as RoundObservatio
 from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
-    PRIOR_ALPHA_WEIGHT,
     AcceptanceRate,
     Ewma,
     ProposalLength,
@@ -77,6 +75,10 @@ TIME_DECAY = 0.8
 
 PRIOR_DRAFT_MS_PER_TOKEN = {"lookup": 0.05, "ngram": 0.1, "hybrid": 0.2}
 PRIOR_NEURAL_DRAFT_MS_PER_TOKEN = 8.0
+# On a verifier host, until its status reports the drafter: a small draft's token or a head's
+# step on a server CPU (bench models: 1-2.5 ms), not a phone's 8; priced at a phone's, the
+# host's neural drafters were never tried in cloud mode.
+PRIOR_HOST_DRAFT_MS_PER_TOKEN = 2.5
 PRIOR_RTT_MS = 20.0
 PRIOR_QUEUE_MS = 1.0
 
@@ -97,6 +99,7 @@ class AdaptivePolicy:
         self._device_alpha: dict[str, dict[tuple[str, str], AcceptanceRate]] = {}
         self._fill: dict[tuple[str, str], ProposalLength] = {}  # (device, draft)
         self._draft_ms: dict[tuple[str, str], Ewma] = {}
+        self.host_draft_ms: dict[str, float] = {}  # what the verifiers report (observe_verifiers)
         self._rtt_ms: dict[str, Ewma] = {}
         self._queue_ms = Ewma(PRIOR_QUEUE_MS)
         self._overhead_ms: dict[str, Ewma] = {}  # device -> a distributed round's turn
@@ -169,6 +172,14 @@ class AdaptivePolicy:
         condition = self._condition.get(device_id)
         return None if condition is None else condition.limit
 
+    def observe_verifiers(
+        self, pass_cost: tuple[float, float, float] | None, draft_ms: dict[str, float]
+    ) -> None:
+        """The live verifiers' own costs (VerifierStatus.pass_cost and draft_ms, averaged): the
+        verify cost and the host's drafting cost are theirs where they report them."""
+        self.verify_cost.set_reported(pass_cost)
+        self.host_draft_ms = draft_ms
+
     def observe_rtt(self, device_id: str, rtt_ms: float) -> None:
         """An RTT the device measured to the coordinator (telemetry)."""
         self._rtt(device_id).update(rtt_ms, TIME_DECAY)
@@ -240,12 +251,19 @@ class AdaptivePolicy:
         return self._draft_ms.get(key) or self._draft_ms.setdefault(key, Ewma(self._ms(*key)))
 
     def _ms(self, device_id: str, draft: str) -> float:
-        """A token's draft cost: the device's own, else its class's, else the prior."""
+        """A token's draft cost: the device's own, else its class's, else the prior; on the
+        host, what the verifiers report first (their drafts' first windows are clipped there,
+        where a neural draft's first window also prefills it)."""
+        host = device_id == HOST
+        reported = self.host_draft_ms.get(draft) if host else None
+        if reported is not None:
+            return reported
         cost = self._draft_ms.get((device_id, draft))
         if cost is not None:
             return cost.value
-        prior = PRIOR_DRAFT_MS_PER_TOKEN.get(draft, PRIOR_NEURAL_DRAFT_MS_PER_TOKEN)
-        by_class = None if device_id == HOST else self.wants.class_cost(device_id, draft)
+        neural = PRIOR_HOST_DRAFT_MS_PER_TOKEN if host else PRIOR_NEURAL_DRAFT_MS_PER_TOKEN
+        prior = PRIOR_DRAFT_MS_PER_TOKEN.get(draft, neural)
+        by_class = None if host else self.wants.class_cost(device_id, draft)
         return prior if by_class is None else by_class
 
     # --- what we decide -------------------------------------------------------------------
@@ -253,27 +271,7 @@ class AdaptivePolicy:
     def alpha(self, device_id: str, draft: str, task_type: str) -> float:
         rate = self._alpha.get((device_id, draft, task_type))
         if rate is None:
-            # No round of this task yet: what this device and draft do on any task.
-            rates = self._device_alpha.get(device_id, {})
-            seen = [r for (d, _), r in rates.items() if d == draft]
-            if seen:
-                pooled = AcceptanceRate(
-                    accepted=sum(r.accepted for r in seen), tried=sum(r.tried for r in seen)
-                )
-                return pooled.alpha
-            fleet = self.wants.alpha(draft, task_type)  # the fleet's on the task, or its build's
-            if fleet is not None:
-                return fleet
-            # A draft this device never ran: what its other drafts see on this task, held as
-            # lightly as the prior, so that a draft is tried on its merits, not on hope.
-            device = [r for (_, t), r in rates.items() if t == task_type]
-            if device:
-                accepted = sum(r.accepted for r in device)
-                tried = sum(r.tried for r in device)
-                return AcceptanceRate(
-                    accepted=PRIOR_ALPHA_WEIGHT * accepted / tried, tried=PRIOR_ALPHA_WEIGHT
-                ).alpha
-            return AcceptanceRate().alpha
+            return self.wants.unseen_alpha(self._device_alpha.get(device_id, {}), draft, task_type)
         return rate.alpha
 
     def candidate_drafts(self, device_id: str, current_draft: str) -> list[str]:

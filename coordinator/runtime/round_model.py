@@ -116,6 +116,14 @@ class VerifyCost:
     xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 5 for _ in range(5)])  # [5, 5]
     xty: list[float] = field(default_factory=lambda: [0.0] * 5)  # [5]
     rounds: float = 0.0
+    # The verifiers' own cost model, when they report one (VerifierStatus.pass_cost): a pass of
+    # B rows of T positions costs a' + b' B + c' B T ms, and a round at `load` is a row beside
+    # `load` others, of k + 1 positions. It stands for the fit's a..d, which extrapolated from
+    # rounds at loads 1-4 to a lone session at load 0 with an intercept near 0 (bench e2e: a
+    # plain round predicted at 0.2 ms where they took 24, so a lone session decoded plainly for
+    # its whole answer); e is then what the rounds that waited on a device took beyond it.
+    reported: tuple[float, float, float] | None = None
+    waits_excess: Ewma = field(default_factory=lambda: Ewma(0.0, 0.0))
     # The solution, kept until the next update: a decision predicts hundreds of windows.
     _solved: tuple[float, ...] | None = field(default=None, repr=False)
 
@@ -160,10 +168,27 @@ class VerifyCost:
         r4[4] = r4[4] * decay + x4 * x4
         self.rounds = self.rounds * decay + 1.0
         self._solved = None
+        reported = self.reported
+        if reported is not None and waits:
+            rows = 1.0 + load
+            pass_ms = reported[0] + reported[1] * rows + reported[2] * rows * (k + 1)
+            self.waits_excess.update(verify_ms - pass_ms, decay)
+
+    def set_reported(self, pass_cost: tuple[float, float, float] | None) -> None:
+        """The verifiers' pass cost (a', b', c'), or None to go back to the fit."""
+        if pass_cost != self.reported:
+            self.reported = pass_cost
+            self._solved = None
 
     def coefficients(self) -> tuple[float, ...]:
         """(a, b, c, d, e)."""
         if self._solved is not None:
+            return self._solved
+        if self.reported is not None:
+            # a' + b' (load + 1) + c' (load + 1) (k + 1), gathered by 1, k, load and k load.
+            a1, b1, c1 = self.reported
+            excess = self.waits_excess.value
+            self._solved = (a1 + b1 + c1, c1, b1 + c1, c1, excess if excess > 0.0 else 0.0)
             return self._solved
         matrix = [row[:] for row in self.xtx]
         rhs = self.xty[:]

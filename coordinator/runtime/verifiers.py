@@ -202,6 +202,21 @@ class VerifierPool:
     def live(self) -> list[VerifierInfo]:
         return [v for v in self.verifiers.values() if v.alive]
 
+    def reported_costs(self) -> tuple[tuple[float, float, float] | None, dict[str, float]]:
+        """The live verifiers' own cost models, averaged over those that report one: a pass's
+        (a, b, c) of a + b rows + c rows positions, and each host drafter's ms a token."""
+        live = self.live()
+        fits = [v.status.pass_cost for v in live if v.status.pass_cost is not None]
+        pass_cost = None
+        if fits:
+            a, b, c = (sum(fit[i] for fit in fits) / len(fits) for i in range(3))
+            pass_cost = (a, b, c)
+        timed: dict[str, list[float]] = {}
+        for info in live:
+            for draft, ms in info.status.draft_ms.items():
+                timed.setdefault(draft, []).append(ms)
+        return pass_cost, {draft: sum(ms) / len(ms) for draft, ms in timed.items()}
+
     def vocab_size(self) -> int | None:
         """The target's vocabulary as the live verifiers report it (the smallest, should two
         disagree); None while none reports one."""

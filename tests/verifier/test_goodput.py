@@ -78,7 +78,8 @@ def learned(control: GoodputControl, draft: str, accepted: list[int]) -> None:
     for _ in range(100):
         for n in accepted:
             control.observe_round(draft, "chat", 8, 8, n)
-    control.observe_draft_ms(draft, 8, 0.4)
+    for _ in range(100):  # one window moves the estimate only so far (DRAFT_MS_CLIP)
+        control.observe_draft_ms(draft, 8, 0.4)
 
 
 @pytest.mark.parametrize(
@@ -260,3 +261,16 @@ def test_a_plain_pass_not_timed_lately_is_timed_again_and_weighs_more() -> None:
     settled = 146.0 + STALE_SHAPE_WEIGHT * (clipped - 146.0)
     fresh = max(90.0, settled / SHAPE_CLIP)
     assert control.cost.predict(16, 1) == pytest.approx(settled + SHAPE_WEIGHT * (fresh - settled))
+
+
+def test_a_window_that_also_prefilled_the_draft_does_not_price_it_out() -> None:
+    """A neural draft's first window on a session prefills it on the prompt: 30 ms a token on
+    that window, where its tokens cost 1.5. That window moves the estimate only so far, and the
+    windows after it bring it to what a token costs."""
+    control = GoodputControl()
+    control.observe_draft_ms("draft-l1", 4, 120.0)
+    assert control.draft_ms("draft-l1") <= 1.3
+    for _ in range(40):
+        control.observe_draft_ms("draft-l1", 4, 6.0)
+    assert control.draft_ms("draft-l1") == pytest.approx(1.5, rel=0.05)
+    assert control.timed_drafts() == {"draft-l1": control.draft_ms("draft-l1")}

@@ -63,6 +63,11 @@ def test_a_stream_runs_to_the_end_of_the_targets_answer(
             assert all(r.draft_tokens == () and r.pass_choice.k == 0 for r in rounds)  # type: ignore[union-attr]
         if not adaptive:  # a fixed window is drafted every round it fits
             assert all(r.pass_choice.k == min(4, MAX_NEW - 1 - n) for r, n in _generated(rounds))  # type: ignore[union-attr]
+            # The heartbeat reports what its windows cost a token and its passes' cost model:
+            # the coordinator's policy prices cloud rounds with them.
+            status = await listener.status(lambda s: draft in s.draft_ms)
+            assert 0 < status.draft_ms[draft] < 50
+            assert status.pass_cost is not None and sum(status.pass_cost) > 0
         assert len(worker.streams) == 0
 
     run_with_worker(mosquitto, body)
