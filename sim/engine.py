@@ -494,8 +494,22 @@ class Coordinator:
             session.shard = zlib.crc32(session.id.encode()) % len(self.cpus)
         return self.cpus[session.shard]
 
-    def _load(self) -> float:
-        return self.fleet.mean_load()
+    def _load(self, session: Session | None = None) -> float:
+        """The verifiers' mean load, less the session's own stream (AdaptiveBook's
+        _load_beside)."""
+        fleet = self.fleet
+        verifiers = fleet.verifiers
+        own = False
+        if session is not None and session.verifier is not None:
+            own = session.id in session.verifier.streams
+        return max(0.0, fleet.mean_load() - 1.0 / len(verifiers)) if own else fleet.mean_load()
+
+    def _report_costs(self) -> None:
+        """What the verifiers' heartbeats report of their costs (VerifierPool.reported_costs),
+        told to the policy as the coordinator tells it before it decides."""
+        fits = [v.control.cost.coefficients for v in self.fleet.verifiers]
+        a, b, c = (sum(fit[i] for fit in fits) / len(fits) for i in range(3))
+        self.policy.observe_verifiers((a, b, c), self.fleet.calibration.host_draft_ms_per_token)
 
     def _beside(self, session: Session) -> float:
         """The host streams beside the session's own, on the verifiers' mean (as the
@@ -515,6 +529,7 @@ class Coordinator:
         fleet = self.fleet
         session.verifier = min(fleet.verifiers, key=_LOAD)
         if session.adaptive:
+            self._report_costs()
             decision = self.policy.decide(
                 session.id,
                 session.device.id,
@@ -524,6 +539,7 @@ class Coordinator:
                 host_drafts=self._host_drafts(),
                 plain=True,
                 beside=self._beside(session),
+                opening=True,
             )
             best = opening_candidate(decision)
             if best is not None:
@@ -594,7 +610,7 @@ class Coordinator:
                 t_uplink_ms=None if host else self.fleet.link_ms(session),
                 t_queue_ms=0.0 if host else max(0.0, self.fleet.loop.now - row.arrived - verify_ms),
                 t_verify_ms=verify_ms,
-                verifier_load=self.fleet.total_load / len(self.fleet.verifiers),  # mean_load()
+                verifier_load=self._load(session),
                 mode=mode,
                 window=row.window,
                 prefill=prefill,
@@ -603,16 +619,18 @@ class Coordinator:
         )
 
     def _decide(self, session: Session) -> None:
+        self._report_costs()
         decision = self.policy.decide(
             session.id,
             session.device.id,
             session.task,
             session.policy.draft_model,
-            self._load(),
+            self._load(session),
             current_mode=session.policy.mode,
             host_drafts=self._host_drafts(),
             plain=True,
             beside=self._beside(session),
+            new_stream=session.verifier is None or session.id not in session.verifier.streams,
         )
         current = session.policy
         before, after = current.mode, decision.mode

@@ -30,7 +30,7 @@ class AdaptiveBook(BookCore):
     ) -> tuple[m.Policy, dict[str, Any]]:
         """Learn from this round, choose the next; the decision and its inputs go on the round."""
         assert live.policy_task is not None
-        load = verifier_load(v.load for v in self.pool.live())
+        load = self._load_beside(live)
         self.policy.observe(
             RoundObservation(
                 session_id=live.id,
@@ -59,6 +59,14 @@ class AdaptiveBook(BookCore):
             # the host is asked every few rounds (a decision costs ~0.4 ms of this process).
             return live.policy, live.policy.model_dump(mode="json")
         return self._decide(live, row.draft_model or live.policy.draft_model, load)
+
+    def _load_beside(self, live: LiveSession) -> float:
+        """The live verifiers' mean load less the session's own stream: a round of it is a
+        row beside `load` others (the verify cost's B = load + 1). Counted in, a lone stream
+        was rated at load 1: a pass of two rows, and host drafting at twice its cost."""
+        verifiers = self.pool.live()
+        load = verifier_load(v.load for v in verifiers)
+        return max(0.0, load - 1.0 / len(verifiers)) if live.streaming and verifiers else load
 
     def _streams_beside(self, session_id: str, *, opening: bool = False) -> float:
         """The host streams a verifier runs beside this session's own, on the live verifiers'
@@ -105,6 +113,7 @@ class AdaptiveBook(BookCore):
             host_drafts=host_drafts,
             plain=True,
             beside=self._streams_beside(live.id, opening=True),
+            opening=True,
         )
         best = opening_candidate(decision)
         if best is None:
@@ -139,6 +148,7 @@ class AdaptiveBook(BookCore):
             host_drafts=self.host_drafts() if m.Mode.CLOUD in live.modes else (),
             plain=m.Mode.PLAIN in live.modes or m.Mode.CLOUD in live.modes,
             beside=self._streams_beside(live.id),
+            new_stream=not live.streaming,
         )
         if decision.fetch is not None and self.fetches is not None:
             # Drafts on demand, asked by the policy: the session drafts on with what the device

@@ -41,11 +41,46 @@ class Candidate(NamedTuple):
 
 
 def opening_candidate(decision: Decision) -> Candidate | None:
-    """Where an adaptive session opens: the best candidate of all when it is a host mode (the
-    session has not switched yet, so no margin against flapping is asked), else None (it opens
-    distributed and its device drafts)."""
-    best = max(decision.candidates, key=lambda c: c.tokens_per_s)
-    return best if best.mode in m.HOST_MODES else None
+    """Where an adaptive session opens: what a decision with `opening` chose (the best candidate
+    of all, the session having no mode to keep, or a host drafter to try) when it is a host
+    mode, else None (it opens distributed and its device drafts)."""
+    if decision.mode not in m.HOST_MODES:
+        return None
+    return next(
+        c
+        for c in decision.candidates
+        if c.mode is decision.mode and c.draft_model == decision.draft_model
+    )
+
+
+def choose_draft(
+    candidates: Sequence[Candidate],
+    top: Candidate,
+    current_draft: str,
+    margin: float,
+    opening: bool = False,
+) -> tuple[Candidate, str]:
+    """The drafter within the mode chosen, and why. A switch needs its own margin: the current
+    drafter (first in distributed mode, and in cloud mode when the host has it) stays unless
+    `top` promises `margin` times its tokens/s; at an opening, or when the current drafter is
+    not a candidate, `top`."""
+    current = next((c for c in candidates if c.draft_model == current_draft), None)
+    if (
+        current is not None
+        and not opening
+        and (
+            top.draft_model == current.draft_model
+            or top.tokens_per_s <= current.tokens_per_s * margin
+        )
+    ):
+        return (
+            current,
+            f"keep {current.draft_model}: {current.tokens_per_s:.1f} tok/s predicted",
+        )
+    reason = f"switch to {top.draft_model}: {top.tokens_per_s:.1f} tok/s predicted"
+    if current is not None:
+        reason += f" over {current.tokens_per_s:.1f} with {current.draft_model}"
+    return top, reason
 
 
 def choose_mode(

@@ -128,6 +128,8 @@ class DraftWants:
     # (draft, task) -> acceptance over the fleet; (class, draft) -> ms per drafted token
     fleet_alpha: dict[tuple[str, str], AcceptanceRate] = field(default_factory=dict)
     class_ms: dict[tuple[str, str], Ewma] = field(default_factory=dict)
+    # draft -> acceptance over the fleet on every task: a task it has not run yet starts here
+    fleet_draft_alpha: dict[str, AcceptanceRate] = field(default_factory=dict)
     asked: dict[str, set[str]] = field(default_factory=dict)  # device -> drafts being fetched
 
     def observe(self, round_: RoundObservation, ms: float | None) -> None:
@@ -137,6 +139,7 @@ class DraftWants:
         k, n_accepted, task = round_.k, round_.n_accepted, round_.task_type
         rate = self.fleet_alpha.setdefault((draft, task), AcceptanceRate())
         rate.update(k, n_accepted)
+        self.fleet_draft_alpha.setdefault(draft, AcceptanceRate()).update(k, n_accepted)
         kind = self.kinds.get(device_id)
         if kind is not None and ms is not None:
             cost = self.class_ms.get((kind, draft))
@@ -146,9 +149,9 @@ class DraftWants:
                 cost.update(ms, TIME_DECAY)
 
     def alpha(self, draft: str, task: str) -> float | None:
-        """The fleet's acceptance of `draft` on `task`, else the drafter's prior (what its build
-        measured), else None."""
-        rate = self.fleet_alpha.get((draft, task))
+        """The fleet's acceptance of `draft` on `task`, else on any task, else the drafter's
+        prior (what its build measured), else None."""
+        rate = self.fleet_alpha.get((draft, task)) or self.fleet_draft_alpha.get(draft)
         if rate is not None:
             return rate.alpha
         deliverable = self.deliverable.get(draft)

@@ -46,11 +46,13 @@ from coordinator.runtime.decisions import (
     MODE_DWELL_ROUNDS,
     Candidate,
     Decision,
+    choose_draft,
     choose_mode,
     spare_the_device,
 )
 from coordinator.runtime.device_conditions import DeviceCondition
 from coordinator.runtime.draft_wants import DraftWants
+from coordinator.runtime.exploration import HostExploration, host_offer
 from coordinator.runtime.observations import RoundObservation as RoundObservation
 from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
@@ -115,6 +117,7 @@ class AdaptivePolicy:
         # device -> draft -> why its fetch failed (drafts on demand), while it backs off
         self._fetch_failed: dict[str, dict[str, str]] = {}
         self.wants = DraftWants()  # drafters devices lack that the fleet can deliver
+        self.exploration = HostExploration()  # host drafters no cloud round has tried yet
         # Never updated: the fill of a drafter not seen on a device, the prior (one that fills
         # its window); it keeps its curve for every decision that rates such a drafter.
         self._unseen_fill = ProposalLength()
@@ -208,6 +211,8 @@ class AdaptivePolicy:
             self._draft_cost(HOST if cloud else round_.device_id, round_.draft_model).update(
                 round_.t_draft_ms / round_.k, TIME_DECAY
             )
+            if cloud:
+                self.exploration.observe(round_.draft_model)
         if round_.overhead_ms is not None:
             overhead = self._overhead_ms.get(round_.device_id)
             if overhead is None:
@@ -242,6 +247,7 @@ class AdaptivePolicy:
     def forget_session(self, session_id: str) -> None:
         self._asked.pop(session_id, None)
         self._in_mode.pop(session_id, None)
+        self.exploration.forget_session(session_id)
 
     def _rtt(self, device_id: str) -> Ewma:
         return self._rtt_ms.setdefault(device_id, Ewma(PRIOR_RTT_MS))
@@ -390,11 +396,16 @@ class AdaptivePolicy:
         host_drafts: Sequence[str] = (),
         plain: bool = False,
         beside: float = 0.0,
+        opening: bool = False,
+        new_stream: bool = False,
     ) -> Decision:
         """The next round's mode, draft and k. `host_drafts`: what the verifier hosts can draft
         with (none: no cloud mode); `plain`: whether the agent runs plain mode; `beside`: the
         host streams on the verifier other than this session's, which its device windows
-        would hold up."""
+        would hold up; `opening`: the session has no mode yet, so the best candidate of all is
+        chosen, with no margin against flapping (opening_candidate); `new_stream`: no host
+        stream of the session runs, so a cloud decision opens one, with an untried host drafter
+        if there is one (exploration)."""
         rtt_ms = self._rtt(device_id).value
         queue_ms = self._queue_ms.value
         load = verifier_load
@@ -406,7 +417,7 @@ class AdaptivePolicy:
         ]
         cloud = [
             self._candidate(m.Mode.CLOUD, device_id, d, task_type, rtt_ms, queue_ms, load)
-            for d in dict.fromkeys(host_drafts)
+            for d in host_offer(host_drafts)
         ]
         plain_candidates = (
             [self._plain_candidate(current_draft, rtt_ms, queue_ms, load)] if plain else []
@@ -437,27 +448,21 @@ class AdaptivePolicy:
         in_mode, rounds = self._in_mode.get(session_id, (current_mode, MODE_DWELL_ROUNDS))
         if in_mode is not current_mode:
             rounds = 0
-        mode, mode_reason = choose_mode(current_mode, best, rounds)
+        if opening:
+            mode, mode_reason = max(best, key=lambda mode: best[mode].tokens_per_s), "opening"
+        else:
+            mode, mode_reason = choose_mode(current_mode, best, rounds)
         self._in_mode[session_id] = (mode, rounds + 1 if mode is current_mode else 0)
 
-        candidates = by_mode[mode]
-        # A draft switch within the mode needs its own margin; the current draft comes first in
-        # distributed mode, and in cloud mode when the host has it.
-        current = next((c for c in candidates if c.draft_model == current_draft), None)
-        top = best[mode]
-        if current is None or (
-            top.draft_model != current.draft_model
-            and top.tokens_per_s > current.tokens_per_s * SWITCH_MARGIN
-        ):
-            chosen = top
-            reason = f"switch to {top.draft_model}: {top.tokens_per_s:.1f} tok/s predicted"
-            if current is not None:
-                reason += f" over {current.tokens_per_s:.1f} with {current.draft_model}"
-            if mode is m.Mode.DISTRIBUTED and top.draft_model != current_draft:
-                self._asked[session_id] = (top.draft_model, 0)
+        explore = self.exploration.pick(session_id, cloud, new_stream and mode is m.Mode.CLOUD)
+        if explore is not None:
+            chosen, reason = explore, f"explore {explore.draft_model}: no cloud round of it yet"
         else:
-            chosen = current
-            reason = f"keep {current.draft_model}: {current.tokens_per_s:.1f} tok/s predicted"
+            chosen, reason = choose_draft(
+                by_mode[mode], best[mode], current_draft, SWITCH_MARGIN, opening
+            )
+            if mode is m.Mode.DISTRIBUTED and chosen.draft_model != current_draft:
+                self._asked[session_id] = (chosen.draft_model, 0)
         reason += f"; mode {mode_reason}"
         if limit is not None:
             spared = "off the device" if mode in m.HOST_MODES else f"to {chosen.draft_model}"

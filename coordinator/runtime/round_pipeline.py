@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from broker import messages as m
 from coordinator.db.models import Round, SessionStatus
 from coordinator.runtime.direct_rounds import DirectRounds
+from coordinator.runtime.exploration import EXPLORE_STREAM_ROUNDS
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from coordinator.runtime.session_state import LiveSession
 from coordinator.runtime.verifiers import (
@@ -254,7 +255,9 @@ class RoundPipeline(DirectRounds):
             cloud_draft=policy.draft_model if cloud_k else None,
             cloud_k=cloud_k or None,
             stream=m.StreamSpec(
-                rounds=CLOUD_STREAM_ROUNDS,
+                rounds=EXPLORE_STREAM_ROUNDS
+                if self.policy.exploration.trying(live.id, policy.draft_model)
+                else CLOUD_STREAM_ROUNDS,
                 max_new=max(1, live.max_tokens - len(live.generated)),
                 eos_id=self.eos_id,
                 task_type=live.policy_task or live.task_type or "chat",

@@ -57,3 +57,22 @@ def test_an_opening_session_counts_the_host_sessions_of_its_wave_not_yet_streami
     sessions[1].status = SessionStatus.FINISHED
     assert beside(book, "waiting-2", opening=True) == 1.0  # type: ignore[arg-type]
     assert beside(_book(sessions, ["streaming"], verifiers=2), "new", opening=True) == 1.0  # type: ignore[arg-type]
+
+
+def test_a_streaming_sessions_load_leaves_out_its_own_stream() -> None:
+    """A round of a session is one row beside `load` others: a lone stream is at load 0, not 1
+    (at 1 it was priced as a pass of two rows, with its host drafting at twice its cost)."""
+    streaming = _live("lone", m.Mode.CLOUD, next_round=5, streaming=True)
+    on_device = _live("device", m.Mode.DISTRIBUTED, next_round=5)
+
+    def book(*loads: int) -> SimpleNamespace:
+        infos = [SimpleNamespace(load=load) for load in loads]
+        return SimpleNamespace(pool=SimpleNamespace(live=lambda: infos))
+
+    load_beside = AdaptiveBook._load_beside
+    assert load_beside(book(1), streaming) == 0.0  # type: ignore[arg-type]
+    assert load_beside(book(3), streaming) == 2.0  # type: ignore[arg-type]
+    assert load_beside(book(1, 0), streaming) == 0.0  # type: ignore[arg-type]  # the mean's share
+    # A device-drafted round's request has left the verifier's count when its result is in.
+    assert load_beside(book(1), on_device) == 1.0  # type: ignore[arg-type]
+    assert load_beside(book(), streaming) == 0.0  # type: ignore[arg-type]

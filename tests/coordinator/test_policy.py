@@ -200,9 +200,14 @@ def test_alpha_is_kept_per_task_and_pooled_for_a_new_task() -> None:
     code, chat = policy.alpha(DEVICE, "lookup", "code"), policy.alpha(DEVICE, "lookup", "chat")
     assert code > 0.9 and chat < 0.1
     assert chat < policy.alpha(DEVICE, "lookup", "math") < code
-    # A device that never ran lookup: what the fleet sees of it on the task, else the prior.
+    # A device that never ran lookup: what the fleet sees of it on the task, else on every
+    # task (30 windows of 4 accepted and 30 missed at once: 4 of 5 tried, decayed), else the
+    # prior.
     assert policy.alpha("other-device", "lookup", "code") == pytest.approx(code)
-    assert policy.alpha("other-device", "lookup", "math") == pytest.approx(0.5)
+    fleet = policy.wants.fleet_draft_alpha["lookup"]
+    assert policy.alpha("other-device", "lookup", "math") == pytest.approx(fleet.alpha)
+    assert 0.7 < fleet.alpha < 0.85
+    assert policy.alpha("other-device", "ngram", "math") == pytest.approx(0.5)
 
 
 def test_switches_to_a_draft_that_pays_and_remembers_one_the_device_lacks() -> None:
