@@ -39,7 +39,7 @@ from broker import messages as m
 from broker.topics import DeviceChannel
 from device_agent.admission import MemoryRefused, StandInProposer
 from device_agent.catalog import CatalogError, DrafterCatalog
-from device_agent.drafting import LocalSpell, OutOfSync, SessionDrafter, SessionSpec
+from device_agent.drafting import DraftWindow, LocalSpell, OutOfSync, SessionDrafter, SessionSpec
 from device_agent.journal import JournalEntry, SessionJournal
 from device_agent.settings import LocalSettings
 from inference.drafters import BUILTIN_DRAFTERS, HYBRID_PREFIX
@@ -710,6 +710,14 @@ class AgentSession:
         if self.drafter.finished:
             return
         if outcome.in_sync and window is not None and not self.drafter.tail_unsent:
+            if self._first_window_for_the_host(window):
+                # The state opens the session on the verifier host: a cloud request in place of
+                # the empty window starts its host stream at this round, the prompt's prefill
+                # in its first pass, with no device round and no bus round trip before it (in a
+                # wave of 32 the streams had joined 0.5 s after the prefills, in passes of 1-2).
+                await self._next_round()
+                self._journal()
+                return
             # The window may have been lost with a coordinator that restarted, or with our own
             # link: send it again. A round is idempotent, so at worst its verdict comes twice.
             await self._send_window()
@@ -718,6 +726,17 @@ class AgentSession:
         # round in flight is a prefix of it, so that window's verdict fits the tail too).
         await self._next_round()
         self._journal()
+
+    def _first_window_for_the_host(self, window: DraftWindow) -> bool:
+        """Whether `window` is the empty device window drafted while the open travelled, never
+        sent, and the state has put the session in a host mode."""
+        return (
+            not self._published
+            and window.cloud_k is None
+            and not window.tokens
+            and not window.provisional
+            and self.drafter.mode in m.HOST_MODES
+        )
 
     async def _on_verdict(self, verdict: m.Verdict, arrived: float) -> bool:
         """Apply a verdict; False when it does not fit and the state must be asked for."""

@@ -294,11 +294,25 @@ class VerifierCore:
             del session.tokens[keep:]
         return prefix[keep:]
 
-    def _prefill(self, session: _Session, tail: list[int]) -> None:
-        for start in range(0, len(tail), PREFILL_CHUNK):
-            chunk = tail[start : start + PREFILL_CHUNK]
+    def _prefill_scored(
+        self, session: _Session, ids: list[int], window: int, request: VerifyRequest
+    ) -> tuple[Logits, Features | None]:
+        """Prefill `ids` (the missing tail, context[-1], then the draft) in chunks, the last
+        chunk holding the whole window, and score the window from it: logits # [window, V],
+        hidden states # [window, H] when the session wants them. As plain serving takes a
+        prompt's first token from its prefill, the round needs no row in the batched pass
+        (which had cost a wave of 32 sessions one more 32-row pass, its stacking included)."""
+        rest = len(ids) - window
+        head = rest - rest % PREFILL_CHUNK
+        for start in range(0, head, PREFILL_CHUNK):
+            chunk = ids[start : start + PREFILL_CHUNK]
             self.runtime.forward(chunk, session.cache)
             session.tokens += chunk
+        last = ids[head:]
+        if self.features is not None and self._wants_hidden(request):
+            ((logits, hidden),) = self.features.forward_batch_hidden([(last, session.cache)])
+            return logits[-window:], hidden[-window:]
+        return self.runtime.forward(last, session.cache)[-window:], None
 
     def _verify_wave(
         self, requests: Sequence[VerifyRequest], indices: list[int]
@@ -309,12 +323,13 @@ class VerifierCore:
             request = requests[index]
             context = list(request.context_ids)
             session, cached = self._session(request.session_id)
+            alone: tuple[Logits, Features | None] | None = None
             try:
                 tail = self._missing_tail(session, context[:-1])
                 prefilled = len(tail)
+                ids = [*tail, context[-1], *request.tokens]
                 if len(tail) > INLINE_PREFILL_MAX:
-                    self._prefill(session, tail)
-                    tail = []
+                    alone = self._prefill_scored(session, ids, len(request.tokens) + 1, request)
             # The runtime is an engine boundary: whatever it raises fails this request only.
             except Exception as exc:
                 log.exception("prefill of session %s failed", request.session_id)
@@ -326,8 +341,11 @@ class VerifierCore:
                 self._prefilled += prefilled
             else:
                 self._hits += 1
-            ids = [*tail, context[-1], *request.tokens]
-            rows.append(_Row(index, request, session, ids, prefilled))
+            row = _Row(index, request, session, ids, prefilled)
+            if alone is None:
+                rows.append(row)
+            else:
+                done.append((index, self._decide(row, alone[0], alone[1], 1)))
         if not rows:
             return done
 

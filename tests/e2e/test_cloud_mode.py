@@ -136,9 +136,13 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
             assert drafts[answer["session_id"]] == 1 < len(rounds)
             assert all(r.t_draft_ms is not None and r.verifier_id for r in rounds)
         else:
-            # The adaptive session opens with an empty window, then the policy, having measured
-            # the 4G link, moves the drafting to the verifier host, and says why on the round.
-            assert modes[0] is m.Mode.DISTRIBUTED and rounds[0].k == 0
+            # The adaptive session opens where the policy rates it best: with an empty window on
+            # the device, or, the 4G link measured by the sessions before it, straight on the
+            # verifier host (a cloud request for round 0, no device round first). Either way the
+            # drafting ends up on the host, and the round says why.
+            assert modes[0] in (m.Mode.DISTRIBUTED, m.Mode.CLOUD)
+            if modes[0] is m.Mode.DISTRIBUTED:
+                assert rounds[0].k == 0
             assert m.Mode.CLOUD in modes, [r.policy for r in rounds]
             switch = next(r for r in rounds if r.policy and r.policy["mode"] == "cloud")
             decision = switch.policy["decision"] if switch.policy else {}

@@ -57,8 +57,43 @@ def test_batched_verify_equals_per_session_and_the_target(target: Target) -> Non
         assert verdict(joint) == verdict(single) == (n, reference[start + n], "")
         assert joint.request_id == request.request_id
         assert joint.base_len == len(request.context_ids)
-        assert joint.batch_size == len(requests)
+        # A round that prefills is scored in its own prefill, as plain serving takes a
+        # prompt's first token: it adds no row to the batched pass.
+        assert joint.batch_size == single.batch_size == 1
         assert joint.prefilled == single.prefilled == len(request.context_ids) - 1
+
+
+def test_cached_rounds_share_one_pass_and_equal_per_session_and_the_target(
+    target: Target,
+) -> None:
+    runtime, _ = target
+    batched_core = VerifierCore(runtime)
+    single_cores = [VerifierCore(runtime) for _ in GREEDY_CASES]
+    firsts = [greedy_case(f"s{i}", *case) for i, case in enumerate(GREEDY_CASES)]
+    batched_core.verify_batch(firsts)
+    requests = []
+    for request, core, (prompt, start, wrong_at) in zip(
+        firsts, single_cores, GREEDY_CASES, strict=True
+    ):
+        first = core.verify_batch([request])[0]
+        reference = greedy_reference(prompt, 24)
+        at = start + first.n_accepted + 1  # the committed answer after the first round
+        context = prompt_ids(prompt) + reference[:at]
+        requests.append(
+            make_request(request.session_id, 1, context, draft_from(reference, at, K, wrong_at))
+        )
+    batched = batched_core.verify_batch(requests)
+    singles = [core.verify_batch([r])[0] for core, r in zip(single_cores, requests, strict=True)]
+
+    for request, joint, single, (prompt, _, wrong_at) in zip(
+        requests, batched, singles, GREEDY_CASES, strict=True
+    ):
+        reference = greedy_reference(prompt, 24)
+        at = len(request.context_ids) - len(prompt_ids(prompt))
+        n = K if wrong_at is None else wrong_at
+        assert verdict(joint) == verdict(single) == (n, reference[at + n], "")
+        assert joint.batch_size == len(requests) and single.batch_size == 1
+        assert joint.prefilled == single.prefilled == 0
 
 
 @pytest.mark.parametrize("prompts", [(0, 4, 8), (12, 20, 30)])
@@ -273,7 +308,8 @@ def test_cloud_rounds_drafted_by_the_host_equal_the_target_alone(
             assert v.ok, v.error
             assert v.draft_tokens is not None and len(v.draft_tokens) <= 4
             assert v.q_ids is None  # greedy: no q'
-            assert v.batch_size == len(active)
+            # A first round is scored in its own prefill; later ones share the pass.
+            assert v.batch_size == (1 if v.prefilled else len(active))
             assert v.next_token is not None
             drafted += len(v.draft_tokens)
             generated[p] += [*v.draft_tokens[: v.n_accepted], v.next_token]
