@@ -711,10 +711,11 @@ class AgentSession:
             return
         if outcome.in_sync and window is not None and not self.drafter.tail_unsent:
             if self._first_window_for_the_host(window):
-                # The state opens the session on the verifier host: a cloud request in place of
-                # the empty window starts its host stream at this round, the prompt's prefill
-                # in its first pass, with no device round and no bus round trip before it (in a
-                # wave of 32 the streams had joined 0.5 s after the prefills, in passes of 1-2).
+                # The state opens the session on the verifier host: a request in place of the
+                # empty window starts its host stream at this round, the prompt's prefill in
+                # its first pass, with no device round and no bus round trip before it (in a
+                # wave of 32 the streams had joined 0.5 s after the prefills, in passes of 1-2
+                # rows).
                 await self._next_round()
                 self._journal()
                 return

@@ -12,7 +12,7 @@ k = 0, and a lone session a wide window (DESIGN.md, "What a batch costs on this 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -37,6 +37,14 @@ PLAIN_REMEASURE_PASSES = 24
 STALE_SHAPE_WEIGHT = 0.5
 # Forgetting of acceptance: per window position, per (drafter, task).
 ACCEPT_HALF_LIFE = 200.0
+# A stream's own rounds are its best guide (acceptance varies by prompt more than by task: in
+# bench e2e at 4 sessions, windows of 2 were chosen throughout a wave on the task's rate from
+# other prompts, 1.9 tokens a row predicted, 1.3-1.5 made); its rate at each window position is
+# the (drafter, task) rate pulled towards what it accepted itself, the two alike after this
+# many of its rounds. The streams whose rounds are kept at most (each goes when its stream
+# ends; the bound is for streams that end without a word).
+STREAM_PRIOR_WEIGHT = 4.0
+MAX_STREAMS_KEPT = 4096
 # What a drafter is taken to achieve before this host has seen it on a task: the coordinator's
 # estimate when it sends one, else this; worth PRIOR_WEIGHT observations.
 PRIOR_ACCEPT = 0.5
@@ -248,6 +256,23 @@ class PositionAcceptance:
             out.append(pull)
         return out
 
+    def expected_from(self, rates: Sequence[float]) -> list[float]:
+        """E(j) for j = 0..len(rates): each position's rate here pulled towards `rates`
+        (the (drafter, task) rate at that position), worth STREAM_PRIOR_WEIGHT rounds."""
+        values = [1.0]
+        total, survive = 1.0, 1.0
+        positions = self.positions
+        for i, rate in enumerate(rates):
+            if i < len(positions):
+                seen = positions[i]
+                rate = (seen.accepted + rate * STREAM_PRIOR_WEIGHT) / (
+                    seen.reached + STREAM_PRIOR_WEIGHT
+                )
+            survive *= rate
+            total += survive
+            values.append(total)
+        return values
+
     def expected_by_window(self, k: int, prior: float) -> list[float]:
         """E(j) for j = 0..k (at least; more when a wider window was asked since the last
         observe). A window's rates are the first ones of any wider window's, so one pass gives
@@ -284,6 +309,9 @@ class StreamRow(NamedTuple):
     task_type: str
     cap: int  # the most tokens it may draft this round (cloud_k, cut to fit max_new)
     prior: float  # the coordinator's acceptance estimate, or PRIOR_ACCEPT
+    # The stream (its session), whose own rounds then weigh in; None: the (drafter, task)
+    # rate alone, and rows alike are scored as one kind.
+    stream: str | None = None
 
 
 class GoodputControl:
@@ -293,6 +321,7 @@ class GoodputControl:
         self.cost = PassCost()
         self.windows = tuple(sorted(set(windows)))
         self._accept: dict[tuple[str, str], PositionAcceptance] = {}
+        self._stream_accept: OrderedDict[str, PositionAcceptance] = OrderedDict()
         self._draft_ms: dict[str, float] = {}
         self._accept_forget = _decay(ACCEPT_HALF_LIFE)
         self._unseen = PositionAcceptance()  # what a (draft, task) not seen yet is scored on
@@ -304,12 +333,32 @@ class GoodputControl:
         self.cost.observe(rows, positions, ms, weight)
 
     def observe_round(
-        self, draft: str, task_type: str, window: int, drafted: int, accepted: int
+        self,
+        draft: str,
+        task_type: str,
+        window: int,
+        drafted: int,
+        accepted: int,
+        stream: str | None = None,
     ) -> None:
         if window <= 0:
             return
         stats = self._accept.setdefault((draft, task_type), PositionAcceptance())
         stats.observe(window, drafted, accepted, self._accept_forget)
+        if stream is None:
+            return
+        own = self._stream_accept.get(stream)
+        if own is None:
+            own = self._stream_accept[stream] = PositionAcceptance()
+            if len(self._stream_accept) > MAX_STREAMS_KEPT:
+                self._stream_accept.popitem(last=False)
+        else:
+            self._stream_accept.move_to_end(stream)
+        own.observe(window, drafted, accepted, self._accept_forget)
+
+    def forget_stream(self, stream: str) -> None:
+        """A stream that ended: its own rounds no longer count."""
+        self._stream_accept.pop(stream, None)
 
     def observe_draft_ms(self, draft: str, tokens: int, ms: float) -> None:
         if tokens <= 0:
@@ -321,7 +370,21 @@ class GoodputControl:
     def expected_tokens(self, row: StreamRow, k: int) -> float:
         if row.draft is None or k <= 0:
             return 1.0
-        return self._stats(row.draft, row.task_type).expected_tokens(min(k, row.cap), row.prior)
+        reach = min(k, row.cap)
+        return self._expected_by_window(row.draft, row.task_type, reach, row.prior, row.stream)[
+            reach
+        ]
+
+    def _expected_by_window(
+        self, draft: str, task_type: str, reach: int, prior: float, stream: str | None
+    ) -> list[float]:
+        """E(j) for j = 0..reach (at least) of a drafter on a task, and of one stream when its
+        own rounds are known here."""
+        stats = self._stats(draft, task_type)
+        own = None if stream is None else self._stream_accept.get(stream)
+        if own is None or not own.positions:
+            return stats.expected_by_window(reach, prior)
+        return own.expected_from(stats.rates(reach, prior))
 
     def _stats(self, draft: str, task_type: str) -> PositionAcceptance:
         """The acceptance seen for (draft, task), or none seen (never stored: a round's
@@ -348,7 +411,7 @@ class GoodputControl:
         # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
         # once per window (this runs between two passes, while the target waits).
         kinds = Counter(streams)
-        top_cap = max([cap for draft, _, cap, _ in kinds if draft is not None], default=0)
+        top_cap = max([cap for draft, _, cap, _, _ in kinds if draft is not None], default=0)
         windows = [k for k in self.windows if k <= top_cap or k <= 0]
         widest = windows[-1] if windows else 0  # self.windows ascends
         # Per kind: its count, the most E(j) it reaches (a plain stream's are all 1, and so
@@ -358,13 +421,13 @@ class GoodputControl:
         # (and `<` min), written out: a pass runs this rule on every window.
         scored: list[tuple[int, int, list[float]]] = []
         drafting_ms: list[tuple[float, int]] = []
-        for (draft, task, cap, prior), count in kinds.items():
+        for (draft, task, cap, prior, stream), count in kinds.items():
             if draft is None:
                 scored.append((count, 0, [1.0]))
             else:
                 reach = cap if cap < widest else widest
                 reach = reach if reach > 0 else 0
-                by_window = self._stats(draft, task).expected_by_window(reach, prior)
+                by_window = self._expected_by_window(draft, task, reach, prior, stream)
                 scored.append((count, reach, by_window))
                 drafting_ms.append((count * self.draft_ms(draft), cap))
         goodput: dict[str, float] = {}

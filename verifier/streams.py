@@ -32,6 +32,7 @@ class HostStream:
     generated: int = 0  # tokens committed by this stream's rounds
     rounds_done: int = 0
     last_pass: int = -1  # the pass that last ran a round of it, for fair turns
+    finished: bool = False  # its session's answer ended (eos or max_new), not just the stream
 
     @classmethod
     def open(cls, request: VerifyRequest, received_at: float) -> HostStream:
@@ -63,7 +64,9 @@ class HostStream:
 
     def row(self) -> StreamRow:
         prior = PRIOR_ACCEPT if self.spec.alpha is None else self.spec.alpha
-        return StreamRow(self.opening.cloud_draft, self.spec.task_type, self.cap, prior)
+        return StreamRow(
+            self.opening.cloud_draft, self.spec.task_type, self.cap, prior, self.session_id
+        )
 
     @property
     def adaptive(self) -> bool:
@@ -96,6 +99,7 @@ class HostStream:
         self.generated += len(kept)
         self.round += 1
         self.rounds_done += 1
+        self.finished = finished
         return not finished and self.rounds_done < self.spec.rounds
 
 

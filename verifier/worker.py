@@ -565,6 +565,7 @@ class VerifierWorker:
                     window,
                     len(drafted),
                     verification.n_accepted,
+                    stream=stream.session_id,
                 )
                 self.goodput.observe_draft_ms(
                     stream.opening.cloud_draft, window, verification.draft_ms
@@ -576,6 +577,9 @@ class VerifierWorker:
             error = "the target gave no next token"
         if not goes_on:
             self.streams.stop(stream.session_id, stream.request_id)
+            if stream.finished:
+                # A stream that ran out of rounds opens again; its session's rounds still count.
+                self.goodput.forget_stream(stream.session_id)
         result = VerifyResult(
             request_id=stream.request_id,
             session_id=stream.session_id,

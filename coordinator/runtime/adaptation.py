@@ -54,9 +54,11 @@ class AdaptiveBook(BookCore):
             )
         )
         hosted = row.mode in (m.Mode.CLOUD, m.Mode.PLAIN)
-        if hosted and row.round_index % STREAM_DECISION_EVERY:
+        if hosted and (row.round_index % STREAM_DECISION_EVERY or row.round_index == 0):
             # A host stream's window is the verifier's choice, pass by pass; whether to leave
             # the host is asked every few rounds (a decision costs ~0.4 ms of this process).
+            # A stream opened at round 0 was opened by the opening's decision: the next one
+            # comes after round 8, with the rounds of a drafter being tried behind it.
             return live.policy, live.policy.model_dump(mode="json")
         return self._decide(live, row.draft_model or live.policy.draft_model, load)
 
@@ -114,6 +116,10 @@ class AdaptiveBook(BookCore):
             plain=True,
             beside=self._streams_beside(live.id, opening=True),
             opening=True,
+            # A session opened on the host starts its stream at round 0 (its agent sends a
+            # request for it), so this decision opens the stream: an untried host drafter is
+            # tried here, as the decision after a device's round 0 would.
+            new_stream=True,
         )
         best = opening_candidate(decision)
         if best is None:

@@ -14,7 +14,7 @@ that does badly costs a few narrow windows, and a loaded verifier, which keeps i
 plain, explores nothing. A drafter offered behind the copying tiers too (`eagle-h1` beside
 `hybrid+eagle-h1`) is tried in the hybrid only: the tiers propose first, for next to nothing,
 and the hybrid did better than its drafter alone in every bench models run (hybrid+eagle-h1
-1.72x, eagle-h1 1.13x); alone it is still rated on priors, and chosen if they favour it. TFLite
+1.72x, eagle-h1 1.13x), so cloud rounds are not offered it alone (`host_offer`). TFLite
 builds are not offered on the host where the ONNX build of the same draft is: the same model,
 slower on a server.
 
@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.runtime.decisions import Candidate
+from inference.drafters import HYBRID_PREFIX
 from inference.drafts import TFLITE_SUFFIX
 
 # The rounds of a stream that tries a drafter: its session's next decision (the policy decides
@@ -36,12 +37,30 @@ from inference.drafts import TFLITE_SUFFIX
 EXPLORE_STREAM_ROUNDS = 8
 
 
+def explore_stream_rounds(first_round: int, every: int = EXPLORE_STREAM_ROUNDS) -> int:
+    """The rounds of a stream that tries a drafter from `first_round`: up to the round after
+    which the policy decides next (a stream's rounds 8, 16, ...; `every` is the policy's
+    STREAM_DECISION_EVERY), which ends the try, so that the next stream opens with what that
+    decision chose: rounds 1-8 after a device's round 0, rounds 0-8 for a stream opened at
+    round 0 (a stream of 8 from round 0 ended a round before the decision, and the next one
+    tried the same drafter for 8 rounds more)."""
+    last = max(every, -(-first_round // every) * every)
+    return last - first_round + 1
+
+
 def host_offer(host_drafts: Iterable[str]) -> list[str]:
     """The host's drafters as cloud candidates: each once, a TFLite build left out where its
-    ONNX twin is offered (`hybrid+draft-l1-tflite` beside `hybrid+draft-l1`)."""
+    ONNX twin is offered (`hybrid+draft-l1-tflite` beside `hybrid+draft-l1`), and a drafter
+    alone where its hybrid is offered (`eagle-h1` beside `hybrid+eagle-h1`): the hybrid did
+    better than its drafter alone in every bench models run, and a stream keeps the drafter it
+    opened with (bench e2e: `eagle-h1` alone on a summary, rated on priors at the opening, made
+    1.16 tokens a round for the whole answer where the hybrid makes 3.3)."""
     names = dict.fromkeys(host_drafts)
     return [
-        d for d in names if not (d.endswith(TFLITE_SUFFIX) and d[: -len(TFLITE_SUFFIX)] in names)
+        d
+        for d in names
+        if not (d.endswith(TFLITE_SUFFIX) and d[: -len(TFLITE_SUFFIX)] in names)
+        and f"{HYBRID_PREFIX}{d}" not in names
     ]
 
 

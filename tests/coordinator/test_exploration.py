@@ -3,9 +3,11 @@ session the policy keeps in cloud mode, and is rated on its own rounds from then
 
 from __future__ import annotations
 
+import pytest
+
 from broker import messages as m
 from coordinator.runtime.decisions import opening_candidate
-from coordinator.runtime.exploration import HostExploration, host_offer
+from coordinator.runtime.exploration import HostExploration, explore_stream_rounds, host_offer
 from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
 
 DEVICE = "phone-1"
@@ -44,6 +46,11 @@ def decide(
 
 def test_the_host_offers_each_drafter_once_and_no_tflite_twin_of_an_onnx_one() -> None:
     assert host_offer([*HOST, "hybrid"]) == ["hybrid", "hybrid+eagle-h1", "draft-l1-tflite"]
+
+
+def test_the_host_offers_no_drafter_alone_beside_its_hybrid() -> None:
+    offered = ["hybrid", "eagle-h1", "hybrid+eagle-h1", "draft-l2", "draft-l1", "hybrid+draft-l1"]
+    assert host_offer(offered) == ["hybrid", "hybrid+eagle-h1", "draft-l2", "hybrid+draft-l1"]
 
 
 def test_an_untried_host_drafter_gets_one_stream_then_is_rated_on_its_rounds() -> None:
@@ -95,21 +102,50 @@ def test_a_loaded_verifier_keeping_sessions_plain_explores_nothing() -> None:
 
 
 def test_a_session_opening_in_cloud_mode_opens_its_stream_with_an_untried_drafter() -> None:
-    """An adaptive session opens where it is rated best, with no margin asked; its first round
-    is its device's empty window, and the decision after it opens the stream: with the untried
-    drafter."""
+    """An adaptive session opens where it is rated best, with no margin asked. Opened on the
+    host, its stream starts at round 0 (the coordinator decides with `new_stream`): the opening
+    tries the untried drafter, as the decision after a device's round 0 would."""
     policy = AdaptivePolicy()
     policy.observe_verifiers((20.0, 1.5, 1.0), {"hybrid": 0.2})
     for i in range(30):
         policy.observe(cloud_round("hybrid", f"warm-{i}", 2, 2))
     decision = policy.decide(
-        "new", DEVICE, "chat", "hybrid", 0.0, host_drafts=HOST, plain=True, opening=True
+        "old", DEVICE, "chat", "hybrid", 0.0, host_drafts=HOST, plain=True, opening=True
     )
     assert opening_candidate(decision) == max(decision.candidates, key=lambda c: c.tokens_per_s)
     assert opening_candidate(decision).mode is m.Mode.CLOUD  # type: ignore[union-attr]
-    assert policy.exploration.exploring == {}  # the opening decision opens no stream
-    draft, reason = decide(policy, "new")
-    assert draft == "hybrid+eagle-h1" and reason.startswith("explore hybrid+eagle-h1")
+    assert policy.exploration.exploring == {}  # an opening that opens no stream tries nothing
+    decision = policy.decide(
+        "new",
+        DEVICE,
+        "chat",
+        "hybrid",
+        0.0,
+        host_drafts=HOST,
+        plain=True,
+        opening=True,
+        new_stream=True,
+    )
+    opened = opening_candidate(decision)
+    assert opened is not None and opened.mode is m.Mode.CLOUD
+    assert opened.draft_model == "hybrid+eagle-h1"
+    assert decision.reason.startswith("explore hybrid+eagle-h1")
+    assert policy.exploration.exploring == {"hybrid+eagle-h1": "new"}
+
+
+@pytest.mark.parametrize(
+    ("first_round", "rounds"),
+    [(1, 8), (0, 9), (3, 6), (8, 1), (9, 8), (16, 1)],
+)
+def test_a_stream_trying_a_drafter_ends_where_the_policy_decides_next(
+    first_round: int, rounds: int
+) -> None:
+    """The policy decides after a stream's rounds 8, 16, ...: a try ends there, and the next
+    stream opens with what that decision chose (rounds 1-8 after a device's round 0, 0-8 for
+    a stream opened at round 0)."""
+    last = first_round + rounds - 1
+    assert explore_stream_rounds(first_round, 8) == rounds
+    assert last % 8 == 0 and last > 0
 
 
 def test_a_drafter_offered_in_the_hybrid_too_is_tried_in_the_hybrid_only() -> None:

@@ -113,6 +113,32 @@ def test_the_pass_window_maximises_the_batchs_goodput(
     assert choice.rows == streams
 
 
+def test_a_streams_own_rounds_outweigh_its_tasks_rate() -> None:
+    """The task's rate comes from other prompts; a stream's own rounds say what its prompt
+    does. A stream whose drafts held on a task where they usually fail gets windows; one
+    whose drafts failed where they usually hold decodes plainly."""
+    control = fitted()
+    learned(control, "hybrid", [1])  # the task's rate: the first token right, never a second
+    copying, chatty = (
+        StreamRow("hybrid", "chat", 8, 0.5, "s-copying"),
+        StreamRow("hybrid", "chat", 8, 0.5, "s-chatty"),
+    )
+    task_alone = control.expected_tokens(StreamRow("hybrid", "chat", 8, 0.5), 4)
+    for _ in range(12):
+        control.observe_round("hybrid", "chat", 8, 8, 8, stream="s-copying")
+        control.observe_round("hybrid", "chat", 8, 8, 0, stream="s-chatty")
+    assert control.expected_tokens(copying, 4) > task_alone + 1.5
+    assert control.expected_tokens(chatty, 4) < 1.5 < task_alone
+    assert control.choose([copying] * 1, []).k >= 4
+    assert control.choose([chatty] * 4, []).k == 0
+    # A row that names no stream, or a stream with no rounds here, is scored on the task.
+    task_now = control.expected_tokens(StreamRow("hybrid", "chat", 8, 0.5), 4)
+    assert control.expected_tokens(StreamRow("hybrid", "chat", 8, 0.5, "new"), 4) == task_now
+    # A stream that ended is forgotten.
+    control.forget_stream("s-copying")
+    assert control.expected_tokens(copying, 4) == task_now
+
+
 def test_plain_streams_and_device_rows_set_the_pass_alone() -> None:
     control = fitted()
     choice = control.choose([StreamRow(None, "chat", 0, 0.5)] * 3, [4, 2])
