@@ -57,8 +57,12 @@ class AdaptiveBook(BookCore):
         if hosted and (row.round_index % STREAM_DECISION_EVERY or row.round_index == 0):
             # A host stream's window is the verifier's choice, pass by pass; whether to leave
             # the host is asked every few rounds (a decision costs ~0.4 ms of this process).
-            # A stream opened at round 0 was opened by the opening's decision: the next one
-            # comes after round 8, with the rounds of a drafter being tried behind it.
+            # A stream opened at round 0 was opened by the opening's decision, which its round
+            # 0 records: the next one comes after round 8, with the rounds of a drafter being
+            # tried behind it.
+            opening, live.opening_decision = live.opening_decision, None
+            if row.round_index == 0 and opening is not None:
+                return live.policy, opening
             return live.policy, live.policy.model_dump(mode="json")
         return self._decide(live, row.draft_model or live.policy.draft_model, load)
 
@@ -124,6 +128,7 @@ class AdaptiveBook(BookCore):
         best = opening_candidate(decision)
         if best is None:
             return
+        live.opening_decision = decision.to_json()
         live.policy = m.Policy(
             mode=best.mode,
             draft_model=best.draft_model,

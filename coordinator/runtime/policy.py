@@ -449,7 +449,8 @@ class AdaptivePolicy:
         if in_mode is not current_mode:
             rounds = 0
         if opening:
-            mode, mode_reason = max(best, key=lambda mode: best[mode].tokens_per_s), "opening"
+            mode = max(best, key=lambda mode: best[mode].tokens_per_s)
+            mode_reason = f"opening in {mode.value} mode"
         else:
             mode, mode_reason = choose_mode(current_mode, best, rounds)
         self._in_mode[session_id] = (mode, rounds + 1 if mode is current_mode else 0)

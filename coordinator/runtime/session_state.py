@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -45,6 +46,9 @@ class LiveSession:
     # only its heartbeat tells of. A session this process leased or took back knows better.
     adoptable: bool = False
     decision_sent: bool = False  # its verifier has a decision of the policy to record
+    # The decision that opened it on the verifier host (Decision.to_json), recorded on its
+    # round 0, which its stream runs and no decision follows.
+    opening_decision: dict[str, Any] | None = None
     last_verdict: m.Verdict | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     policy_task: str | None = None  # the task type the adaptive policy uses; None: k is fixed

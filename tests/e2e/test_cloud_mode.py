@@ -143,6 +143,9 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
             assert modes[0] in (m.Mode.DISTRIBUTED, m.Mode.CLOUD, m.Mode.PLAIN)
             if modes[0] is m.Mode.DISTRIBUTED:
                 assert rounds[0].k == 0
+            else:  # its round 0 records the decision that opened it on the host
+                opening = rounds[0].policy["decision"] if rounds[0].policy else {}
+                assert f"opening in {modes[0].value} mode" in opening["reason"]
             assert m.Mode.CLOUD in modes, [r.policy for r in rounds]
             switch = next(r for r in rounds if r.policy and r.policy["mode"] == "cloud")
             decision = switch.policy["decision"] if switch.policy else {}
