@@ -259,19 +259,16 @@ class PositionAcceptance:
     def expected_from(self, rates: Sequence[float]) -> list[float]:
         """E(j) for j = 0..len(rates): each position's rate here pulled towards `rates`
         (the (drafter, task) rate at that position), worth STREAM_PRIOR_WEIGHT rounds."""
-        values = [1.0]
-        total, survive = 1.0, 1.0
         positions = self.positions
-        for i, rate in enumerate(rates):
-            if i < len(positions):
-                seen = positions[i]
-                rate = (seen.accepted + rate * STREAM_PRIOR_WEIGHT) / (
-                    seen.reached + STREAM_PRIOR_WEIGHT
-                )
-            survive *= rate
-            total += survive
-            values.append(total)
-        return values
+        return _expected_by_window(
+            [
+                rate
+                if i >= len(positions)
+                else (positions[i].accepted + rate * STREAM_PRIOR_WEIGHT)
+                / (positions[i].reached + STREAM_PRIOR_WEIGHT)
+                for i, rate in enumerate(rates)
+            ]
+        )
 
     def expected_by_window(self, k: int, prior: float) -> list[float]:
         """E(j) for j = 0..k (at least; more when a wider window was asked since the last
@@ -280,25 +277,24 @@ class PositionAcceptance:
         cached = self._expected.get(prior)
         if cached is not None and len(cached) > k:
             return cached
-        values = [1.0]
-        total, survive = 1.0, 1.0
-        # rates(k, prior) in the same loop: each rate from the one before (the prior first).
-        positions, pull = self.positions, prior
-        for i in range(k):
-            if i < len(positions):
-                seen = positions[i]
-                pull = (seen.accepted + pull * PRIOR_WEIGHT) / (seen.reached + PRIOR_WEIGHT)
-            else:  # an unseen position: none reached, none accepted
-                pull = (0.0 + pull * PRIOR_WEIGHT) / (0.0 + PRIOR_WEIGHT)
-            survive *= pull
-            total += survive
-            values.append(total)
-        self._expected[prior] = values
+        values = self._expected[prior] = _expected_by_window(self.rates(k, prior))
         return values
 
     def expected_tokens(self, k: int, prior: float) -> float:
         """E(k) = 1 + sum over i of the chance that tokens 1..i are all accepted."""
         return self.expected_by_window(k, prior)[k]
+
+
+def _expected_by_window(rates: Sequence[float]) -> list[float]:
+    """E(j) for j = 0..len(rates): 1 + the chances that tokens 1..i are all accepted, i <= j,
+    from each position's rate given the ones before."""
+    values = [1.0]
+    total, survive = 1.0, 1.0
+    for rate in rates:
+        survive *= rate
+        total += survive
+        values.append(total)
+    return values
 
 
 class StreamRow(NamedTuple):
@@ -382,7 +378,7 @@ class GoodputControl:
         own rounds are known here."""
         stats = self._stats(draft, task_type)
         own = None if stream is None else self._stream_accept.get(stream)
-        if own is None or not own.positions:
+        if own is None:  # a stream is kept once it has a round with a window
             return stats.expected_by_window(reach, prior)
         return own.expected_from(stats.rates(reach, prior))
 

@@ -30,20 +30,16 @@ from coordinator.runtime.decisions import Candidate
 from inference.drafters import HYBRID_PREFIX
 from inference.drafts import TFLITE_SUFFIX
 
-# The rounds of a stream that tries a drafter: its session's next decision (the policy decides
-# every 8 rounds of a stream) rates it on them, and the next stream drafts with what that
-# decision chose. A stream runs the whole answer otherwise (CLOUD_STREAM_ROUNDS), and in
-# bench e2e six of ten lone sessions each spent their whole answer on a drafter being tried.
-EXPLORE_STREAM_ROUNDS = 8
 
-
-def explore_stream_rounds(first_round: int, every: int = EXPLORE_STREAM_ROUNDS) -> int:
+def explore_stream_rounds(first_round: int, every: int) -> int:
     """The rounds of a stream that tries a drafter from `first_round`: up to the round after
-    which the policy decides next (a stream's rounds 8, 16, ...; `every` is the policy's
-    STREAM_DECISION_EVERY), which ends the try, so that the next stream opens with what that
-    decision chose: rounds 1-8 after a device's round 0, rounds 0-8 for a stream opened at
-    round 0 (a stream of 8 from round 0 ended a round before the decision, and the next one
-    tried the same drafter for 8 rounds more)."""
+    which the policy decides next (a stream's rounds `every`, 2 `every`, ...; the policy's
+    STREAM_DECISION_EVERY), whose decision rates the drafter on them and ends the try, so that
+    the next stream opens with what it chose: rounds 1-8 after a device's round 0, rounds 0-8
+    for a stream opened at round 0 (a stream of 8 from round 0 ended a round before the
+    decision, and the next one tried the same drafter for 8 rounds more). A stream runs the
+    whole answer otherwise (CLOUD_STREAM_ROUNDS), and in bench e2e six of ten lone sessions had
+    each spent their whole answer on a drafter being tried."""
     last = max(every, -(-first_round // every) * every)
     return last - first_round + 1
 
@@ -90,14 +86,11 @@ class HostExploration:
             self.tried.add(draft)
         if ended or not opens:
             return None
-        offered = {c.draft_model for c in cloud}
+        # A drafter alone beside its hybrid is not among them (host_offer).
         untried = [
             c
             for c in cloud
-            if c.k > 0
-            and c.draft_model not in self.tried
-            and c.draft_model not in self.exploring
-            and f"hybrid+{c.draft_model}" not in offered
+            if c.k > 0 and c.draft_model not in self.tried and c.draft_model not in self.exploring
         ]
         if not untried:
             return None
