@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"another session is due back within it (default: {worker.BATCH_WINDOW_MS})",
     )
     parser.add_argument(
+        "--steps-per-call",
+        type=_positive_int,
+        default=worker.STEPS_PER_CALL,
+        help="passes of nothing but plain stream rounds that the inference process runs on by "
+        "itself, until other work arrives; 1: every pass goes through the worker (default: "
+        f"{worker.STEPS_PER_CALL})",
+    )
+    parser.add_argument(
         "--heartbeat-s",
         type=float,
         default=worker.HEARTBEAT_S,
@@ -190,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             verifier_id=args.verifier_id or default_verifier_id(),
             max_batch=args.max_batch,
             batch_window_ms=args.batch_window_ms,
+            steps_per_call=args.steps_per_call,
             heartbeat_s=args.heartbeat_s,
             child=ChildConfig(
                 models_dir=args.models_dir or settings.resolved_models_dir,
@@ -219,11 +228,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:  # sqlalchemy's ArgumentError is a ValueError
         raise CommandError(f"--database-url: {exc}") from exc
     log.info(
-        "verifier %s: broker %s, max batch %d, window %.1f ms",
+        "verifier %s: broker %s, max batch %d, window %.1f ms, %d steps a call",
         config.verifier_id,
         address.url,
         config.max_batch,
         config.batch_window_ms,
+        config.steps_per_call,
     )
     try:
         asyncio.run(_serve(worker))

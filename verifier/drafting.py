@@ -13,6 +13,10 @@ context, so each session gets its own proposer (the loaded model is shared): one
 all would re-prefill the draft on every session's whole context each time sessions take turns,
 which made a pass of 4 host-drafted sessions take ~800 ms instead of ~90.
 
+A fresh host loads its drafters' models in the background, while no batch waits
+(`HostDrafters.preloads`, `load`): a draft's first cloud round otherwise paid 0.15-0.6 s for the
+n-gram table, the model and its first run, in a pass that other sessions' rows shared.
+
 A feature head drafts here from the target's own features, which the verifier computed in the
 same pass: after each verdict of a session whose drafter here wants them (a cloud round of
 `eagle-h1` or `hybrid+eagle-h1`, and then every round of the session, plain stream rounds
@@ -39,12 +43,16 @@ import numpy.typing as npt
 from broker.messages import VerifyRequest
 from inference.drafters import (
     BUILTIN_DRAFTERS,
+    HYBRID,
+    HYBRID_PREFIX,
     DrafterError,
     drafter_names,
+    head_names,
     load_draft_runtime,
     load_head,
     make_proposer,
 )
+from inference.drafts import TFLITE_SUFFIX
 from inference.proposers import (
     FeatureHeadStep,
     Proposer,
@@ -103,6 +111,8 @@ class HostDrafters:
         self.models_dir = models_dir
         self.threads = threads
         self._factory = factory or self._make
+        self._own_factory = factory is None  # a factory of its own loads what it needs itself
+        self._table_loaded = False  # the n-gram table, by `load`
         self._proposers: OrderedDict[tuple[str, float, str], Proposer] = OrderedDict()
         self._runtimes: dict[str, Runtime] = {}
         self._heads: dict[str, FeatureHeadStep] = {}  # stateless: one per name serves all
@@ -110,6 +120,7 @@ class HostDrafters:
         self._features: dict[str, _SessionFeature] = {}
         # With the target's vocabulary given, drafts built for another target are left out.
         self.names: tuple[str, ...] = tuple(drafter_names(models_dir, vocab))
+        self._head_names = frozenset(head_names(models_dir, vocab))
 
     def _make(self, name: str, temperature: float) -> Proposer:
         return make_proposer(
@@ -120,6 +131,42 @@ class HostDrafters:
             load_runtime=self._runtime,
             load_head_step=self._head,
         )
+
+    def preloads(self) -> list[str]:
+        """What `load` can take ahead of the first cloud rounds: the copying tiers' n-gram table
+        (as `hybrid`), then every draft and head of this host not loaded yet, ONNX before
+        LiteRT. Nothing with a factory of its own, which loads what it needs itself."""
+        if not self._own_factory:
+            return []
+        models = [
+            name
+            for name in self.names
+            if name not in BUILTIN_DRAFTERS
+            and not name.startswith(HYBRID_PREFIX)
+            and name not in self._runtimes
+            and name not in self._heads
+        ]
+        models.sort(key=lambda name: (name.endswith(TFLITE_SUFFIX), name))
+        return models if self._table_loaded else [HYBRID, *models]
+
+    def load(self, name: str) -> float:
+        """Load `name` (a draft, a head, or `hybrid` for the n-gram table) and run it once, so
+        that no cloud round pays for it; the seconds it took. One that cannot load is logged,
+        and its cloud rounds fail as they would have."""
+        started = time.perf_counter()
+        try:
+            if name == HYBRID:
+                self._make(HYBRID, 0.0)
+                self._table_loaded = True
+            elif name in self._head_names:
+                head = self._head(name)
+                head.step(np.zeros((1, head.hidden_size), dtype=np.float32), [0])
+            else:
+                runtime = self._runtime(name)
+                runtime.forward([0, 1], runtime.new_cache())
+        except Exception as exc:
+            log.warning("could not load drafter %s ahead of its rounds: %s", name, exc)
+        return time.perf_counter() - started
 
     def _runtime(self, draft_name: str) -> Runtime:
         runtime = self._runtimes.get(draft_name)

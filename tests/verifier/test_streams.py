@@ -128,3 +128,32 @@ def test_a_device_drafted_round_of_a_streamed_session_ends_its_stream(
         assert len(worker.streams) == 0
 
     run_with_worker(mosquitto, body)
+
+
+def test_plain_rounds_run_on_in_the_inference_process_as_pass_by_pass(
+    mosquitto: PrivateMosquitto,
+) -> None:
+    """Plain stream rounds that the child runs on by itself (`Steps`) are the rounds the worker
+    would send it pass by pass: the same tokens, rounds and verdicts, each round reported."""
+    seen: dict[int, list[tuple[int, int, int | None, bool]]] = {}
+    reasons: dict[int, list[str]] = {}
+
+    for steps in (1, 4):
+
+        async def body(worker: VerifierWorker, listener: BusListener, steps: int = steps) -> None:
+            requests = [stream_request(p, None, max_new=20) for p in (5, 6)]
+            for request in requests:
+                await listener.client.publish(worker.work_topic, encode(request))
+            rounds = [await listener.stream_end(r.request_id) for r in requests]
+            seen[steps] = [
+                (r.round, r.base_len, r.next_token, r.stream_ends) for run in rounds for r in run
+            ]
+            reasons[steps] = [r.pass_choice.reason for run in rounds for r in run if r.pass_choice]
+            for prompt, run in zip((5, 6), rounds, strict=True):
+                assert committed(run) == list(greedy_reference(prompt, 20))
+            assert len(worker.streams) == 0
+
+        run_with_worker(mosquitto, body, steps_per_call=steps)
+    assert seen[4] == seen[1] and len(seen[1]) == 40
+    assert not any("run on in the inference process" in r for r in reasons[1])
+    assert any("run on in the inference process" in r for r in reasons[4])

@@ -26,7 +26,9 @@ def test_bad_arguments_are_refused_in_one_line(
     assert "\n" not in err
 
 
-@pytest.mark.parametrize("flag", ["--max-batch", "--max-sessions", "--threads", "--max-cache-mb"])
+@pytest.mark.parametrize(
+    "flag", ["--max-batch", "--max-sessions", "--threads", "--max-cache-mb", "--steps-per-call"]
+)
 def test_non_positive_sizes_are_refused_by_the_parser(flag: str) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["verifier", flag, "0"])
@@ -38,7 +40,7 @@ def test_help_lists_the_batching_flags(capsys: pytest.CaptureFixture[str]) -> No
         main(["verifier", "--help"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--max-batch", "--batch-window-ms", "--max-sessions", "--threads", "--id"):
+    for flag in ("--max-batch", "--batch-window-ms", "--steps-per-call", "--max-sessions", "--id"):
         assert flag in out
 
 

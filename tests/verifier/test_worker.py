@@ -34,7 +34,7 @@ from inference.artifacts import default_models_dir
 from inference.features import features_from_wire
 from modelbuild.target_build import load_target_identity
 from verifier.child import ChildConfig
-from verifier.worker import VerifierWorker, WorkerConfig
+from verifier.worker import STEPS_PER_CALL, VerifierWorker, WorkerConfig
 
 K = 4
 SCENARIO_WATCHDOG_S = 100.0
@@ -48,6 +48,7 @@ def run_with_worker(
     batch_window_ms: float = 2.0,
     database_url: str | None = None,
     subscriptions: tuple[str, ...] = (),
+    steps_per_call: int = STEPS_PER_CALL,
 ) -> None:
     """Start a worker (and its child) on the broker, run `body` against it, then stop it."""
     verifier_id = f"t-{uuid.uuid4().hex[:10]}"
@@ -57,6 +58,7 @@ def run_with_worker(
         child=ChildConfig(models_dir=default_models_dir(), threads=1),
         heartbeat_s=0.2,
         batch_window_ms=batch_window_ms,
+        steps_per_call=steps_per_call,
     )
     worker = VerifierWorker(config, address, database_url=database_url)
 

@@ -1,0 +1,71 @@
+"""The inference process running plain stream rounds on by itself (`verifier.child.run_steps`),
+on the real target: each row's next round is its context grown by the token just decided, up to
+its limit or its end token, and anything the worker sends down the pipe stops the run."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+from verifier_helpers import greedy_reference, make_request, prompt_ids
+
+from broker.messages import VerifyRequest
+from inference.onnx_runtime import OnnxRuntime
+from inference.tokenizer import ChatTokenizer
+from verifier.child import Interrupt, Steps, run_steps
+from verifier.core import VerifierCore
+
+Target = tuple[OnnxRuntime, ChatTokenizer]
+
+
+def plain_rounds(prompts: tuple[int, ...], tag: str) -> list[VerifyRequest]:
+    return [make_request(f"{tag}-{p}", 0, prompt_ids(p), ()) for p in prompts]
+
+
+def test_each_row_runs_to_its_limit_with_the_targets_own_tokens(target: Target) -> None:
+    runtime, _ = target
+    core = VerifierCore(runtime)
+    requests = plain_rounds((2, 4, 7), "limits")
+    plan = Steps(requests, (1, 3, 5), (None, None, None))
+    first = core.verify_batch(requests)
+    ours, _theirs = multiprocessing.Pipe()
+    steps = list(run_steps(core, runtime, plan, first, ours))
+    assert [step.rows for step in steps] == [(1, 2), (1, 2), (2,), (2,)]
+    for row, prompt in ((1, 4), (2, 7)):
+        ran = [
+            v
+            for step in steps
+            for r, v in zip(step.rows, step.verifications, strict=True)
+            if r == row
+        ]
+        tokens = [first[row].next_token] + [v.next_token for v in ran]
+        assert tokens == list(greedy_reference(prompt, plan.limits[row]))
+        assert [v.round for v in ran] == list(range(1, plan.limits[row]))
+    assert all(step.compute_ms > 0 for step in steps)
+
+
+def test_a_row_stops_at_its_end_token(target: Target) -> None:
+    runtime, _ = target
+    core = VerifierCore(runtime)
+    requests = plain_rounds((3, 8), "eos")
+    reference = greedy_reference(3, 4)
+    # Row 0's second token taken for its end token: it stops after it, row 1 goes on.
+    plan = Steps(requests, (4, 4), (reference[1], None))
+    first = core.verify_batch(requests)
+    ours, _theirs = multiprocessing.Pipe()
+    steps = list(run_steps(core, runtime, plan, first, ours))
+    assert [step.rows for step in steps] == [(0, 1), (1,), (1,)]
+    assert steps[0].verifications[0].next_token == reference[1]
+
+
+def test_anything_down_the_pipe_stops_the_run_and_is_left_for_the_next_receive(
+    target: Target,
+) -> None:
+    runtime, _ = target
+    core = VerifierCore(runtime)
+    requests = plain_rounds((1,), "interrupt")
+    plan = Steps(requests, (8,), (None,))
+    first = core.verify_batch(requests)
+    ours, theirs = multiprocessing.Pipe()
+    theirs.send(Interrupt())
+    assert list(run_steps(core, runtime, plan, first, ours)) == []
+    assert isinstance(ours.recv(), Interrupt)
