@@ -98,6 +98,9 @@ DEFAULT_PROMPTS = REPO_ROOT.parent / "shared" / "bench" / "prompts.jsonl"
 DEFAULT_JSON = Path("bench-results/e2e.json")
 SHARED_BROKER_PORT = 1883
 LEVELS = (1, 4, 16, 32)
+# Waves of each configuration at least, per level: a level of 16 or 32 sessions was one wave
+# each, and the same code's ratio moved by 5-10% between runs on a quiet host.
+WAVES = 3
 AGENT_NICENESS = 10  # the device processes yield the shared CPUs to the cloud side
 # Copying drafters cost next to nothing, so drafting ahead has little to hide with them; part 4
 # also runs this neural one by default where it is installed.
@@ -152,6 +155,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(LEVELS),
         metavar="N",
         help="concurrent sessions per level (default: 1 4 16 32)",
+    )
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=WAVES,
+        metavar="N",
+        help="waves of each configuration at least, per level, the configurations taking turns "
+        f"(default: {WAVES}; one wave of 16 or 32 sessions moved the ratio by 5-10%% between "
+        "runs of the same code)",
     )
     parser.add_argument(
         "--shared-cpus",
@@ -234,9 +246,10 @@ def interleave_tasks(prompts: Sequence[BenchPrompt], limit: int) -> list[BenchPr
     return chosen
 
 
-def level_work(prompts: Sequence[BenchPrompt], sessions: int) -> list[BenchPrompt]:
-    """max(len(prompts), sessions) sessions rounded up to a multiple of `sessions`, cycling."""
-    count = math.ceil(max(len(prompts), sessions) / sessions) * sessions
+def level_work(prompts: Sequence[BenchPrompt], sessions: int, waves: int = 1) -> list[BenchPrompt]:
+    """max(len(prompts), sessions x waves) sessions rounded up to a multiple of `sessions`,
+    cycling through the prompts: every prompt once, and at least `waves` waves."""
+    count = math.ceil(max(len(prompts), sessions * waves) / sessions) * sessions
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
@@ -273,6 +286,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--max-tokens must be in 2..8192, got {args.max_tokens}")
     if args.k is not None and not 1 <= args.k <= 64:
         raise CommandError(f"--k must be in 1..64, got {args.k}")
+    if not 1 <= args.waves <= 20:
+        raise CommandError(f"--waves must be in 1..20, got {args.waves}")
     if not 1 <= args.agents <= 16:
         raise CommandError(f"--agents must be in 1..16, got {args.agents}")
     most = args.agents * SESSIONS_PER_AGENT
@@ -1024,7 +1039,7 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
                 runner = WaveRunner(fleet, probes, client, plain, args)
                 await warm_up(runner, prompts[0], [c for configs in plans for c in configs])
                 for configs in plans:
-                    work = level_work(prompts, configs[0].sessions)
+                    work = level_work(prompts, configs[0].sessions, args.waves)
                     results += await run_level(runner, configs, work)
             await count_round_modes(fleet.coordinator, results)
             zero = len(probes.zero_window_sessions)

@@ -17,6 +17,7 @@ from specfleet.cli import main
         (["--k", "0"], "--k must be in 1..64"),
         (["--k", "65"], "--k must be in 1..64"),
         (["--agents", "0"], "--agents must be in 1..16"),
+        (["--waves", "0"], "--waves must be in 1..20"),
         (["--agents", "2", "--sessions", "17"], "--sessions must be in 1..16"),
         (["--sessions", "0"], "--sessions must be in 1..32"),
         (["--sessions", "33"], "--sessions must be in 1..32 (8 per agent)"),

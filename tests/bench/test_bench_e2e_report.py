@@ -17,10 +17,12 @@ from bench.e2e import (
     RunResult,
     adaptive_modes,
     identity_check,
+    level_work,
     plan,
     report,
     throughput,
 )
+from localfleet.prompts import BenchPrompt
 
 ANSWERS = {"chat-01": [5, 6, 7], "math-01": [8, 9, 2]}
 
@@ -77,6 +79,15 @@ def test_each_level_runs_plain_serving_the_fixed_drafter_and_adaptive() -> None:
         ["plain serving x1", "hybrid x1", "adaptive x1"],
         ["plain serving x4", "hybrid x4", "adaptive x4"],
     ]
+
+
+def test_a_level_runs_every_prompt_and_at_least_its_waves() -> None:
+    prompts = [BenchPrompt(f"chat-{i:02d}", "chat", f"prompt {i}") for i in range(10)]
+    assert len(level_work(prompts, 1, 3)) == 10  # every prompt once: 10 waves of one
+    assert len(level_work(prompts, 4, 3)) == 12
+    work = level_work(prompts, 16, 3)
+    assert len(work) == 48 and work[:10] == prompts and work[10:20] == prompts
+    assert len(level_work(prompts, 32, 1)) == 32
 
 
 def test_the_old_baseline_and_part_4_run_only_when_asked() -> None:
