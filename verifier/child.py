@@ -116,8 +116,6 @@ class Step:
 class StepsEnd:
     """The last message of a `Steps` call: its passes after the first have all gone up."""
 
-    stats: CoreStats
-
 
 @dataclass(frozen=True)
 class ChildReply:
@@ -219,12 +217,9 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             continue  # it came after the call it meant to cut short had ended
         plan = batch if isinstance(batch, Steps) else None
         requests = batch.requests if isinstance(batch, Steps) else batch
-        t0 = time.perf_counter()
-        stacked = stacking_ms(runtime)
-        verifications = core.verify_batch(requests)
-        compute_ms = (time.perf_counter() - t0) * 1e3
-        stack_ms = stacking_ms(runtime) - stacked
-        reply = ChildReply(verifications, compute_ms, core.stats(), (t0 - replied) * 1e3, stack_ms)
+        idle_ms = (time.perf_counter() - replied) * 1e3
+        verifications, compute_ms, stack_ms = timed_pass(core, runtime, requests)
+        reply = ChildReply(verifications, compute_ms, core.stats(), idle_ms, stack_ms)
         if not _send_or_exit(conn, reply):
             return
         if plan is not None:
@@ -233,9 +228,20 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             for step in run_steps(core, runtime, plan, verifications, conn):
                 if not _send_or_exit(conn, step):
                     return
-            if not _send_or_exit(conn, StepsEnd(core.stats())):
+            if not _send_or_exit(conn, StepsEnd()):
                 return
         replied = time.perf_counter()
+
+
+def timed_pass(
+    core: VerifierCore, runtime: Runtime, requests: Sequence[VerifyRequest]
+) -> tuple[list[Verification], float, float]:
+    """One batch through the core: its verifications, the ms it took, and the ms of that spent
+    stacking rows' caches."""
+    t0 = time.perf_counter()
+    stacked = stacking_ms(runtime)
+    verifications = core.verify_batch(requests)
+    return verifications, (time.perf_counter() - t0) * 1e3, stacking_ms(runtime) - stacked
 
 
 def run_steps(
@@ -271,12 +277,9 @@ def run_steps(
                 going.append(row)
         if not going or conn.poll():
             return
-        t0 = time.perf_counter()
-        stacked = stacking_ms(runtime)
-        last = core.verify_batch([requests[row] for row in going])
-        compute_ms = (time.perf_counter() - t0) * 1e3
+        last, compute_ms, stack_ms = timed_pass(core, runtime, [requests[row] for row in going])
         rows = going
-        yield Step(tuple(going), last, compute_ms, stacking_ms(runtime) - stacked)
+        yield Step(tuple(going), last, compute_ms, stack_ms)
 
 
 # The pass shapes timed at start: enough distinct (rows, positions) for the three terms of
@@ -373,8 +376,8 @@ class InferenceChild:
     async def verify(
         self, requests: Sequence[VerifyRequest] | Steps, timeout_s: float
     ) -> ChildReply:
-        """Send one batch (or a `Steps` call) and wait for its reply; raise ChildDied if the
-        process is lost. `timeout_s` is per pass of a `Steps` call."""
+        """Send one batch (or a `Steps` call) and wait for its reply (a `Steps` call's first
+        pass; `steps` gives the rest); raise ChildDied if the process is lost."""
         if self._conn is None or not self.alive:
             raise ChildDied("the inference process is not running")
         try:

@@ -50,6 +50,7 @@ from inference.drafters import (
     head_names,
     load_draft_runtime,
     load_head,
+    load_ngram_table,
     make_proposer,
 )
 from inference.drafts import TFLITE_SUFFIX
@@ -156,7 +157,7 @@ class HostDrafters:
         started = time.perf_counter()
         try:
             if name == HYBRID:
-                self._make(HYBRID, 0.0)
+                load_ngram_table()
                 self._table_loaded = True
             elif name in self._head_names:
                 head = self._head(name)

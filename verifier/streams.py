@@ -62,6 +62,12 @@ class HostStream:
         left = self.spec.max_new - self.generated - 1
         return max(0, min(self.opening.cloud_k, left, MAX_CLOUD_K))
 
+    @property
+    def rounds_left(self) -> int:
+        """Plain rounds it may still run: one a token, within its rounds and its session's
+        max_new (where `advance` would end it)."""
+        return min(self.spec.rounds - self.rounds_done, self.spec.max_new - self.generated)
+
     def row(self) -> StreamRow:
         prior = PRIOR_ACCEPT if self.spec.alpha is None else self.spec.alpha
         return StreamRow(

@@ -531,32 +531,27 @@ class VerifierWorker:
             for pending in batch:
                 self._emit(pending, None, dispatched, 0.0, error=error)
             for stream, request in zip(turn, requests[len(batch) :], strict=True):
-                self._emit_stream(stream, request, None, 0.0, 0, choice, error=error)
+                self._emit_stream(stream, _ran_at(request), None, 0.0, 0, choice, error=error)
             await self._restart_child()
             return
         roundtrip_ms = (time.perf_counter() - dispatched) * 1e3
-        counters = self.counters
-        counters.batches += 1
-        counters.timings.append(BatchTiming(len(requests), roundtrip_ms, reply.compute_ms))
-        counters.busy_s += reply.compute_ms / 1e3
-        counters.idle_s += reply.idle_ms / 1e3
         self._sessions_cached = reply.stats.sessions_cached
         # Cloud rounds were drafted inside the same call; what the target took is the rest.
         verifications = reply.verifications
         drafting_ms = sum(v.draft_ms for v in verifications)
         verify_ms = max(0.0, reply.compute_ms - drafting_ms)
         prefilled = sum(v.prefilled for v in verifications)
-        if not prefilled:
-            widest = max(
-                (len(r.tokens) or len(v.draft_tokens or ()))
-                for r, v in zip(requests, verifications, strict=True)
-            )
-            # In place: stacking is paid when the rows change, whatever the window.
-            self.goodput.observe_pass(
-                len(requests), widest + 1, max(0.0, verify_ms - reply.stack_ms)
-            )
-            counters.rows += len(requests)
-            counters.positions += len(requests) * (widest + 1)
+        widest = max(
+            (len(r.tokens) or len(v.draft_tokens or ()))
+            for r, v in zip(requests, verifications, strict=True)
+        )
+        self._count_pass(
+            len(requests),
+            roundtrip_ms,
+            reply.compute_ms,
+            reply.idle_ms,
+            None if prefilled else (widest + 1, verify_ms - reply.stack_ms),
+        )
         pipe_ms = max(0.0, roundtrip_ms - reply.compute_ms)
         for pending, verification in zip(batch, verifications, strict=False):
             self._emit(
@@ -564,7 +559,7 @@ class VerifierWorker:
             )
         streamed = zip(turn, requests[len(batch) :], verifications[len(batch) :], strict=True)
         for stream, request, verification in streamed:
-            self._emit_stream(stream, request, verification, verify_ms, prefilled, choice)
+            self._emit_stream(stream, _ran_at(request), verification, verify_ms, prefilled, choice)
         if steps is None:
             return
         try:
@@ -592,31 +587,40 @@ class VerifierWorker:
         if any(request.tokens or request.cloud_k for request in requests):
             return None
         limits = tuple(
-            max(
-                1,
-                min(
-                    self.config.steps_per_call,
-                    stream.spec.rounds - stream.rounds_done,
-                    stream.spec.max_new - stream.generated,
-                ),
-            )
-            for stream in turn
+            max(1, min(self.config.steps_per_call, stream.rounds_left)) for stream in turn
         )
         if max(limits) < 2:
             return None
         return Steps(requests, limits, tuple(stream.spec.eos_id for stream in turn))
+
+    def _count_pass(
+        self,
+        rows: int,
+        roundtrip_ms: float,
+        compute_ms: float,
+        idle_ms: float,
+        timed: tuple[int, float] | None,
+    ) -> None:
+        """A pass in the counters; `timed` (positions a row, its time less stacking) also in
+        the cost model, for a pass that prefilled nothing. In place, stacking is paid when the
+        rows change, whatever the window."""
+        counters = self.counters
+        counters.batches += 1
+        counters.timings.append(BatchTiming(rows, roundtrip_ms, compute_ms))
+        counters.busy_s += compute_ms / 1e3
+        counters.idle_s += idle_ms / 1e3
+        if timed is not None:
+            positions, ms = timed
+            self.goodput.observe_pass(rows, positions, max(0.0, ms))
+            counters.rows += rows
+            counters.positions += rows * positions
 
     def _emit_step(self, turn: list[HostStream], step: Step, choice: PassChoice | None) -> None:
         """The rounds of one pass that the child ran on by itself, as if sent pass by pass: a
         round of a stream stopped or moved meanwhile is dropped (it was never published; its
         session's next round computes it again)."""
         rows, compute_ms = step.rows, step.compute_ms
-        self.counters.batches += 1
-        self.counters.timings.append(BatchTiming(len(rows), compute_ms, compute_ms))
-        self.counters.busy_s += compute_ms / 1e3
-        self.goodput.observe_pass(len(rows), 1, max(0.0, compute_ms - step.stack_ms))
-        self.counters.rows += len(rows)
-        self.counters.positions += len(rows)
+        self._count_pass(len(rows), compute_ms, compute_ms, 0.0, (1, compute_ms - step.stack_ms))
         for row, verification in zip(rows, step.verifications, strict=True):
             stream = turn[row]
             fits = verification.round == stream.round and verification.base_len == len(
@@ -625,21 +629,23 @@ class VerifierWorker:
             if not self.streams.is_current(stream) or not fits:
                 log.debug("dropped round %d of %s", verification.round, stream.session_id)
                 continue
-            self._emit_stream(stream, stream.request(0), verification, compute_ms, 0, choice)
+            at = (verification.round, verification.base_len, 0)
+            self._emit_stream(stream, at, verification, compute_ms, 0, choice)
 
     def _emit_stream(
         self,
         stream: HostStream,
-        request: VerifyRequest,
+        at: tuple[int, int, int],
         verification: Verification | None,
         compute_ms: float,
         prefilled: int,
         choice: PassChoice | None,
         error: str = "",
     ) -> None:
-        """A stream's round to the coordinator; the stream goes on or ends with it."""
+        """A stream's round to the coordinator; the stream goes on or ends with it. `at`: the
+        round, its base length and its window, as the pass ran it."""
+        round_index, base_len, window = at
         error = error or (verification.error if verification is not None else "")
-        window = request.cloud_k or 0
         drafted: tuple[int, ...] = ()
         goes_on = False
         if verification is not None and not error and verification.next_token is not None:
@@ -669,8 +675,8 @@ class VerifierWorker:
         result = VerifyResult(
             request_id=stream.request_id,
             session_id=stream.session_id,
-            round=request.round,
-            base_len=len(request.context_ids),
+            round=round_index,
+            base_len=base_len,
             n_accepted=verification.n_accepted if verification is not None and not error else 0,
             next_token=None if error or verification is None else verification.next_token,
             verifier_id=self.config.verifier_id,
@@ -773,6 +779,11 @@ class VerifierWorker:
             self._loaded = ready
             return
         raise VerifierError(f"the inference process failed to restart {RESTART_ATTEMPTS} times")
+
+
+def _ran_at(request: VerifyRequest) -> tuple[int, int, int]:
+    """A stream round's (round, base length, window) as its request put it to the pass."""
+    return request.round, len(request.context_ids), request.cloud_k or 0
 
 
 def _row_choice(stream: HostStream, choice: PassChoice | None, window: int) -> PassChoice:
