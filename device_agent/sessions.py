@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from broker import messages as m
 from broker.topics import DeviceChannel
+from core.aio import timeout
 from device_agent.admission import MemoryRefused, StandInProposer
 from device_agent.catalog import CatalogError, DrafterCatalog
 from device_agent.drafting import DraftWindow, LocalSpell, OutOfSync, SessionDrafter, SessionSpec
@@ -556,9 +557,12 @@ class AgentSession:
             return self.inbox.get_nowait()
         if wait_s <= 0:
             return None
+        # A deadline on this task, not `wait_for`, whose get() is a task of its own: two more
+        # event-loop turns between a verdict's arrival and its session's turn.
         try:
-            return await asyncio.wait_for(self.inbox.get(), wait_s)
-        except asyncio.TimeoutError:
+            async with timeout(wait_s):
+                return await self.inbox.get()
+        except (TimeoutError, asyncio.TimeoutError):
             return None
 
     async def _enter_local(self) -> None:
