@@ -1,7 +1,8 @@
-"""A publish leaves in the step that makes it: the packet is on the broker while the publishing
-event loop is still busy with something else, rather than loop turns later behind every
-callback ready by then. A real Mosquitto, on the shared loopback port, and a reader that is
-another connection on its own event loop and thread.
+"""A publish leaves in the step that makes it: the packet of an event-loop turn's first publish
+is on the broker while the publishing loop is still busy with something else, rather than loop
+turns later behind every callback ready by then; the turn's later ones go out together once the
+loop selects again. A real Mosquitto, on the shared loopback port, and a reader that is another
+connection on its own event loop and thread.
 
 Also `_started`, the eager start it rests on (Python 3.10-3.11 lack eager tasks): the first
 step runs in the caller's, the rest as a task, with results, errors and cancellation as a task
@@ -22,46 +23,57 @@ SHARED_MOSQUITTO = "mqtt://127.0.0.1:1883"
 BUSY_S = 1.0  # the publishing loop blocks this long right after the publish
 
 
-def test_a_publish_reaches_the_broker_while_the_publishing_loop_is_busy() -> None:
+def _read_in_a_thread(
+    address: BrokerAddress, topic: str, count: int
+) -> tuple[threading.Thread, threading.Event, list[tuple[float, bytes]]]:
+    """A reader on its own connection, event loop and thread: (arrival, payload) of `count`
+    messages on `topic`; the event is set once it has subscribed."""
+    subscribed = threading.Event()
+    arrived: list[tuple[float, bytes]] = []
+
+    async def reader() -> None:
+        options = ConnectOptions(client_id=f"reader-{secrets.token_hex(4)}")
+        async with connect(address, options) as bus:
+            await bus.subscribe(topic)
+            subscribed.set()
+            messages = bus.messages()
+            async with asyncio.timeout(10):
+                for _ in range(count):
+                    incoming = await anext(messages)
+                    arrived.append((time.monotonic(), incoming.payload))
+
+    thread = threading.Thread(target=lambda: asyncio.run(reader()), daemon=True)
+    thread.start()
+    return thread, subscribed, arrived
+
+
+def test_a_turns_first_publish_reaches_the_broker_while_the_loop_is_busy_the_rest_after() -> None:
     topic = f"specfleet-test/{secrets.token_hex(4)}/draft"
     address = BrokerAddress.from_url(SHARED_MOSQUITTO)
-    subscribed = threading.Event()
-    arrived: list[float] = []
-
-    def read() -> None:
-        async def reader() -> None:
-            options = ConnectOptions(client_id=f"reader-{secrets.token_hex(4)}")
-            async with connect(address, options) as bus:
-                await bus.subscribe(topic)
-                subscribed.set()
-                messages = bus.messages()
-                async with asyncio.timeout(10):
-                    await anext(messages)
-                arrived.append(time.monotonic())
-
-        asyncio.run(reader())
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
+    thread, subscribed, arrived = _read_in_a_thread(address, topic, 2)
     assert subscribed.wait(10)
 
     async def writer() -> tuple[float, float]:
         options = ConnectOptions(client_id=f"writer-{secrets.token_hex(4)}")
         async with connect(address, options) as bus:
-            publishing = asyncio.ensure_future(bus.publish(topic, b"window"))
-            await asyncio.sleep(0)  # the publish's first step runs, and nothing after it
+            first = asyncio.ensure_future(bus.publish(topic, b"first"))
+            second = asyncio.ensure_future(bus.publish(topic, b"second"))
+            await asyncio.sleep(0)  # both publishes' first steps run in this one turn
             started = time.monotonic()
             time.sleep(BUSY_S)  # this loop does nothing else meanwhile: no writer, no task
             busy_until = time.monotonic()
-            await publishing  # its PUBACK, read once the loop runs again
+            await asyncio.gather(first, second)  # their PUBACKs, once the loop runs again
             return started, busy_until
 
     started, busy_until = asyncio.run(writer())
     thread.join(10)
-    assert arrived, "the reader got nothing"
-    assert started <= arrived[0] < busy_until, (
-        f"arrived {arrived[0] - started:.3f} s after the publish; the loop was busy for {BUSY_S} s"
+    assert [payload for _, payload in arrived] == [b"first", b"second"]
+    (first_at, _), (second_at, _) = arrived
+    # The turn's first packet left at once; the second waited for the writer, after the block.
+    assert started <= first_at < busy_until, (
+        f"the first arrived {first_at - started:.3f} s after the publish; busy for {BUSY_S} s"
     )
+    assert second_at >= busy_until
 
 
 def test_started_runs_the_first_step_now_and_the_rest_as_a_task() -> None:
