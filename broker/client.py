@@ -285,8 +285,8 @@ class _Adopted(Generic[T]):
     """A coroutine suspended on `blocker` (the future it awaits, or None for a bare yield), to
     be awaited by a task: each step yields what the coroutine yielded, so the task waits on it
     (and cancels it) exactly as it would for the coroutine itself; what the task sends or throws
-    in goes on to the coroutine. A first version waited with `asyncio.wait` at each step, which
-    cost `bench fleet`'s verifier ~9% more CPU a round at saturation."""
+    in goes on to the coroutine. A first version waited with `asyncio.wait` at each step: the
+    verifier of `bench fleet` then took 0.73 ms of CPU a round at saturation, 0.68-0.69 now."""
 
     def __init__(self, coro: Coroutine[Any, Any, T], blocker: Any) -> None:
         self._coro = coro
@@ -353,9 +353,10 @@ def _write_at_once(client: aiomqtt.Client) -> None:
     does itself without an external loop, and with its guard: never from inside one of paho's
     callbacks, whose lock the write may take, and only on the event loop's thread (aiomqtt
     connects from a worker thread). Only the turn's first packet, of all the loop's clients:
-    writing every one at once cost `bench fleet` 7-10% of its rounds/s at saturation (847-849
-    against 906-936), its broker woken for each packet where the writers' burst after a select
-    woke it once for many. What the socket does not take, a packet after the turn's first, or a
+    with every one written at once `bench fleet`'s broker was 0.10-0.11 busy at saturation
+    against 0.07-0.08, woken for each packet where the writers' burst after a select woke it
+    once for many (and the run served 6-10% fewer rounds, part of it the cost `_Adopted` took
+    away). What the socket does not take, a packet after the turn's first, or a
     write that failed (whose error the writer then meets and ends the connection with) waits
     for the writer, registered as before. The names of the paho client and of that lock are
     private to the two libraries: where they are missing, writes wait for the writer as before.
