@@ -3,8 +3,9 @@
 Everything above it sees `BusClient` (publish, subscribe, an async iterator of `Incoming`) and
 `run_with_reconnect`, which keeps a session alive with jittered exponential backoff. TCP_NODELAY
 is set on every socket: without it Nagle's algorithm and delayed ACKs turn a QoS 1 round trip of
-a fraction of a millisecond into tens of milliseconds. A publish goes onto the socket when it is
-made (`_write_at_once`), not at the event loop's next turn, behind whatever else is ready then.
+a fraction of a millisecond into tens of milliseconds. The first publish of an event-loop turn goes
+onto the socket when it is made (`_started`, `_write_at_once`), not turns later behind whatever
+else is ready then.
 """
 
 from __future__ import annotations
@@ -340,6 +341,30 @@ _TURN_WRITES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _TurnWrite] =
 )
 
 
+def _first_write_of_turn() -> bool:
+    """On an event loop's thread, and no packet of its current turn written at once yet (this
+    one takes the turn's slot)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return False  # paho connecting, on aiomqtt's worker thread
+    turn = _TURN_WRITES.get(loop)
+    if turn is None:
+        turn = _TURN_WRITES[loop] = _TurnWrite(loop)
+    return turn.take()
+
+
+def _wrote_all(mqttc: Any) -> bool:
+    """Write what paho has queued now; whether the socket took it all. When it did, paho marks
+    the writer unregistered again (and asks aiomqtt to remove one it never added: a no-op)."""
+    try:
+        mqttc.loop_write()
+    except Exception as exc:
+        log.debug("immediate write failed (%s); left to the loop's writer", exc)
+        return False
+    return not mqttc.want_write()
+
+
 def _write_at_once(client: aiomqtt.Client) -> None:
     """Write the first outgoing packet of each event-loop turn when it is queued, instead of
     loop turns later.
@@ -369,24 +394,11 @@ def _write_at_once(client: aiomqtt.Client) -> None:
         return
 
     def write_or_register(mqttc: Any, userdata: Any, sock: Any) -> None:
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None  # paho connecting, on aiomqtt's worker thread
-        if loop is not None and in_callback.acquire(False):
+        # paho's guard first, so that a packet queued inside a callback takes no turn's slot.
+        if in_callback.acquire(False):
             in_callback.release()
-            turn = _TURN_WRITES.get(loop)
-            if turn is None:
-                turn = _TURN_WRITES[loop] = _TurnWrite(loop)
-            if turn.take():
-                try:
-                    # All written: paho marks the writer unregistered again (and asks aiomqtt
-                    # to remove one it never added, which is a no-op).
-                    mqttc.loop_write()
-                    if not mqttc.want_write():
-                        return
-                except Exception as exc:
-                    log.debug("immediate write failed (%s); left to the loop's writer", exc)
+            if _first_write_of_turn() and _wrote_all(mqttc):
+                return
         register(mqttc, userdata, sock)
 
     paho.on_socket_register_write = write_or_register

@@ -562,7 +562,7 @@ class AgentSession:
         try:
             async with timeout(wait_s):
                 return await self.inbox.get()
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             return None
 
     async def _enter_local(self) -> None:
