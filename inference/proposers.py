@@ -4,16 +4,25 @@ Every drafter has the shape of transformers' candidate generator: `get_candidate
 to k tokens after the committed context, and `update_candidate_strategy(n_accepted)` feeds the
 verdict back. Drafters that hold a KV cache also `rollback(committed_len)`. A feature drafter
 also hears the target's own features after each verdict (`give_features`).
+
+A feature head's step is stateless, so the drafts of many sessions can share its calls: a
+drafter that steps a head also drafts as a generator (`drafting`) that yields each step it needs
+(`HeadCall`) and is sent the step's result, and `draft_together` runs many such drafts in
+lockstep, one batched head call per step for all of them. On ONNX Runtime a call of 16 rows
+took 1.9 ms where 16 calls of one took 20 (bench of the shipped head, 1 thread), and a row's
+result is the same in a batch as alone (compared bit for bit), so the drafts are the ones each
+session would get alone.
 """
 
 from __future__ import annotations
 
 import struct
+import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -393,12 +402,32 @@ class FeatureHeadStep(Protocol):
     name: str
     hidden_size: int
     vocab_ids: IntArray  # [V'] the target's token id of each logit column
+    # Whether a call of many rows costs less than as many calls of one (ONNX Runtime's does;
+    # LiteRT's resizes its tensors for every new batch size, 10.8 ms for 16 rows against 1.3
+    # for one), so that `draft_together` batches the head's steps.
+    batches_rows: bool
 
     def step(
         self, features: npt.NDArray[np.float32], tokens: npt.ArrayLike
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """(next_features # [B, H], logits # [B, V']) from features # [B, H], tokens # [B]."""
         ...
+
+
+class HeadCall(NamedTuple):
+    """One step a draft needs of a feature head: its next feature and logits after `token`
+    from `feature` # [H]."""
+
+    head: FeatureHeadStep
+    feature: npt.NDArray[np.float32]
+    token: int
+
+
+# What a head step gives back: the next feature # [H] and the logits # [V'].
+HeadReply = tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]
+# A draft in progress: yields the head steps it needs, is sent each one's reply, and returns
+# its proposal.
+Drafting = Generator[HeadCall, HeadReply, Candidates]
 
 
 @dataclass
@@ -480,6 +509,12 @@ class FeatureProposer:
     def get_candidates(
         self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
     ) -> Candidates:
+        return run_drafting(self.drafting(context_ids, k, rng))
+
+    def drafting(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Drafting:
+        """`get_candidates` as a generator of the head's steps (see `draft_together`)."""
         if self.temperature > 0.0 and rng is None:
             raise ValueError("a sampling draft needs the round's draft rng")
         chain = self._chain
@@ -489,13 +524,13 @@ class FeatureProposer:
             if self.fallback is None:
                 return no_candidates()
             self.fallback_rounds += 1
-            return self.fallback.get_candidates(context_ids, k, rng)
+            return (yield from drafting(self.fallback, context_ids, k, rng))
         self._fell_back = False
         self.head_rounds += 1
         if self.max_tokens is not None:
             k = min(k, self.max_tokens)
         path = [int(t) for t in context_ids[chain.length - 1 :]]
-        logits = self._advance(chain, path)
+        logits = yield from self._advance(chain, path)
         tokens: list[int] = []
         rows: list[tuple[IntArray, npt.NDArray[np.float64]]] = []
         while len(tokens) < k:
@@ -513,7 +548,7 @@ class FeatureProposer:
             tokens.append(token)
             if len(tokens) < k:
                 path.append(token)
-                logits = self._advance(chain, path)
+                logits = yield from self._advance(chain, path)
         token_array = np.asarray(tokens, dtype=np.int64)
         if self.temperature == 0.0 or not rows:
             return Candidates(tokens=token_array, q=None)
@@ -522,7 +557,9 @@ class FeatureProposer:
         )
         return Candidates(tokens=token_array, q=q)
 
-    def _advance(self, chain: _Chain, path: list[int]) -> npt.NDArray[np.float32]:
+    def _advance(
+        self, chain: _Chain, path: list[int]
+    ) -> Generator[HeadCall, HeadReply, npt.NDArray[np.float32]]:
         """Step the head along `path` (the tokens after the feature's own position), reusing the
         steps already taken for a common prefix; the last step's logits # [V']."""
         common = 0
@@ -532,10 +569,10 @@ class FeatureProposer:
         del chain.consumed[common:], chain.features[common:], chain.logits[common:]
         for token in path[common:]:
             feature = chain.features[-1] if chain.features else chain.feature
-            next_features, logits = self.head.step(feature.reshape(1, -1), [token])
+            next_feature, logits = yield HeadCall(self.head, feature, token)
             chain.consumed.append(token)
-            chain.features.append(next_features[0])
-            chain.logits.append(logits[0])
+            chain.features.append(next_feature)
+            chain.logits.append(logits)
         return chain.logits[-1]
 
     def update_candidate_strategy(self, n_accepted: int) -> None:
@@ -618,6 +655,12 @@ class HybridProposer:
     def get_candidates(
         self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
     ) -> Candidates:
+        return run_drafting(self.drafting(context_ids, k, rng))
+
+    def drafting(
+        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+    ) -> Drafting:
+        """`get_candidates` as a generator of its drafters' head steps (`draft_together`)."""
         self._used = []
         parts: list[Candidates] = []
         context = [int(t) for t in context_ids]
@@ -625,7 +668,7 @@ class HybridProposer:
             remaining = k - sum(part.n for part in parts)
             if remaining <= 0 or (parts and not self.fill):
                 break
-            candidates = proposer.get_candidates(context, remaining, rng)
+            candidates = yield from drafting(proposer, context, remaining, rng)
             if candidates.n:
                 parts.append(candidates)
                 self._used.append((proposer, candidates.n))
@@ -664,3 +707,126 @@ def concat_candidates(parts: Sequence[Candidates]) -> Candidates:
             probs[row : row + part.n, : part.q.ids.shape[1]] = part.q.probs
         row += part.n
     return Candidates(tokens=tokens, q=SparseDraftProbs(ids=ids, probs=probs))
+
+
+# --- drafting by steps ---------------------------------------------------------------------------
+
+
+def drafting(
+    proposer: Proposer, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+) -> Drafting:
+    """`proposer.get_candidates(...)` as a generator of its head steps: a drafter's own
+    (`drafting`) where its `get_candidates` is the one that runs it (a subclass that overrides
+    `get_candidates` is asked that instead), else one that yields nothing."""
+    if getattr(type(proposer), "get_candidates", None) in _DRAFTS_BY_STEPS:
+        steps: Drafting = proposer.drafting(context_ids, k, rng)  # type: ignore[attr-defined]
+        return steps
+    return _at_once(proposer, context_ids, k, rng)
+
+
+def _at_once(
+    proposer: Proposer, context_ids: Sequence[int], k: int, rng: np.random.Generator | None
+) -> Drafting:
+    return proposer.get_candidates(context_ids, k, rng)
+    yield  # a generator that needs no step: unreachable, and what makes it one
+
+
+def _step_alone(call: HeadCall) -> HeadReply:
+    features, logits = call.head.step(call.feature.reshape(1, -1), [call.token])
+    return features[0], logits[0]
+
+
+def run_drafting(steps: Drafting) -> Candidates:
+    """A draft run alone, each head step a call of one row."""
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(_step_alone(call))
+    except StopIteration as done:
+        result: Candidates = done.value
+        return result
+
+
+@dataclass
+class Drafted:
+    """One draft of `draft_together`: its proposal, or what it raised, and its time (its own
+    steps, plus its share of each head call it was in)."""
+
+    candidates: Candidates | None = None
+    error: BaseException | None = None
+    ms: float = 0.0
+
+
+def draft_together(drafts: Sequence[Drafting]) -> list[Drafted]:
+    """Run `drafts` in lockstep: each step, every draft's pending head call goes into one call
+    per head, of all their rows (a head that does not batch rows gets them one by one). A draft
+    that raises fails alone. The drafts must not share a drafter's state (one per session)."""
+    done = [Drafted() for _ in drafts]
+    waiting: dict[int, HeadCall] = {}
+
+    def advance(index: int, reply: HeadReply | None) -> None:
+        started = time.perf_counter()
+        try:
+            steps = drafts[index]
+            waiting[index] = next(steps) if reply is None else steps.send(reply)
+        except StopIteration as finished:
+            done[index].candidates = finished.value
+        except Exception as exc:
+            done[index].error = exc
+        done[index].ms += (time.perf_counter() - started) * 1e3
+
+    for index in range(len(drafts)):
+        advance(index, None)
+    while waiting:
+        calls = list(waiting.items())
+        waiting.clear()
+        by_head: dict[int, list[tuple[int, HeadCall]]] = {}
+        for index, call in calls:
+            by_head.setdefault(id(call.head), []).append((index, call))
+        for group in by_head.values():
+            replies = _step_group(group)
+            for (index, _), (reply, ms) in zip(group, replies, strict=True):
+                done[index].ms += ms
+                if isinstance(reply, BaseException):
+                    done[index].error = reply
+                    drafts[index].close()
+                else:
+                    advance(index, reply)
+    return done
+
+
+def _step_group(
+    group: list[tuple[int, HeadCall]],
+) -> list[tuple[HeadReply | BaseException, float]]:
+    """One head's pending steps: one call of all of them where the head batches rows, each
+    row's reply a copy (a draft keeps it past the call); each with its share of the time."""
+    head = group[0][1].head
+    if len(group) > 1 and getattr(head, "batches_rows", False):
+        started = time.perf_counter()
+        try:
+            features, logits = head.step(
+                np.stack([call.feature for _, call in group]), [call.token for _, call in group]
+            )
+        except Exception as exc:
+            share = (time.perf_counter() - started) * 1e3 / len(group)
+            return [(exc, share)] * len(group)
+        share = (time.perf_counter() - started) * 1e3 / len(group)
+        return [
+            ((np.array(features[row]), np.array(logits[row])), share) for row in range(len(group))
+        ]
+    replies: list[tuple[HeadReply | BaseException, float]] = []
+    for _, call in group:
+        started = time.perf_counter()
+        reply: HeadReply | BaseException
+        try:
+            reply = _step_alone(call)
+        except Exception as exc:
+            reply = exc
+        replies.append((reply, (time.perf_counter() - started) * 1e3))
+    return replies
+
+
+# The `get_candidates` that run a drafter's `drafting` (see `drafting`).
+_DRAFTS_BY_STEPS: frozenset[Any] = frozenset(
+    {FeatureProposer.get_candidates, HybridProposer.get_candidates}
+)

@@ -175,19 +175,8 @@ class VerifierCore:
         resend) is verified again in a second pass, after the first, since both need its cache.
         """
         results: list[Verification | None] = [None] * len(requests)
-        drafted: dict[int, HostDraft] = {}
         requests = list(requests)
-        for index, request in enumerate(requests):
-            if request.cloud_k is None:
-                continue
-            try:
-                drafted[index], requests[index] = self._draft(request)
-            except DrafterError as exc:
-                results[index] = _failed(request, f"cloud round: {exc}")
-            # A drafter is an engine boundary too: whatever it raises fails this request only.
-            except Exception as exc:
-                log.exception("drafting a cloud round of %s failed", request.session_id)
-                results[index] = _failed(request, f"cloud round drafting failed: {exc}")
+        drafted = self._draft_cloud_rounds(requests, results)
         waves: list[list[int]] = []
         seen: dict[str, int] = {}
         for index, request in enumerate(requests):
@@ -219,20 +208,41 @@ class VerifierCore:
             )
         return [r for r in results if r is not None]
 
-    def _draft(self, request: VerifyRequest) -> tuple[HostDraft, VerifyRequest]:
-        """Draft a cloud round's window here; the request as if the device had sent it."""
+    def _draft_cloud_rounds(
+        self, requests: list[VerifyRequest], results: list[Verification | None]
+    ) -> dict[int, HostDraft]:
+        """Draft the cloud rounds among `requests` here, all together (`HostDrafters.draft_many`),
+        each replaced by the request as if the device had sent its window; a round whose
+        drafting failed gets its failure in `results`. The windows drafted, by index."""
+        cloud = [index for index, request in enumerate(requests) if request.cloud_k is not None]
+        if not cloud:
+            return {}
         if self.drafters is None:
-            raise DrafterError("this verifier does not draft cloud rounds")
-        host = self.drafters.draft(request)
-        q = host.q_rows
-        drafted = request.model_copy(
-            update={
-                "tokens": host.tokens,
-                "q_ids": None if q is None else q[0],
-                "q_probs": None if q is None else q[1],
-            }
-        )
-        return host, drafted
+            refusal = DrafterError("this verifier does not draft cloud rounds")
+            windows: list[HostDraft | Exception] = [refusal] * len(cloud)
+        else:
+            windows = self.drafters.draft_many([requests[index] for index in cloud])
+        drafted: dict[int, HostDraft] = {}
+        for index, host in zip(cloud, windows, strict=True):
+            request = requests[index]
+            if isinstance(host, DrafterError):
+                results[index] = _failed(request, f"cloud round: {host}")
+                continue
+            # A drafter is an engine boundary too: whatever it raises fails this request only.
+            if isinstance(host, Exception):
+                log.error("drafting a cloud round of %s failed", request.session_id, exc_info=host)
+                results[index] = _failed(request, f"cloud round drafting failed: {host}")
+                continue
+            q = host.q_rows
+            requests[index] = request.model_copy(
+                update={
+                    "tokens": host.tokens,
+                    "q_ids": None if q is None else q[0],
+                    "q_probs": None if q is None else q[1],
+                }
+            )
+            drafted[index] = host
+        return drafted
 
     def stats(self) -> CoreStats:
         return CoreStats(

@@ -55,8 +55,11 @@ from inference.drafters import (
 )
 from inference.drafts import TFLITE_SUFFIX
 from inference.proposers import (
+    Drafting,
     FeatureHeadStep,
     Proposer,
+    draft_together,
+    drafting,
     forget_features,
     give_features,
     wants_features,
@@ -258,20 +261,68 @@ class HostDrafters:
 
     def draft(self, request: VerifyRequest) -> HostDraft:
         """The window of a cloud round: up to `cloud_k` tokens after `context_ids`."""
+        (drafted,) = self.draft_many([request])
+        if isinstance(drafted, BaseException):
+            raise drafted
+        return drafted
+
+    def draft_many(self, requests: Sequence[VerifyRequest]) -> list[HostDraft | Exception]:
+        """The windows of a pass's cloud rounds, in order; what failed, in its place.
+
+        The drafts run together (`draft_together`): a feature head steps every session's
+        chain in one call. A session's drafter holds its state, so a session that comes twice
+        (a resend) drafts its second window after the first, in a second lockstep."""
+        results: dict[int, HostDraft | Exception] = {}
+        remaining = list(range(len(requests)))
+        while remaining:
+            sessions: set[str] = set()
+            now: list[int] = []
+            later: list[int] = []
+            for index in remaining:
+                session = requests[index].session_id
+                (later if session in sessions else now).append(index)
+                sessions.add(session)
+            results.update(zip(now, self._draft_together([requests[i] for i in now]), strict=True))
+            remaining = later
+        return [results[index] for index in range(len(requests))]
+
+    def _draft_together(self, requests: Sequence[VerifyRequest]) -> list[HostDraft | Exception]:
+        drafts: list[Drafting | Exception] = []
+        for request in requests:
+            try:
+                drafts.append(self._start(request))
+            except Exception as exc:
+                drafts.append(exc)
+        started = [d for d in drafts if not isinstance(d, Exception)]
+        ran = iter(draft_together(started))
+        out: list[HostDraft | Exception] = []
+        for request, draft in zip(requests, drafts, strict=True):
+            if isinstance(draft, Exception):
+                out.append(draft)
+                continue
+            done = next(ran)
+            if done.error is not None:
+                error = done.error
+                out.append(error if isinstance(error, Exception) else RuntimeError(str(error)))
+                continue
+            assert done.candidates is not None
+            tokens = tuple(int(t) for t in done.candidates.tokens.tolist())
+            q = None
+            if not request.sampling.greedy and tokens:
+                # A deterministic proposal is sent one-hot, as the agent sends it.
+                q = done.candidates.q if done.candidates.q is not None else one_hot_draft(tokens)
+            out.append(HostDraft(tokens, q, done.ms))
+        return out
+
+    def _start(self, request: VerifyRequest) -> Drafting:
+        """A cloud round's draft, ready to run: its drafter, with the session's feature."""
         if request.cloud_draft is None or request.cloud_k is None:
             raise ValueError("not a cloud round request")
         sampling = request.sampling
         proposer = self.proposer(request.cloud_draft, sampling.temperature, request.session_id)
-        started = time.perf_counter()
         if wants_features(proposer):
             self._hand_feature(proposer, request)
         rng = None
         if not sampling.greedy:
             rng = round_rng(sampling.seed, request.round, RngStream.DRAFT)
-        candidates = proposer.get_candidates(request.context_ids, request.cloud_k, rng)
-        tokens = tuple(int(t) for t in candidates.tokens.tolist())
-        q = None
-        if not sampling.greedy and tokens:
-            # A deterministic proposal is sent one-hot, as the agent sends it.
-            q = candidates.q if candidates.q is not None else one_hot_draft(tokens)
-        return HostDraft(tokens, q, (time.perf_counter() - started) * 1e3)
+        return drafting(proposer, request.context_ids, request.cloud_k, rng)

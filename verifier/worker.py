@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from broker.client import (
@@ -560,6 +560,7 @@ class VerifierWorker:
         streamed = zip(turn, requests[len(batch) :], verifications[len(batch) :], strict=True)
         for stream, request, verification in streamed:
             self._emit_stream(stream, _ran_at(request), verification, verify_ms, prefilled, choice)
+        self._observe_drafting(turn, requests[len(batch) :], verifications[len(batch) :])
         if steps is None:
             return
         try:
@@ -575,6 +576,24 @@ class VerifierWorker:
             # The streams stand at their last round published, and go on from there.
             log.error("inference process lost running stream rounds on: %s", exc)
             await self._restart_child()
+
+    def _observe_drafting(
+        self,
+        turn: list[HostStream],
+        requests: list[VerifyRequest],
+        verifications: Sequence[Verification],
+    ) -> None:
+        """What drafting the streams' windows took, per drafter, for as many rows as it drafted
+        together in the pass (a feature head steps them all in one call)."""
+        drafted: dict[str, tuple[int, int, float]] = {}  # drafter -> rows, window, ms
+        for stream, request, verification in zip(turn, requests, verifications, strict=True):
+            draft, window = stream.opening.cloud_draft, request.cloud_k or 0
+            if draft is None or window <= 0 or verification.error:
+                continue
+            rows, widest, ms = drafted.get(draft, (0, 0, 0.0))
+            drafted[draft] = (rows + 1, max(widest, window), ms + verification.draft_ms)
+        for draft, (rows, window, ms) in drafted.items():
+            self.goodput.observe_draft_ms(draft, window, ms, rows=rows)
 
     def _steps(
         self, batch: list[_Pending], turn: list[HostStream], requests: list[VerifyRequest]
@@ -658,9 +677,6 @@ class VerifierWorker:
                     len(drafted),
                     verification.n_accepted,
                     stream=stream.session_id,
-                )
-                self.goodput.observe_draft_ms(
-                    stream.opening.cloud_draft, window, verification.draft_ms
                 )
             goes_on = self.streams.is_current(stream) and stream.advance(
                 drafted, verification.n_accepted, verification.next_token

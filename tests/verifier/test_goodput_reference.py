@@ -17,6 +17,7 @@ import pytest
 from broker.messages import PassChoice
 from verifier.goodput import (
     PLAIN_REMEASURE_PASSES,
+    PRIOR_DRAFT_MS_PER_TOKEN,
     PRIOR_WEIGHT,
     SPECULATION_MARGIN,
     GoodputControl,
@@ -57,6 +58,10 @@ def reference_choose(
     top_cap = max((s.cap for s in streams if s.draft is not None), default=0)
     kinds = Counter(streams)
 
+    def terms(draft: str) -> tuple[float, float]:
+        cost = control._drafting.get(draft)
+        return (0.0, PRIOR_DRAFT_MS_PER_TOKEN) if cost is None else cost.terms
+
     def expected(kind: StreamRow, k: int) -> float:
         if kind.draft is None or k <= 0:
             return 1.0
@@ -69,11 +74,19 @@ def reference_choose(
         if k > top_cap and k > 0:
             continue
         tokens = fixed_tokens + sum(count * expected(kind, k) for kind, count in kinds.items())
+        # Each drafter's rows at b a row, then a step's cost a per step of its widest window
+        # (DraftCost), in the order the kinds came.
         drafting = sum(
-            count * control.draft_ms(kind.draft) * min(k, kind.cap)
+            count * terms(kind.draft)[1] * min(k, kind.cap)
             for kind, count in kinds.items()
             if kind.draft is not None
         )
+        widest: dict[str, int] = {}
+        for kind in kinds:
+            if kind.draft is not None and terms(kind.draft)[0] > 0.0:
+                widest[kind.draft] = max(widest.get(kind.draft, 0), kind.cap)
+        if widest:
+            drafting += sum(terms(draft)[0] * min(k, cap) for draft, cap in widest.items())
         ms = control.cost.predict(rows, max(k, widest_fixed) + 1) + drafting
         cost_at[k] = ms
         goodput[str(k)] = tokens / ms * 1000.0 if ms > 0 else math.inf
@@ -137,7 +150,10 @@ def test_the_pass_rule_chooses_as_the_plain_rule_over_many_random_passes(seed: i
         rows = len(streams) + len(fixed)
         control.observe_pass(rows, rng.randint(1, 9), rng.uniform(20.0, 800.0))
         if step % 50 == 0:
-            control.observe_draft_ms(rng.choice(DRAFTS), rng.randint(1, 8), rng.uniform(0.1, 9.0))
+            # Rows drafted together: a drafter's cost splits into a step's and a row's.
+            rows_drafted = rng.randint(1, 16)
+            ms = rng.uniform(0.1, 9.0) * rows_drafted
+            control.observe_draft_ms(rng.choice(DRAFTS), rng.randint(1, 8), ms, rows=rows_drafted)
         for draft in DRAFTS:
             for task in TASKS:
                 for k in range(9):
