@@ -42,6 +42,11 @@ BENCHMARKS = (
         "batched target passes with rows kept in the last pass against stacking every pass",
     ),
     (
+        "host-drafting",
+        "bench.host_drafting",
+        "a pass's cloud drafts drafted together (one feature-head call a step) against one by one",
+    ),
+    (
         "draft-boundary",
         "bench.draft_boundary",
         "a drafting round's cost with the draft in a child process against in-process",

@@ -183,6 +183,10 @@ EXAMPLES: dict[str, str] = {
     "specfleet bench fleet": """
         specfleet bench fleet --agents 2000 --sessions 200 --json
     """,
+    "specfleet bench host-drafting": """
+        specfleet bench host-drafting --json
+        specfleet bench host-drafting --sessions 4,16 --drafter hybrid+eagle-h1 --k 4 --rounds 20
+    """,
     "specfleet bench target-passes": """
         specfleet bench target-passes --json
         specfleet bench target-passes --rows 8,32 --k 0,2 --passes 20 --turns 3

@@ -58,6 +58,9 @@ PRIOR_DRAFT_MS_PER_TOKEN = 1.0
 # no window was drafted to correct it. Each window still moves it by a tenth.
 DRAFT_MS_CLIP = 3.0
 DRAFT_MS_FORGET = 0.9
+# The least spread of the rows a drafter's passes drafted (their weighted variance over their mean
+# square) that splits its cost into a step's and a row's; below it, every row costs the mean.
+DRAFT_SPREAD_MIN = 0.02
 # A speculative window's goodput is discounted by this fraction of what it adds to the pass's
 # cost: the estimates are noisy (a pass's cost varies by 5-10% on a shared host), and a wrong
 # window costs the whole padded pass. A window that adds 30% to a 32-row pass must promise 15%
@@ -340,8 +343,10 @@ class DraftCost:
         s[3] = s[3] * f + w * y
         s[4] = s[4] * f + w * n * y
         self.samples += 1
+        # det / (s0 s2) is the weighted variance of n over its mean square: the n seen must
+        # differ in earnest (the prior's lone row fades) for a and b to be told apart.
         det = s[0] * s[2] - s[1] * s[1]
-        if det > 1e-6 * s[0] * s[2]:
+        if det > DRAFT_SPREAD_MIN * s[0] * s[2]:
             a = (s[2] * s[3] - s[1] * s[4]) / det
             b = (s[0] * s[4] - s[1] * s[3]) / det
             if a >= 0.0 and b >= 0.0:

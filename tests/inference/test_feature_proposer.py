@@ -15,9 +15,13 @@ from synthetic_lm import SyntheticLM
 from inference.feature_head import HeadWeights, random_head_weights, step_reference
 from inference.proposers import (
     FEATURE_CATCH_UP_MAX,
+    Candidates,
     FeatureProposer,
     HybridProposer,
     PromptLookupProposer,
+    Proposer,
+    draft_together,
+    drafting,
     give_features,
     wants_features,
 )
@@ -276,3 +280,109 @@ def test_a_context_too_far_past_its_feature_falls_back() -> None:
     assert drafter.get_candidates(near, 2).n == 2 and drafter.head_rounds == 1
     drafter.get_candidates([*near, 9], 2)
     assert (drafter.head_rounds, drafter.fallback_rounds) == (1, 1)
+
+
+# ---- Drafts run together: one head call per step for every draft that needs one. ----
+
+
+class BatchingHead(ReferenceHead):
+    """A reference head that takes many rows a call, each computed as a call of its own would
+    (so a draft's result cannot depend on its neighbours), counting calls and rows."""
+
+    batches_rows = True
+
+    def __init__(self, weights: HeadWeights) -> None:
+        super().__init__(weights)
+        self.rows_per_call: list[int] = []
+
+    def step(self, features: F32, tokens: npt.ArrayLike) -> tuple[F32, F32]:
+        self.rows_per_call.append(features.shape[0])
+        rows = [
+            step_reference(self.weights, self.embed, features[i : i + 1], np.asarray([t]))
+            for i, t in enumerate(np.asarray(tokens).tolist())
+        ]
+        return np.concatenate([f for f, _ in rows]), np.concatenate([g for _, g in rows])
+
+
+def batching_head() -> BatchingHead:
+    ids = np.arange(1, 16, 2)
+    return BatchingHead(random_head_weights(6, ids, 3, vocab_size=16, name="eagle-t"))
+
+
+def drafts_of(head: ReferenceHead) -> list[tuple[Proposer, list[int], int, float]]:
+    """Drafters of several sessions: (drafter, context, k, temperature), each with its feature
+    where it has one."""
+    rng = np.random.default_rng(7)
+    made: list[tuple[Proposer, list[int], int, float]] = []
+    for index, (context, k, temperature) in enumerate(
+        [
+            ([3, 5, 7, 9], 4, 0.0),
+            ([2, 4, 6], 2, 0.0),
+            ([1, 2, 3, 1, 2], 3, 0.0),  # lookup proposes first in its hybrid
+            ([9, 9, 1], 5, 1.0),  # sampled
+            ([4, 1], 3, 0.0),  # no feature: its fallback drafts
+            ([5, 3, 5, 3, 8], 6, 0.0),  # a feature two tokens behind: caught up first
+        ]
+    ):
+        head_drafter = FeatureProposer(
+            head, fallback=PromptLookupProposer(), temperature=temperature, top_k=4
+        )
+        drafter: Proposer = head_drafter
+        if index == 2:
+            drafter = HybridProposer([PromptLookupProposer(2, 2), head_drafter])
+        if index != 4:
+            behind = 2 if index == 5 else 0
+            feature = rng.standard_normal(6).astype(np.float32)
+            head_drafter.give_features(feature, len(context) - behind)
+        made.append((drafter, context, k, temperature))
+    return made
+
+
+def test_drafts_run_together_are_each_drafts_alone_in_one_head_call_a_step() -> None:
+    alone_head, together_head = batching_head(), batching_head()
+    alone = [
+        drafter.get_candidates(context, k, np.random.default_rng(11) if t else None)
+        for drafter, context, k, t in drafts_of(alone_head)
+    ]
+    together = draft_together(
+        [
+            drafting(drafter, context, k, np.random.default_rng(11) if t else None)
+            for drafter, context, k, t in drafts_of(together_head)
+        ]
+    )
+    for one, many in zip(alone, together, strict=True):
+        assert many.error is None and many.candidates is not None and many.ms >= 0.0
+        assert many.candidates.tokens.tolist() == one.tokens.tolist()
+        assert (many.candidates.q is None) == (one.q is None)
+        if one.q is not None and many.candidates.q is not None:
+            np.testing.assert_array_equal(many.candidates.q.ids, one.q.ids)
+            np.testing.assert_array_equal(many.candidates.q.probs, one.q.probs)
+    # Alone, every step is a call of one row; together, the same rows in as many calls as the
+    # longest chain has steps.
+    assert set(alone_head.rows_per_call) == {1}
+    assert sum(together_head.rows_per_call) == len(alone_head.rows_per_call)
+    assert len(together_head.rows_per_call) < len(alone_head.rows_per_call)
+    assert max(together_head.rows_per_call) >= 4
+
+
+def test_a_draft_that_fails_fails_alone_and_the_others_go_on() -> None:
+    head = batching_head()
+    feature = np.ones(6, dtype=np.float32)
+    fine, sampled = FeatureProposer(head), FeatureProposer(head, temperature=1.0)
+    fine.give_features(feature, 3)
+    sampled.give_features(feature, 3)
+    done = draft_together([drafting(sampled, [1, 2, 3], 3), drafting(fine, [1, 2, 3], 3)])
+    assert isinstance(done[0].error, ValueError) and "rng" in str(done[0].error)
+    assert done[1].error is None and done[1].candidates is not None
+    assert done[1].candidates.tokens.tolist() == chained(head, feature, 3, 3)
+
+
+def test_a_drafter_that_overrides_get_candidates_is_asked_that() -> None:
+    class Fixed(HybridProposer):
+        def get_candidates(
+            self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+        ) -> Candidates:
+            return Candidates(tokens=np.asarray([5] * k, dtype=np.int64), q=None)
+
+    (done,) = draft_together([drafting(Fixed([PromptLookupProposer()]), [1, 2], 3)])
+    assert done.candidates is not None and done.candidates.tokens.tolist() == [5, 5, 5]

@@ -12,6 +12,7 @@ from verifier.goodput import (
     SHAPE_WEIGHT,
     SPECULATION_MARGIN,
     STALE_SHAPE_WEIGHT,
+    DraftCost,
     GoodputControl,
     PassCost,
     PositionAcceptance,
@@ -300,3 +301,57 @@ def test_a_window_that_also_prefilled_the_draft_does_not_price_it_out() -> None:
         control.observe_draft_ms("draft-l1", 4, 6.0)
     assert control.draft_ms("draft-l1") == pytest.approx(1.5, rel=0.05)
     assert control.timed_drafts() == {"draft-l1": control.draft_ms("draft-l1")}
+
+
+@pytest.mark.parametrize(
+    ("per_step", "per_row"),
+    [
+        (1.2, 0.05),  # a feature head: one call a step for every row (ONNX Runtime, this CPU)
+        (0.0, 0.2),  # copying: each row its own work
+    ],
+)
+def test_a_drafters_cost_is_learned_per_step_and_per_row(per_step: float, per_row: float) -> None:
+    cost = DraftCost()
+    for _ in range(60):
+        for rows in (1, 3, 4, 16):
+            cost.observe(rows, per_step + per_row * rows)
+    a, b = cost.terms
+    assert a == pytest.approx(per_step, abs=0.02) and b == pytest.approx(per_row, abs=0.005)
+    assert cost.predict(32) == pytest.approx(per_step + per_row * 32, rel=0.02)
+
+
+def test_a_drafter_seen_at_one_batch_size_costs_each_row_the_same() -> None:
+    """Samples of one n cannot split a step's cost from a row's: each row is priced at the
+    mean (what a drafter timed on lone sessions is taken to cost in a batch)."""
+    cost = DraftCost()
+    for _ in range(60):
+        cost.observe(4, 2.0)
+    assert cost.terms[0] == pytest.approx(0.0, abs=0.05)
+    assert cost.predict(4) == pytest.approx(2.0, rel=0.05)
+    assert cost.predict(8) == pytest.approx(4.0, rel=0.1)
+
+
+def test_a_head_priced_per_step_speculates_at_a_batch_that_per_row_pricing_kept_plain() -> None:
+    """Four streams with a feature head that drafts well: at 1.3 ms a row (what one row alone
+    costs) a window of 2 adds ~10 ms of drafting to a 46 ms pass and plain decoding wins; the
+    same head timed in passes of 1 to 4 rows (1.2 ms a step + 0.05 a row) speculates."""
+    rows = [StreamRow("hybrid+eagle-h1", "chat", 4, 0.5, f"s{i}") for i in range(4)]
+
+    def control_timed(samples: list[tuple[int, float]]) -> GoodputControl:
+        control = fitted()
+        for _ in range(60):
+            for n in (4, 4, 4):
+                control.observe_pass(n, 1, 46.0)
+            for i in range(4):
+                for accepted in (1, 0, 1, 0, 0):
+                    control.observe_round("hybrid+eagle-h1", "chat", 2, 2, accepted, f"s{i}")
+            for n, ms in samples:
+                control.observe_draft_ms("hybrid+eagle-h1", 2, ms * 2, rows=n)
+        return control
+
+    per_row = control_timed([(1, 1.3), (4, 4 * 1.3)])
+    per_step = control_timed([(n, 1.2 + 0.05 * n) for n in (1, 2, 3, 4)])
+    assert per_row.choose(rows, []).k == 0
+    chosen = per_step.choose(rows, [])
+    assert chosen.k > 0, chosen.reason
+    assert per_step.draft_ms("hybrid+eagle-h1", 4) < per_row.draft_ms("hybrid+eagle-h1", 4) / 3

@@ -240,3 +240,46 @@ def test_the_shipped_head_alone_accepts_its_own_drafts_in_cloud_rounds(
     head = head_of(drafters, SHIPPED, "shipped")
     assert (head.fallback_rounds, head.head_rounds) == (1, round_index - 1)
     assert accepted_from_head > 0
+
+
+def test_a_passs_cloud_rounds_step_the_shipped_head_together_as_each_would_alone(
+    target: Target, shipped_head: Path
+) -> None:
+    """Six sessions' cloud rounds of `hybrid+eagle-h1`, each with the target's feature for its
+    context, drafted in one `draft_many` (one session twice: a resend, drafted after its first)
+    and one by one on a host of their own: the same windows, and the head called once a step
+    for all of them (ONNX Runtime gives a row in a batch what it gives it alone)."""
+    runtime, _ = target
+    draft = HYBRID_PREFIX + SHIPPED
+    contexts = [list(prompt_ids(p)) for p in range(6)]
+    requests = [cloud_request(f"s{i}", 1, c, draft, 6) for i, c in enumerate(contexts)]
+    requests.append(cloud_request("s2", 2, contexts[2], draft, 3))  # s2 again
+
+    def host() -> tuple[HostDrafters, list[int]]:
+        drafters = HostDrafters(shipped_head)
+        head = drafters._head(SHIPPED)
+        rows: list[int] = []
+        step = head.step
+
+        def counted(features: npt.NDArray[np.float32], tokens: npt.ArrayLike) -> object:
+            rows.append(features.shape[0])
+            return step(features, tokens)
+
+        head.step = counted  # type: ignore[method-assign]
+        for request in requests:
+            drafters.proposer(draft, 0.0, request.session_id)
+            hidden = alone_hidden(runtime, request.context_ids)
+            drafters.give_features(request.session_id, hidden[-2], request.context_ids)
+        return drafters, rows
+
+    together, rows_together = host()
+    alone, rows_alone = host()
+    windows = together.draft_many(requests)
+    for request, window in zip(requests, windows, strict=True):
+        assert not isinstance(window, Exception), window
+        assert window.tokens == alone.draft(request).tokens, request.session_id
+        assert window.draft_ms > 0.0
+    assert any(window.tokens for window in windows if not isinstance(window, Exception))
+    assert set(rows_alone) == {1}
+    assert sum(rows_together) == len(rows_alone)
+    assert len(rows_together) < len(rows_alone) and max(rows_together) >= 4
