@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from broker.client import BrokerAddress
-from broker.messages import StreamSpec, VerifyRequest
+from broker.messages import PassChoice, StreamSpec, VerifyRequest
 from verifier.goodput import (
     PLAIN_REMEASURE_PASSES,
     SHAPE_CLIP,
@@ -355,3 +355,20 @@ def test_a_head_priced_per_step_speculates_at_a_batch_that_per_row_pricing_kept_
     chosen = per_step.choose(rows, [])
     assert chosen.k > 0, chosen.reason
     assert per_step.draft_ms("hybrid+eagle-h1", 4) < per_row.draft_ms("hybrid+eagle-h1", 4) / 3
+
+
+def test_a_plain_pass_that_only_retimes_plain_decoding_does_not_run_on() -> None:
+    """A plain choice made because plain passes of its size were not timed lately runs one
+    pass, not a `Steps` run of four: the window predicted to pay is chosen on the next. A plain
+    choice on its own merits, or where plain was timed lately, may run on."""
+    worker = VerifierWorker(WorkerConfig("steps-test"), BrokerAddress("127.0.0.1", 1))
+    worker.goodput.observe_pass(4, 1, 46.0)
+    for _ in range(PLAIN_REMEASURE_PASSES + 1):
+        worker.goodput.observe_pass(4, 3, 59.0)
+    ahead = PassChoice(k=0, rows=4, goodput={"0": 85.0, "2": 108.0}, cost_ms=46.0, reason="")
+    behind = ahead.model_copy(update={"goodput": {"0": 85.0, "2": 80.0}})
+    assert worker._retimes_plain(ahead)
+    assert not worker._retimes_plain(behind)
+    assert not worker._retimes_plain(ahead.model_copy(update={"k": 2}))
+    worker.goodput.observe_pass(4, 1, 46.0)  # the pass that timed it
+    assert not worker._retimes_plain(ahead)
