@@ -379,7 +379,8 @@ class GoodputControl:
         self.cost = PassCost()
         self.windows = tuple(sorted(set(windows)))
         self._accept: dict[tuple[str, str], PositionAcceptance] = {}
-        self._stream_accept: OrderedDict[str, PositionAcceptance] = OrderedDict()
+        # stream -> the drafter of its own rounds, and what they accepted
+        self._stream_accept: OrderedDict[str, tuple[str, PositionAcceptance]] = OrderedDict()
         self._drafting: dict[str, DraftCost] = {}
         self._accept_forget = _decay(ACCEPT_HALF_LIFE)
         self._unseen = PositionAcceptance()  # what a (draft, task) not seen yet is scored on
@@ -405,13 +406,18 @@ class GoodputControl:
         stats.observe(window, drafted, accepted, self._accept_forget)
         if stream is None:
             return
-        own = self._stream_accept.get(stream)
-        if own is None:
-            own = self._stream_accept[stream] = PositionAcceptance()
+        kept = self._stream_accept.get(stream)
+        if kept is None or kept[0] != draft:
+            # A stream's record is of one drafter: what another accepted on it says little of
+            # this one (bench e2e: a lone session's lookup windows, none accepted, kept the
+            # draft model the coordinator moved it to at k = 0 for 40 rounds).
+            own = PositionAcceptance()
+            self._stream_accept[stream] = (draft, own)
             if len(self._stream_accept) > MAX_STREAMS_KEPT:
                 self._stream_accept.popitem(last=False)
         else:
-            self._stream_accept.move_to_end(stream)
+            own = kept[1]
+        self._stream_accept.move_to_end(stream)
         own.observe(window, drafted, accepted, self._accept_forget)
 
     def forget_stream(self, stream: str) -> None:
@@ -442,10 +448,11 @@ class GoodputControl:
         """E(j) for j = 0..reach (at least) of a drafter on a task, and of one stream when its
         own rounds are known here."""
         stats = self._stats(draft, task_type)
-        own = None if stream is None else self._stream_accept.get(stream)
-        if own is None:  # a stream is kept once it has a round with a window
+        kept = None if stream is None else self._stream_accept.get(stream)
+        # A stream is kept once it has a round with a window, of the drafter it last drafted.
+        if kept is None or kept[0] != draft:
             return stats.expected_by_window(reach, prior)
-        return own.expected_from(stats.rates(reach, prior))
+        return kept[1].expected_from(stats.rates(reach, prior))
 
     def _stats(self, draft: str, task_type: str) -> PositionAcceptance:
         """The acceptance seen for (draft, task), or none seen (never stored: a round's

@@ -372,3 +372,20 @@ def test_a_plain_pass_that_only_retimes_plain_decoding_does_not_run_on() -> None
     assert not worker._retimes_plain(ahead.model_copy(update={"k": 2}))
     worker.goodput.observe_pass(4, 1, 46.0)  # the pass that timed it
     assert not worker._retimes_plain(ahead)
+
+
+def test_a_streams_own_record_is_of_the_drafter_that_made_it() -> None:
+    """A stream's own rounds pull its rate (STREAM_PRIOR_WEIGHT), but only for the drafter that
+    drafted them: moved to another drafter, the stream is scored on that drafter's rate until
+    it has rounds of its own with it."""
+    control = GoodputControl()
+    for _ in range(50):
+        control.observe_round("eagle", "chat", 2, 2, 2)  # the drafter does well on the task
+    fresh = StreamRow("eagle", "chat", 2, 0.5, "s1")
+    before = control.expected_tokens(fresh, 2)
+    for _ in range(6):
+        control.observe_round("lookup", "chat", 2, 2, 0, stream="s1")  # nothing accepted
+    assert control.expected_tokens(fresh, 2) == before
+    assert control.expected_tokens(StreamRow("lookup", "chat", 2, 0.5, "s1"), 2) < 1.2
+    control.observe_round("eagle", "chat", 2, 2, 0, stream="s1")
+    assert control.expected_tokens(fresh, 2) < before
