@@ -63,13 +63,17 @@ DRAFT_MS_FORGET = 0.9
 DRAFT_SPREAD_MIN = 0.02
 # A speculative window's goodput is discounted by this fraction of what it adds to the pass's
 # cost: the estimates are noisy (a pass's cost varies by 5-10% on a shared host), and a wrong
-# window costs the whole padded pass. A window that adds 30% to a 32-row pass must promise 7.5%
+# window costs the whole padded pass. A window that adds 30% to a 32-row pass must promise 15%
 # more than plain decoding (measured on bench e2e: k=1 at 32 rows chosen for a predicted +10%
-# came out at +5%); one that adds 2% to a lone row's pass, 0.5%. A flat 15% kept lone sessions
-# decoding plainly where a window was nearly free; half of what a window adds (the first rule)
-# kept 4 streams plain for 83 of 91 passes where their windows of 1-3, predicted at +17-20%
-# over plain, made 98.8-99.3 tok/s against plain's 80-81 when chosen (+22%).
-SPECULATION_MARGIN = 0.25
+# came out at +5%). A flat 15% kept lone sessions decoding plainly where a window was nearly
+# free. Beside other rows a window also slows the rows that accept little (every row pays the
+# padded pass), so the session that finishes last finishes later: at 4 streams a quarter of
+# what a window adds, not a half, sped passes up by a fifth and waves of 4 down by 2-8%
+# (bench e2e: 0.90-0.95 of plain serving against 0.95-1.00, the slowest session setting each
+# wave's end). A lone row's window costs no one else: there the quarter holds (1.52-1.56 of
+# plain serving at one session in two runs, against 1.28-1.48 in four with the half).
+SPECULATION_MARGIN = 0.5
+LONE_SPECULATION_MARGIN = 0.25
 
 
 def _decay(half_life: float) -> float:
@@ -536,11 +540,12 @@ class GoodputControl:
         # adds to the pass, the more a wrong estimate costs (a lone row's window adds ~2%).
         # Ties go to the smaller window (the first, in the ascending windows).
         plain_ms = cost_at[0]
+        margin = SPECULATION_MARGIN if rows > 1 else LONE_SPECULATION_MARGIN
         best: int | None = None
         best_worth = 0.0
         for k in windows:
             extra = cost_at[k] / plain_ms - 1.0
-            worth = goodput[names[k]] / (1.0 + SPECULATION_MARGIN * (extra if extra > 0.0 else 0.0))
+            worth = goodput[names[k]] / (1.0 + margin * (extra if extra > 0.0 else 0.0))
             if best is None or worth > best_worth or (worth == best_worth and k < best):
                 best, best_worth = k, worth
         assert best is not None  # windows holds 0 (goodput["0"] above)

@@ -7,6 +7,7 @@ import pytest
 from broker.client import BrokerAddress
 from broker.messages import PassChoice, StreamSpec, VerifyRequest
 from verifier.goodput import (
+    LONE_SPECULATION_MARGIN,
     PLAIN_REMEASURE_PASSES,
     SHAPE_CLIP,
     SHAPE_WEIGHT,
@@ -109,7 +110,8 @@ def test_the_pass_window_maximises_the_batchs_goodput(
     def worth(k: int) -> float:
         drafting = control.draft_ms("hybrid", streams) * min(k, 8)
         extra = (control.cost.predict(streams, k + 1) + drafting) / plain_ms - 1.0
-        return choice.goodput[str(k)] / (1.0 + SPECULATION_MARGIN * max(0.0, extra))
+        margin = SPECULATION_MARGIN if streams > 1 else LONE_SPECULATION_MARGIN
+        return choice.goodput[str(k)] / (1.0 + margin * max(0.0, extra))
 
     assert all(worth(int(k)) <= worth(choice.k) + 1e-9 for k in choice.goodput)
     assert choice.rows == streams
@@ -344,7 +346,7 @@ def test_a_head_priced_per_step_speculates_at_a_batch_that_per_row_pricing_kept_
             for n in (4, 4, 4):
                 control.observe_pass(n, 1, 46.0)
             for i in range(4):
-                for accepted in (1, 0, 0, 0):
+                for accepted in (1, 0, 1, 0, 0):
                     control.observe_round("hybrid+eagle-h1", "chat", 2, 2, accepted, f"s{i}")
             for n, ms in samples:
                 control.observe_draft_ms("hybrid+eagle-h1", 2, ms * 2, rows=n)

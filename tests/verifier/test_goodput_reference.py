@@ -16,6 +16,7 @@ import pytest
 
 from broker.messages import PassChoice
 from verifier.goodput import (
+    LONE_SPECULATION_MARGIN,
     PLAIN_REMEASURE_PASSES,
     PRIOR_DRAFT_MS_PER_TOKEN,
     PRIOR_WEIGHT,
@@ -94,7 +95,8 @@ def reference_choose(
 
     def worth(k: int) -> float:
         extra = max(0.0, cost_at[k] / cost_at[0] - 1.0)
-        return goodput[str(k)] / (1.0 + SPECULATION_MARGIN * extra)
+        margin = SPECULATION_MARGIN if rows > 1 else LONE_SPECULATION_MARGIN
+        return goodput[str(k)] / (1.0 + margin * extra)
 
     best = max((int(k) for k in goodput), key=lambda k: (worth(k), -k))
     if best > 0 and worth(best) <= plain:
