@@ -31,10 +31,12 @@ lowest level run (the unit tests check that plain serving equals the target deco
    rounded up to a multiple of c) runs in waves of c sessions started together, session i of a
    wave on agent i mod --agents. Committed tokens/s is every generated token over the sum of the
    configuration's wave times (first open to last end); the one verifier (or the plain-serving
-   process) batches across the sessions. The goals: adaptive / plain serving >= 1.0 at every
-   level, >= 1.5 at 1 session and >= 1.2 at 4. In every level the configurations take turns wave
-   by wave, in an order reversed every other wave, so that the host's drifting load falls on all
-   of them alike (on the shared 2-core host this was written on, the target's compute time per
+   process) batches across the sessions. With `--arrivals steady` the level's work runs in two
+   halves instead, each with c sessions open at all times (the next prompt starts as a session
+   ends), so that no wave waits for its slowest session. The goals: adaptive / plain serving
+   >= 1.0 at every level, >= 1.5 at 1 session and >= 1.2 at 4. In every level the
+   configurations take turns wave by wave, in an order reversed every other wave, so that the
+   host's drifting load falls on all of them alike (on the shared 2-core host this was written on, the target's compute time per
    round differed by up to 1.5x between runs minutes apart).
 3. Per-round overhead beyond model compute, for every round the device drafted: the agent's wait
    (draft handed to the bus until its verdict is in the session's inbox) minus the verifier's
@@ -164,6 +166,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="waves of each configuration at least, per level, the configurations taking turns "
         f"(default: {WAVES}; one wave of 16 or 32 sessions moved the ratio by 5-10%% between "
         "runs of the same code)",
+    )
+    parser.add_argument(
+        "--arrivals",
+        choices=("waves", "steady"),
+        default="waves",
+        help="waves (default): a level's sessions start c at a time, the next c when the last "
+        "of them ends; steady: c sessions open at all times, the next starting as one ends (a "
+        "server under sustained load, where no wave waits for its slowest session)",
     )
     parser.add_argument(
         "--shared-cpus",
@@ -796,13 +806,16 @@ class PlainArm:
     eos_id: int
 
     async def wave(
-        self, prompts: Sequence[BenchPrompt], max_tokens: int
+        self, prompts: Sequence[BenchPrompt], max_tokens: int, concurrency: int | None = None
     ) -> tuple[list[dict[str, Any]], float, list[int], list[float]]:
-        """One wave: each session's answer, the wave's time, the batch of each decode pass and
-        each decode pass's time (ms)."""
+        """One wave (with `concurrency`, at most that many sessions open at a time): each
+        session's answer, the wave's time, the batch of each decode pass and each decode pass's
+        time (ms)."""
         ids = [self.prompt_ids[p.id] for p in prompts]
         # In a thread: the coordinator in this loop must keep up with the fleet meanwhile.
-        served = await asyncio.to_thread(self.server.serve, ids, max_tokens, self.eos_id)
+        served = await asyncio.to_thread(
+            self.server.serve, ids, max_tokens, self.eos_id, concurrency=concurrency
+        )
         sessions = [
             {
                 "prompt_id": prompt.id,
@@ -840,17 +853,24 @@ class WaveRunner:
     args: argparse.Namespace
 
     async def bus_wave(
-        self, config: RunConfig, prompts: Sequence[BenchPrompt], on_done: Callable[[], None]
+        self,
+        config: RunConfig,
+        prompts: Sequence[BenchPrompt],
+        on_done: Callable[[], None],
+        concurrency: int | None = None,
     ) -> list[dict[str, Any]]:
-        """Every session of a wave at once, session i on agent i mod the agents."""
+        """Every session of a wave at once (with `concurrency`, at most that many open at a
+        time, the next starting as one ends), session i on agent i mod the agents."""
         devices = list(self.fleet.agent_ports)
+        slots = asyncio.Semaphore(concurrency or len(prompts))
 
         async def one(index: int, prompt: BenchPrompt) -> dict[str, Any]:
             device_id = devices[index % len(devices)]
             request = session_request(prompt, config, self.args, self.args.max_tokens)
             label = f"{config.label} {device_id} {prompt.id}"
             port = self.fleet.agent_ports[device_id]
-            summary = await ask_one(self.client, port, request, label)
+            async with slots:
+                summary = await ask_one(self.client, port, request, label)
             on_done()
             return {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
 
@@ -862,20 +882,26 @@ class WaveRunner:
 
 
 async def run_level(
-    runner: WaveRunner, configs: list[RunConfig], work: list[BenchPrompt]
+    runner: WaveRunner, configs: list[RunConfig], work: list[BenchPrompt], steady: bool = False
 ) -> list[RunResult]:
     """One level in waves of c sessions at once, the configurations taking turns wave by wave.
 
     The order of the configurations is reversed every other wave, so that the host's load,
     which drifts over minutes on a shared machine, falls on every configuration alike. A
     configuration's wall time is the sum of its own waves' times, first open to last end, as if
-    it had run alone.
+    it had run alone. `steady`: the work in two halves instead (one where it is under 2c
+    sessions), each run with c sessions open at all times, the next starting as one ends.
     """
     from tqdm import tqdm
 
     c = configs[0].sessions
     results = {config: RunResult(config, 0.0, []) for config in configs}
-    waves = [work[i : i + c] for i in range(0, len(work), c)]
+    if steady:
+        half = len(work) // 2 if len(work) >= 2 * c else len(work)
+        waves = [work[:half], work[half:]] if half < len(work) else [work]
+    else:
+        waves = [work[i : i + c] for i in range(0, len(work), c)]
+    concurrency = c if steady else None
     desc = f"x{c}: {len(configs)} runs in turns"
     with tqdm(total=len(work) * len(configs), desc=desc, unit="session", file=sys.stderr) as bar:
         for number, wave in enumerate(waves):
@@ -884,13 +910,15 @@ async def run_level(
                 if config.on_bus:
                     before = await target_counters(runner.probes.pool, time.time())
                     started = time.perf_counter()
-                    result.sessions += await runner.bus_wave(config, wave, lambda: bar.update(1))
+                    result.sessions += await runner.bus_wave(
+                        config, wave, lambda: bar.update(1), concurrency
+                    )
                     result.wall_s += time.perf_counter() - started
                     after = await target_counters(runner.probes.pool, time.time())
                     result.target.add(before, after)
                 else:
                     sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
-                        wave, runner.args.max_tokens
+                        wave, runner.args.max_tokens, concurrency
                     )
                     result.sessions += sessions
                     result.wall_s += wall_s
@@ -1040,7 +1068,9 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
                 await warm_up(runner, prompts[0], [c for configs in plans for c in configs])
                 for configs in plans:
                     work = level_work(prompts, configs[0].sessions, args.waves)
-                    results += await run_level(runner, configs, work)
+                    results += await run_level(
+                        runner, configs, work, steady=args.arrivals == "steady"
+                    )
             await count_round_modes(fleet.coordinator, results)
             zero = len(probes.zero_window_sessions)
         load_s = server.load_s or float("nan")
@@ -1481,6 +1511,7 @@ def _settings_document(run: BenchRun, args: argparse.Namespace) -> dict[str, Any
         "max_tokens": args.max_tokens,
         "limit": args.limit,
         "sessions": list(args.sessions),
+        "arrivals": args.arrivals,
         "bus_target_only": args.bus_target_only,
         "proactive_sessions": list(args.proactive_sessions),
         "proactive_drafters": list(args.proactive_drafters),

@@ -64,50 +64,78 @@ class ServedWave:
 
 
 def serve_wave(
-    runtime: Runtime, prompts: Sequence[Sequence[int]], max_tokens: int, eos_id: int
+    runtime: Runtime,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    eos_id: int,
+    concurrency: int | None = None,
 ) -> ServedWave:
     """Greedy continuous batching of `prompts` (chat-templated ids) until each one stops.
 
     A session stops where the coordinator stops it, by the same `apply_stop_rules`: after its
-    first eos, kept, or at `max_tokens` generated tokens; it then leaves the batch.
+    first eos, kept, or at `max_tokens` generated tokens; it then leaves the batch. With
+    `concurrency`, at most that many sessions are open at a time: the next prompt is prefilled
+    as soon as one ends (before the next pass), and a session's time runs from its own start;
+    without, every prompt is prefilled first and every session's time runs from the wave's.
     """
     if not prompts or any(not ids for ids in prompts):
         raise ValueError("a wave needs at least one prompt, each of at least one token")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     started = time.perf_counter()
     generated: list[list[int]] = [[] for _ in prompts]
     elapsed = [0.0] * len(prompts)
-    caches: list[KVCache] = []
+    began = [started] * len(prompts)
+    caches: list[KVCache | None] = [None] * len(prompts)
     running: list[int] = []
+    waiting = list(range(len(prompts)))[::-1]  # popped from the end: in order
+    limit = len(prompts) if concurrency is None else concurrency
+    ended_at = started
 
     def commit(session: int, token: int) -> None:
+        nonlocal ended_at
         kept, ended = apply_stop_rules(len(generated[session]), [], token, max_tokens, eos_id)
         generated[session] += kept
         if ended:
-            elapsed[session] = time.perf_counter() - started
+            ended_at = time.perf_counter()
+            elapsed[session] = ended_at - began[session]
         else:
             running.append(session)
 
     prefill_ms: list[float] = []
-    for session, ids in enumerate(prompts):
-        cache = runtime.new_cache()
-        caches.append(cache)
-        t0 = time.perf_counter()
-        logits = runtime.forward(ids, cache)  # [len(ids), vocab]
-        prefill_ms.append((time.perf_counter() - t0) * 1e3)
-        commit(session, int(np.argmax(logits[-1])))
+
+    def admit() -> None:
+        while waiting and len(running) < limit:
+            session = waiting.pop()
+            if concurrency is not None:
+                began[session] = time.perf_counter()
+            cache = caches[session] = runtime.new_cache()
+            t0 = time.perf_counter()
+            logits = runtime.forward(prompts[session], cache)  # [len(ids), vocab]
+            prefill_ms.append((time.perf_counter() - t0) * 1e3)
+            commit(session, int(np.argmax(logits[-1])))
+
+    admit()
     batch_sizes: list[int] = []
     pass_ms: list[float] = []
     while running:
         batch, running = running, []
         batch_sizes.append(len(batch))
         t0 = time.perf_counter()
-        rows = runtime.forward_batch([([generated[s][-1]], caches[s]) for s in batch])
+        rows = runtime.forward_batch([([generated[s][-1]], _cache(caches, s)) for s in batch])
         pass_ms.append((time.perf_counter() - t0) * 1e3)
         for session, logits in zip(batch, rows, strict=True):
             commit(session, int(np.argmax(logits[-1])))
-    return ServedWave(generated, elapsed, max(elapsed), batch_sizes, pass_ms, prefill_ms)
+        admit()
+    return ServedWave(generated, elapsed, ended_at - started, batch_sizes, pass_ms, prefill_ms)
+
+
+def _cache(caches: list[KVCache | None], session: int) -> KVCache:
+    cache = caches[session]
+    assert cache is not None  # admitted before it runs
+    return cache
 
 
 @dataclass(frozen=True)
@@ -115,6 +143,7 @@ class _Wave:
     prompts: list[list[int]]
     max_tokens: int
     eos_id: int
+    concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +181,7 @@ def _serve_main(conn: Connection, models_dir: Path | None, threads: int) -> None
             return
         try:
             reply: ServedWave | _Failed = serve_wave(
-                runtime, wave.prompts, wave.max_tokens, wave.eos_id
+                runtime, wave.prompts, wave.max_tokens, wave.eos_id, wave.concurrency
             )
         # A wave it cannot serve is refused, with its reason; the next one may be fine.
         except Exception as exc:
@@ -221,11 +250,13 @@ class PlainServer:
         max_tokens: int,
         eos_id: int,
         timeout_s: float = WAVE_TIMEOUT_S,
+        concurrency: int | None = None,
     ) -> ServedWave:
-        """Decode one wave of sessions started together; blocks until the last one ends."""
+        """Decode one wave of sessions started together (with `concurrency`, at most that many
+        open at a time, the next starting as one ends); blocks until the last one ends."""
         if self._conn is None:
             raise PlainServingError("the plain-serving process is not running")
-        wave = _Wave([[int(t) for t in ids] for ids in prompts], max_tokens, eos_id)
+        wave = _Wave([[int(t) for t in ids] for ids in prompts], max_tokens, eos_id, concurrency)
         try:
             self._conn.send(wave)
         except OSError as exc:

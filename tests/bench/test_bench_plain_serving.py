@@ -39,6 +39,29 @@ def test_sessions_stop_at_the_first_eos_which_is_kept() -> None:
     assert wave.batch_sizes == [3] * 11 + [2] * 3 + [1] * 9
 
 
+def test_with_a_concurrency_the_next_session_starts_as_one_ends() -> None:
+    """Two open at a time: summarize-05 (12 tokens) starts when translate-07 (15) ends, so the
+    batch holds two until chat-01 (24) ends and summarize-05 finishes alone; the answers are the
+    target's own, each session's time runs from its own start, and a concurrency of less than
+    one is refused."""
+    target, tokenizer = target_pair()
+    ids = [prompt_ids(p) for p in PROMPTS]
+    wave = serve_wave(target, ids, 24, tokenizer.eos_id, concurrency=2)
+    assert wave.token_ids == [list(greedy_reference(p, 24)) for p in PROMPTS]
+    assert max(wave.batch_sizes) == 2
+    assert sum(wave.batch_sizes) == sum(wave.passes) - len(PROMPTS)
+    # translate-07 ends after pass 14, chat-01 after pass 23, summarize-05 (from its prefill
+    # before pass 15) after pass 25.
+    assert wave.batch_sizes == [2] * 23 + [1] * 2
+    assert wave.elapsed_s[2] < wave.wall_s and wave.wall_s >= max(wave.elapsed_s)
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        serve_wave(target, ids, 4, tokenizer.eos_id, concurrency=0)
+    with PlainServer() as server:
+        served = server.serve(ids, 8, tokenizer.eos_id, concurrency=1)
+    assert served.token_ids == [list(greedy_reference(p, 8)) for p in PROMPTS]
+    assert set(served.batch_sizes) == {1}
+
+
 def test_the_process_serves_one_wave_after_another_and_refuses_a_bad_one() -> None:
     _, tokenizer = target_pair()
     with PlainServer() as server:
