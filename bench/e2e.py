@@ -36,8 +36,8 @@ lowest level run (the unit tests check that plain serving equals the target deco
    ends), so that no wave waits for its slowest session. The goals: adaptive / plain serving
    >= 1.0 at every level, >= 1.5 at 1 session and >= 1.2 at 4. In every level the
    configurations take turns wave by wave, in an order reversed every other wave, so that the
-   host's drifting load falls on all of them alike (on the shared 2-core host this was written on, the target's compute time per
-   round differed by up to 1.5x between runs minutes apart).
+   host's drifting load falls on all of them alike (on the shared 2-core host this was written
+   on, the target's compute time per round differed by up to 1.5x between runs minutes apart).
 3. Per-round overhead beyond model compute, for every round the device drafted: the agent's wait
    (draft handed to the bus until its verdict is in the session's inbox) minus the verifier's
    compute (`verify_batch` in its inference process) and its queue (request received until its
