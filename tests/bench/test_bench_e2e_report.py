@@ -147,7 +147,8 @@ def test_the_report_holds_every_goal_even_when_no_round_could_be_matched(
     results = level_results(1, 2.0, 1.5, 1.0) + level_results(4, 2.0, 1.8, 1.9)
     args = argparse.Namespace(
         **{"drafter": "hybrid", "k": None, "max_tokens": 3, "limit": 2, "agents": 4},
-        **{"sessions": [1, 4], "bus_target_only": False, "proactive_sessions": []},
+        **{"sessions": [1, 4], "arrivals": "waves", "bus_target_only": False},
+        **{"proactive_sessions": []},
         **{"proactive_drafters": [], "broker": None},
     )
     run = BenchRun(results, "mqtt://127.0.0.1:1", "sqlite://", tmp_path, 0, 1.5)
