@@ -217,6 +217,12 @@ def replay_e2e(
         agents = int(settings["agents"])
     except (KeyError, TypeError, ValueError) as exc:
         raise SimInputError(f"not a bench e2e document: missing or bad {exc}") from None
+    if settings.get("arrivals", "waves") != "waves":
+        # The replay starts each level's sessions in waves, as bench e2e does by default.
+        raise SimInputError(
+            f"settings.arrivals: a bench e2e run with {settings['arrivals']!r} arrivals; "
+            "the simulator replays waves (bench e2e without --arrivals)"
+        )
     by_run: dict[str, list[dict[str, Any]]] = {}
     prompt_lens: dict[str, int] = {}
     for s in document.get("sessions", []):

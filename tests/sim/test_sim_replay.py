@@ -19,7 +19,7 @@ from sim.calibrate import (
     run_keys,
 )
 from sim.engine import Broker, Link
-from sim.inputs import LinkSpec
+from sim.inputs import LinkSpec, SimInputError
 from sim.validate import Comparison, mean_of, replay_adaptive, replay_e2e
 from tests.sim.conftest import PASS_MS, flat_profile, make_calibration
 
@@ -217,6 +217,10 @@ def test_an_e2e_replay_compares_every_arm_of_every_level() -> None:
     assert plain.simulated_tokens_per_s == pytest.approx(20 / (2 * 9 * PASS_MS) * 1e3)
     assert all(c.simulated_tokens_per_s > 0 for c in comparisons)
     assert all(math.isfinite(c.error) for c in comparisons)
+    # A run with steady arrivals is not replayed as waves: refused, naming the field.
+    document["settings"] = {**document["settings"], "arrivals": "steady"}
+    with pytest.raises(SimInputError, match=r"settings\.arrivals"):
+        replay_e2e(calibration, document)
 
 
 def test_an_adaptive_replay_compares_every_configuration_in_every_phase() -> None:
