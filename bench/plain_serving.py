@@ -88,7 +88,7 @@ def serve_wave(
     generated: list[list[int]] = [[] for _ in prompts]
     elapsed = [0.0] * len(prompts)
     began = [started] * len(prompts)
-    caches: list[KVCache | None] = [None] * len(prompts)
+    caches: dict[int, KVCache] = {}  # by session, from its admission
     running: list[int] = []
     waiting = list(range(len(prompts)))[::-1]  # popped from the end: in order
     limit = len(prompts) if concurrency is None else concurrency
@@ -124,18 +124,12 @@ def serve_wave(
         batch, running = running, []
         batch_sizes.append(len(batch))
         t0 = time.perf_counter()
-        rows = runtime.forward_batch([([generated[s][-1]], _cache(caches, s)) for s in batch])
+        rows = runtime.forward_batch([([generated[s][-1]], caches[s]) for s in batch])
         pass_ms.append((time.perf_counter() - t0) * 1e3)
         for session, logits in zip(batch, rows, strict=True):
             commit(session, int(np.argmax(logits[-1])))
         admit()
     return ServedWave(generated, elapsed, ended_at - started, batch_sizes, pass_ms, prefill_ms)
-
-
-def _cache(caches: list[KVCache | None], session: int) -> KVCache:
-    cache = caches[session]
-    assert cache is not None  # admitted before it runs
-    return cache
 
 
 @dataclass(frozen=True)

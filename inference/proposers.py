@@ -753,7 +753,7 @@ class Drafted:
     steps, plus its share of each head call it was in)."""
 
     candidates: Candidates | None = None
-    error: BaseException | None = None
+    error: Exception | None = None
     ms: float = 0.0
 
 
@@ -787,7 +787,7 @@ def draft_together(drafts: Sequence[Drafting]) -> list[Drafted]:
             replies = _step_group(group)
             for (index, _), (reply, ms) in zip(group, replies, strict=True):
                 done[index].ms += ms
-                if isinstance(reply, BaseException):
+                if isinstance(reply, Exception):
                     done[index].error = reply
                     drafts[index].close()
                 else:
@@ -797,33 +797,34 @@ def draft_together(drafts: Sequence[Drafting]) -> list[Drafted]:
 
 def _step_group(
     group: list[tuple[int, HeadCall]],
-) -> list[tuple[HeadReply | BaseException, float]]:
+) -> list[tuple[HeadReply | Exception, float]]:
     """One head's pending steps: one call of all of them where the head batches rows, each
     row's reply a copy (a draft keeps it past the call); each with its share of the time."""
     head = group[0][1].head
-    if len(group) > 1 and getattr(head, "batches_rows", False):
-        started = time.perf_counter()
-        try:
-            features, logits = head.step(
-                np.stack([call.feature for _, call in group]), [call.token for _, call in group]
-            )
-        except Exception as exc:
-            share = (time.perf_counter() - started) * 1e3 / len(group)
-            return [(exc, share)] * len(group)
-        share = (time.perf_counter() - started) * 1e3 / len(group)
-        return [
-            ((np.array(features[row]), np.array(logits[row])), share) for row in range(len(group))
-        ]
-    replies: list[tuple[HeadReply | BaseException, float]] = []
-    for _, call in group:
-        started = time.perf_counter()
-        reply: HeadReply | BaseException
-        try:
-            reply = _step_alone(call)
-        except Exception as exc:
-            reply = exc
-        replies.append((reply, (time.perf_counter() - started) * 1e3))
-    return replies
+    if len(group) == 1 or not getattr(head, "batches_rows", False):
+        return [_timed_step(call) for _, call in group]
+    started = time.perf_counter()
+    replies: list[HeadReply | Exception]
+    try:
+        features, logits = head.step(
+            np.stack([call.feature for _, call in group]), [call.token for _, call in group]
+        )
+    except Exception as exc:
+        replies = [exc] * len(group)
+    else:
+        replies = [(np.array(features[row]), np.array(logits[row])) for row in range(len(group))]
+    share = (time.perf_counter() - started) * 1e3 / len(group)
+    return [(reply, share) for reply in replies]
+
+
+def _timed_step(call: HeadCall) -> tuple[HeadReply | Exception, float]:
+    started = time.perf_counter()
+    reply: HeadReply | Exception
+    try:
+        reply = _step_alone(call)
+    except Exception as exc:
+        reply = exc
+    return reply, (time.perf_counter() - started) * 1e3
 
 
 # The `get_candidates` that run a drafter's `drafting` (see `drafting`).

@@ -37,7 +37,7 @@ from inference.sampling import (
     rejection_sample,
     round_rng,
 )
-from verifier.drafting import HostDraft, HostDrafters
+from verifier.drafting import HostDraft, HostDrafters, session_waves
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,7 @@ class VerifierCore:
         results: list[Verification | None] = [None] * len(requests)
         requests = list(requests)
         drafted = self._draft_cloud_rounds(requests, results)
-        waves: list[list[int]] = []
-        seen: dict[str, int] = {}
+        ready: list[tuple[int, str]] = []
         for index, request in enumerate(requests):
             if results[index] is not None:
                 continue
@@ -186,12 +185,8 @@ class VerifierCore:
             if error:
                 results[index] = _failed(request, error)
                 continue
-            wave = seen.get(request.session_id, 0)
-            seen[request.session_id] = wave + 1
-            if wave == len(waves):
-                waves.append([])
-            waves[wave].append(index)
-        for wave_indices in waves:
+            ready.append((index, request.session_id))
+        for wave_indices in session_waves(ready):
             for index, verification in self._verify_wave(requests, wave_indices):
                 results[index] = verification
             self._evict()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +99,20 @@ class _SessionFeature:
 
     committed: tuple[int, ...] = ()  # the committed context it belongs to; () before the first
     feature: npt.NDArray[np.float32] | None = None  # [H]: the hidden state at committed[-2]
+
+
+def session_waves(requests: Iterable[tuple[int, str]]) -> list[list[int]]:
+    """The indices of (index, session id) pairs in waves: each session's first request in the
+    first wave, its second (a resend) in the second, and so on, in order within each."""
+    waves: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for index, session_id in requests:
+        wave = seen.get(session_id, 0)
+        seen[session_id] = wave + 1
+        if wave == len(waves):
+            waves.append([])
+        waves[wave].append(index)
+    return waves
 
 
 class HostDrafters:
@@ -262,7 +276,7 @@ class HostDrafters:
     def draft(self, request: VerifyRequest) -> HostDraft:
         """The window of a cloud round: up to `cloud_k` tokens after `context_ids`."""
         (drafted,) = self.draft_many([request])
-        if isinstance(drafted, BaseException):
+        if isinstance(drafted, Exception):
             raise drafted
         return drafted
 
@@ -273,17 +287,9 @@ class HostDrafters:
         chain in one call. A session's drafter holds its state, so a session that comes twice
         (a resend) drafts its second window after the first, in a second lockstep."""
         results: dict[int, HostDraft | Exception] = {}
-        remaining = list(range(len(requests)))
-        while remaining:
-            sessions: set[str] = set()
-            now: list[int] = []
-            later: list[int] = []
-            for index in remaining:
-                session = requests[index].session_id
-                (later if session in sessions else now).append(index)
-                sessions.add(session)
-            results.update(zip(now, self._draft_together([requests[i] for i in now]), strict=True))
-            remaining = later
+        for wave in session_waves(enumerate(r.session_id for r in requests)):
+            drafted = self._draft_together([requests[index] for index in wave])
+            results.update(zip(wave, drafted, strict=True))
         return [results[index] for index in range(len(requests))]
 
     def _draft_together(self, requests: Sequence[VerifyRequest]) -> list[HostDraft | Exception]:
@@ -302,8 +308,7 @@ class HostDrafters:
                 continue
             done = next(ran)
             if done.error is not None:
-                error = done.error
-                out.append(error if isinstance(error, Exception) else RuntimeError(str(error)))
+                out.append(done.error)
                 continue
             assert done.candidates is not None
             tokens = tuple(int(t) for t in done.candidates.tokens.tolist())

@@ -325,7 +325,6 @@ class DraftCost:
         w, y = 1.0 / (1.0 - DRAFT_MS_FORGET), PRIOR_DRAFT_MS_PER_TOKEN
         self._s = [w, w, w, w * y, w * y]
         self._a, self._b = 0.0, PRIOR_DRAFT_MS_PER_TOKEN
-        self.samples = 0
 
     @property
     def terms(self) -> tuple[float, float]:
@@ -341,14 +340,13 @@ class DraftCost:
             return
         old = self.predict(rows)
         y = min(max(per_token_ms, old / DRAFT_MS_CLIP), old * DRAFT_MS_CLIP)
-        w, n, f = 1.0, float(rows), DRAFT_MS_FORGET
+        n, f = float(rows), DRAFT_MS_FORGET
         s = self._s
-        s[0] = s[0] * f + w
-        s[1] = s[1] * f + w * n
-        s[2] = s[2] * f + w * n * n
-        s[3] = s[3] * f + w * y
-        s[4] = s[4] * f + w * n * y
-        self.samples += 1
+        s[0] = s[0] * f + 1.0
+        s[1] = s[1] * f + n
+        s[2] = s[2] * f + n * n
+        s[3] = s[3] * f + y
+        s[4] = s[4] * f + n * y
         # det / (s0 s2) is the weighted variance of n over its mean square: the n seen must
         # differ in earnest (the prior's lone row fades) for a and b to be told apart.
         det = s[0] * s[2] - s[1] * s[1]
@@ -465,6 +463,22 @@ class GoodputControl:
         observe_round makes its own)."""
         return self._accept.get((draft, task_type)) or self._unseen
 
+    def _plain_stale(self, rows: int) -> bool:
+        """Whether plain passes of `rows` rows (more than one) were not timed lately, so that a
+        window is chosen over them only after one plain pass times them again."""
+        return rows > 1 and not self.cost.measured(rows, 1, within=PLAIN_REMEASURE_PASSES)
+
+    def retimes_plain(self, choice: PassChoice) -> bool:
+        """Whether a plain choice only times plain passes of its batch size again, where a
+        window is predicted to commit more: one pass does that, and the next is chosen on it
+        (run on, it was four plain passes of every 24 at 4 streams in bench e2e, where windows
+        of 2 were chosen at 1.2-1.46x a plain pass's tokens/s)."""
+        plain = choice.goodput.get("0")
+        if choice.k != 0 or plain is None:
+            return False
+        ahead = any(rate > plain for window, rate in choice.goodput.items() if window != "0")
+        return ahead and self._plain_stale(choice.rows)
+
     def _draft_terms(self, draft: str) -> tuple[float, float]:
         """(a, b) of the drafter's DraftCost: ms per window token a step, and a row."""
         cost = self._drafting.get(draft)
@@ -472,8 +486,8 @@ class GoodputControl:
 
     def draft_ms(self, draft: str, rows: int = 1) -> float:
         """ms per window token of `rows` rows drafted together with `draft`."""
-        cost = self._drafting.get(draft)
-        return PRIOR_DRAFT_MS_PER_TOKEN * rows if cost is None else cost.predict(rows)
+        per_step, per_row = self._draft_terms(draft)
+        return per_step + per_row * rows
 
     def timed_drafts(self) -> dict[str, float]:
         """The estimate of every drafter timed here (ms per window token of a lone row), for
@@ -554,12 +568,7 @@ class GoodputControl:
         reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
             "" if best == 0 else f" (plain {plain:.1f})"
         )
-        if (
-            best > 0
-            and rows > 1
-            and widest_fixed == 0
-            and not self.cost.measured(rows, 1, within=PLAIN_REMEASURE_PASSES)
-        ):
+        if best > 0 and widest_fixed == 0 and self._plain_stale(rows):
             # Plain decoding at this batch size was not timed here lately: its cost is the
             # fit's or an old sample's, and a fit of speculative passes alone prices it wrongly
             # (bench e2e at 32 streams: plain predicted at 0.7-1.2 s a pass, where plain

@@ -62,7 +62,7 @@ from verifier.child import (
     Steps,
 )
 from verifier.core import Verification
-from verifier.goodput import PLAIN_REMEASURE_PASSES, GoodputControl
+from verifier.goodput import GoodputControl
 from verifier.leases import LeaseBook, Verified, no_lease
 from verifier.outbox import Outbox, heartbeat
 from verifier.streams import HostStream, HostStreams
@@ -605,12 +605,12 @@ class VerifierWorker:
         """The pass as a `Steps` call, where the child may run its rounds on by itself: every
         row a plain round of a stream, with no device round waiting and every stream in it (a
         pass that leaves a stream out takes turns, one pass at a time), and plain chosen for
-        more than re-timing plain passes of its size (`_retimes_plain`)."""
+        more than re-timing plain passes of its size (`GoodputControl.retimes_plain`)."""
         if self.config.steps_per_call < 2 or batch or not turn or len(turn) < len(self.streams):
             return None
         if any(request.tokens or request.cloud_k for request in requests):
             return None
-        if choice is not None and self._retimes_plain(choice):
+        if choice is not None and self.goodput.retimes_plain(choice):
             return None
         limits = tuple(
             max(1, min(self.config.steps_per_call, stream.rounds_left)) for stream in turn
@@ -618,18 +618,6 @@ class VerifierWorker:
         if max(limits) < 2:
             return None
         return Steps(requests, limits, tuple(stream.spec.eos_id for stream in turn))
-
-    def _retimes_plain(self, choice: PassChoice) -> bool:
-        """Whether a plain choice only times plain passes of its batch size again, where a
-        window is predicted to commit more (`GoodputControl.choose`): one pass does that, and
-        the next is chosen on it. Run on, it was four plain passes of every 24 at 4 streams
-        (bench e2e) where windows of 2 were chosen at 1.2-1.46x a plain pass's tokens/s."""
-        plain = choice.goodput.get("0")
-        if choice.k != 0 or plain is None:
-            return False
-        ahead = any(rate > plain for window, rate in choice.goodput.items() if window != "0")
-        lately = self.goodput.cost.measured(choice.rows, 1, within=PLAIN_REMEASURE_PASSES)
-        return ahead and not lately
 
     def _count_pass(
         self,

@@ -370,11 +370,11 @@ def test_a_plain_pass_that_only_retimes_plain_decoding_does_not_run_on() -> None
         worker.goodput.observe_pass(4, 3, 59.0)
     ahead = PassChoice(k=0, rows=4, goodput={"0": 85.0, "2": 108.0}, cost_ms=46.0, reason="")
     behind = ahead.model_copy(update={"goodput": {"0": 85.0, "2": 80.0}})
-    assert worker._retimes_plain(ahead)
-    assert not worker._retimes_plain(behind)
-    assert not worker._retimes_plain(ahead.model_copy(update={"k": 2}))
+    assert worker.goodput.retimes_plain(ahead)
+    assert not worker.goodput.retimes_plain(behind)
+    assert not worker.goodput.retimes_plain(ahead.model_copy(update={"k": 2}))
     worker.goodput.observe_pass(4, 1, 46.0)  # the pass that timed it
-    assert not worker._retimes_plain(ahead)
+    assert not worker.goodput.retimes_plain(ahead)
 
 
 def test_a_streams_own_record_is_of_the_drafter_that_made_it() -> None:
