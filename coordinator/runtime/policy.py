@@ -48,6 +48,8 @@ from coordinator.runtime.decisions import (
     Decision,
     choose_draft,
     choose_mode,
+    host_worth,
+    plain_passes_note,
     spare_the_device,
 )
 from coordinator.runtime.device_conditions import DeviceCondition
@@ -419,13 +421,12 @@ class AdaptivePolicy:
             self._candidate(m.Mode.CLOUD, device_id, d, task_type, rtt_ms, queue_ms, load)
             for d in host_offer(host_drafts)
         ]
-        plain_candidates = (
-            [self._plain_candidate(current_draft, rtt_ms, queue_ms, load)] if plain else []
-        )
+        plain_decoding = self._plain_candidate(current_draft, rtt_ms, queue_ms, load)
+        plain_candidates = [plain_decoding] if plain else []
         by_mode = {
             m.Mode.DISTRIBUTED: distributed,
             m.Mode.CLOUD: cloud,
-            m.Mode.PLAIN: plain_candidates,
+            m.Mode.PLAIN: [] if cloud else plain_candidates,  # cloud mode holds it (host_worth)
         }
         limit = self.device_limit(device_id)
         fixed = (rtt_ms, queue_ms, load)
@@ -444,16 +445,19 @@ class AdaptivePolicy:
             for mode, candidates in by_mode.items()
             if candidates
         }
+        worth = host_worth(best, plain_decoding)
         # A session that never changed mode may change at once; after a change it dwells.
         in_mode, rounds = self._in_mode.get(session_id, (current_mode, MODE_DWELL_ROUNDS))
         if in_mode is not current_mode:
             rounds = 0
         if opening:
-            mode = max(best, key=lambda mode: best[mode].tokens_per_s)
+            mode = max(worth, key=lambda mode: worth[mode].tokens_per_s)
             mode_reason = f"opening in {mode.value} mode"
         else:
-            mode, mode_reason = choose_mode(current_mode, best, rounds)
+            mode, mode_reason = choose_mode(current_mode, worth, rounds)
         self._in_mode[session_id] = (mode, rounds + 1 if mode is current_mode else 0)
+        if mode is m.Mode.CLOUD and worth is not best:
+            mode_reason += plain_passes_note(best[mode], worth[mode])
 
         explore = self.exploration.pick(session_id, cloud, new_stream and mode is m.Mode.CLOUD)
         if explore is not None:

@@ -93,11 +93,18 @@ def test_a_drafter_whose_session_ended_mid_try_is_tried_by_another() -> None:
     assert exploration.pick("s2", cloud, opens=True) is not None
 
 
-def test_a_loaded_verifier_keeping_sessions_plain_explores_nothing() -> None:
+def test_a_loaded_verifier_keeps_sessions_on_the_host_and_a_kept_stream_explores_nothing() -> None:
+    """Where no window pays (31 streams beside on a CPU verifier), the session stays on the host
+    in cloud mode, worth plain decoding's tokens/s: its verifier runs its passes plainly and
+    drafts only where a window pays. A stream kept going tries no drafter."""
     policy = AdaptivePolicy()
     policy.observe_verifiers((20.0, 1.5, 2.5), {})
     decision = policy.decide("s1", DEVICE, "chat", "hybrid", 31.0, m.Mode.PLAIN, HOST, plain=True)
-    assert decision.mode is m.Mode.PLAIN, decision.reason
+    assert decision.mode is m.Mode.CLOUD, decision.reason
+    plain = next(c for c in decision.candidates if c.mode is m.Mode.PLAIN)
+    cloud = [c for c in decision.candidates if c.mode is m.Mode.CLOUD]
+    assert max(c.tokens_per_s for c in cloud) < plain.tokens_per_s  # no window pays here
+    assert f"plain passes {plain.tokens_per_s:.1f}" in decision.reason
     assert policy.exploration.exploring == {}
 
 

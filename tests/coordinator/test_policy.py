@@ -10,7 +10,7 @@ import pytest
 from broker import messages as m
 from coordinator.runtime.batch_cost import streams_lost
 from coordinator.runtime.decisions import MODE_DWELL_ROUNDS, Candidate, choose_mode
-from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
+from coordinator.runtime.policy import SWITCH_MARGIN, AdaptivePolicy, RoundObservation
 from coordinator.runtime.round_model import (
     CLOUD_STREAM_ROUNDS,
     K_MAX,
@@ -672,3 +672,35 @@ def test_a_device_window_beside_a_busy_batch_of_streams_goes_to_the_host() -> No
     record = json.loads(json.dumps(busy.to_json()))
     assert record["decision"]["streams_beside"] == 15.0
     assert record["decision"]["candidates"][0]["streams_lost"] > 0
+
+
+def test_where_the_host_can_draft_a_hosted_session_is_cloud_worth_at_least_plain_decoding() -> None:
+    """Beside 31 streams on a CPU verifier no window pays, and plain decoding promises more than
+    any cloud window. Its verifier chooses each pass's window, k = 0 among them, so the session
+    goes to the host in cloud mode, rated at plain decoding's tokens/s, with the drafter whose
+    windows promise most: a session in plain mode moves there, and one in cloud mode stays.
+    Without host drafters plain mode is what the host offers."""
+    policy = AdaptivePolicy()
+    policy.observe_verifiers((20.0, 1.5, 2.5), {})
+    for current in (m.Mode.PLAIN, C):
+        decision = policy.decide(
+            f"s-{current.value}",
+            DEVICE,
+            "chat",
+            "hybrid",
+            31.0,
+            current,
+            ("hybrid", "lookup"),
+            plain=True,
+        )
+        plain = next(c for c in decision.candidates if c.mode is m.Mode.PLAIN)
+        cloud = [c for c in decision.candidates if c.mode is C]
+        assert max(c.tokens_per_s for c in cloud) < plain.tokens_per_s, decision.reason
+        assert decision.mode is C, decision.reason
+        # The drafter is chosen on its windows (the current one kept within the switch margin).
+        chosen = next(c for c in cloud if c.draft_model == decision.draft_model)
+        best_window = max(c.tokens_per_s for c in cloud)
+        assert chosen.tokens_per_s * SWITCH_MARGIN >= best_window and decision.k == chosen.k >= 1
+        assert f"plain passes {plain.tokens_per_s:.1f}" in decision.reason
+    without = policy.decide("s-none", DEVICE, "chat", "hybrid", 31.0, m.Mode.PLAIN, (), plain=True)
+    assert without.mode is m.Mode.PLAIN, without.reason
