@@ -100,6 +100,14 @@ def deliverable_drafts(home: Path, models_dir: Path) -> dict[str, Deliverable]:
     return found
 
 
+def over_memory_note(over: Sequence[str], available: float | None) -> str | None:
+    """The decision's note on a device's drafts that its free memory leaves out, or None."""
+    if not over:
+        return None
+    free = f"the {available:.0f} MB free" if available is not None else "its free memory"
+    return f"memory: {', '.join(over)} do not fit {free} on the device"
+
+
 @dataclass(frozen=True)
 class FetchWish:
     """A drafter the device lacks, rated over the best one it has: fetch it."""

@@ -21,10 +21,11 @@ The mode is chosen too. In distributed mode the device drafts, and every round p
 cloud mode the verifier host drafts with its own copy of the draft and the coordinator streams
 the rounds to the device, round after round, without waiting for it: the RTT is paid once per
 request (CLOUD_STREAM_ROUNDS rounds at most), while the host's draft time, which grows with the
-number of sessions it drafts for, joins each round. The mode changes with hysteresis: the other
-mode must promise MODE_SWITCH_MARGIN times the tokens/s, and never within MODE_DWELL_ROUNDS
-rounds of the last change. Local mode is the device's own while offline; the coordinator, which
-cannot reach an offline device, never chooses it.
+number of sessions it drafts for, joins each round; its verifier chooses each pass's window,
+so it is worth at least plain decoding (host_worth), and plain mode (no drafter) is offered only
+where the host cannot draft. The mode changes with hysteresis: the other mode must promise
+MODE_SWITCH_MARGIN times the tokens/s, and never within MODE_DWELL_ROUNDS rounds of the last
+change. Local mode is the device's own while offline; the coordinator never chooses it.
 
 A device's window also holds up the host streams beside it on its verifier: what they lose,
 L (batch_cost), comes off its E, and it is rated on (E - L) / T. Alone on its verifier a session
@@ -32,9 +33,9 @@ is rated as before; beside 16 streams on a CPU verifier, a window of 4 costs the
 
 The module is pure: no clock, no I/O; callers pass in what they measured.
 
-Its parts: task_types (the task a session is rated under), round_model (E, T and n(k) from the
-measurements), device_conditions (a hot or low device spared), decisions (candidates and the
-mode chosen), and here the AdaptivePolicy that holds the measurements and decides."""
+Its parts: task_types (the task a session is rated under), round_model (E, T and n(k)),
+device_conditions (a hot or low device spared), declines (a lone stream's drafter run plainly),
+decisions (candidates, the mode chosen), and here the AdaptivePolicy that learns and decides."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ from coordinator.runtime.decisions import (
     plain_passes_note,
     spare_the_device,
 )
+from coordinator.runtime.declines import Declines
 from coordinator.runtime.device_conditions import DeviceCondition
-from coordinator.runtime.draft_wants import DraftWants
+from coordinator.runtime.draft_wants import DraftWants, over_memory_note
 from coordinator.runtime.exploration import HostExploration, host_offer
 from coordinator.runtime.observations import RoundObservation as RoundObservation
 from coordinator.runtime.round_model import (
@@ -97,9 +99,8 @@ class AdaptivePolicy:
         self.k_max = k_max
         self.min_confidence = min_confidence
         self._alpha: dict[tuple[str, str, str], AcceptanceRate] = {}
-        # The same rates by device, (draft, task) -> rate: a draft or task a device has not run
-        # is judged on its other rates, looked up here rather than by scanning every device's
-        # (a scan cost 0.1 ms a decision in a simulated fleet of 10,000 devices).
+        # The same rates by device, (draft, task) -> rate, for a draft or task it has not run
+        # (scanning every device's cost 0.1 ms a decision in a simulated 10,000 devices).
         self._device_alpha: dict[str, dict[tuple[str, str], AcceptanceRate]] = {}
         self._fill: dict[tuple[str, str], ProposalLength] = {}  # (device, draft)
         self._draft_ms: dict[tuple[str, str], Ewma] = {}
@@ -120,8 +121,9 @@ class AdaptivePolicy:
         self._fetch_failed: dict[str, dict[str, str]] = {}
         self.wants = DraftWants()  # drafters devices lack that the fleet can deliver
         self.exploration = HostExploration()  # host drafters no cloud round has tried yet
+        self.declines = Declines()  # lone streams' drafters their verifier runs plainly
         # Never updated: the fill of a drafter not seen on a device, the prior (one that fills
-        # its window); it keeps its curve for every decision that rates such a drafter.
+        # its window), its curve kept for every decision that rates such a drafter.
         self._unseen_fill = ProposalLength()
 
     # --- what we learn --------------------------------------------------------------------
@@ -166,11 +168,7 @@ class AdaptivePolicy:
 
     def memory_note(self, device_id: str) -> str | None:
         """Which of the device's drafts its free memory leaves out, or None."""
-        over, available = self._over_memory.get(device_id, ((), None))
-        if not over:
-            return None
-        free = f"the {available:.0f} MB free" if available is not None else "its free memory"
-        return f"memory: {', '.join(over)} do not fit {free} on the device"
+        return over_memory_note(*self._over_memory.get(device_id, ((), None)))
 
     def device_limit(self, device_id: str) -> str | None:
         """Why the device should not draft now (too hot, battery low, power saver), or None."""
@@ -229,6 +227,7 @@ class AdaptivePolicy:
             self.verify_cost.update(
                 round_.k, round_.verifier_load, round_.t_verify_ms, waits=not cloud
             )
+        self.declines.observe(round_, self._in_mode)
         if not cloud:  # a cloud round says nothing of what the device has or obeys
             self._used_drafts.setdefault(round_.device_id, set()).add(round_.draft_model)
             self._note_switch(round_)
@@ -250,6 +249,7 @@ class AdaptivePolicy:
         self._asked.pop(session_id, None)
         self._in_mode.pop(session_id, None)
         self.exploration.forget_session(session_id)
+        self.declines.forget(session_id)
 
     def _rtt(self, device_id: str) -> Ewma:
         return self._rtt_ms.setdefault(device_id, Ewma(PRIOR_RTT_MS))
@@ -422,6 +422,7 @@ class AdaptivePolicy:
             for d in host_offer(host_drafts)
         ]
         plain_decoding = self._plain_candidate(current_draft, rtt_ms, queue_ms, load)
+        cloud, declined = self.declines.rate(session_id, cloud, plain_decoding)
         plain_candidates = [plain_decoding] if plain else []
         by_mode = {
             m.Mode.DISTRIBUTED: distributed,
@@ -468,7 +469,7 @@ class AdaptivePolicy:
             )
             if mode is m.Mode.DISTRIBUTED and chosen.draft_model != current_draft:
                 self._asked[session_id] = (chosen.draft_model, 0)
-        reason += f"; mode {mode_reason}"
+        reason += f"; mode {mode_reason}" + (f"; {declined}" if declined else "")
         if limit is not None:
             spared = "off the device" if mode in m.HOST_MODES else f"to {chosen.draft_model}"
             reason = f"{limit}: drafting moves {spared}; {reason}"
