@@ -34,9 +34,6 @@ SHAPE_CLIP = 1.5
 # 146 ms, where steady plain passes took 90) otherwise stood for the whole run, since the
 # windows it favoured never timed it.
 PLAIN_REMEASURE_PASSES = 24
-# A window a pass's cost model rates above plain decoding before its margin, at a shape (rows,
-# positions) not timed in this many passes, is run once to time it (`choose`).
-WINDOW_RETIME_PASSES = 96
 STALE_SHAPE_WEIGHT = 0.5
 # Forgetting of acceptance: per window position, per (drafter, task).
 ACCEPT_HALF_LIFE = 200.0
@@ -571,24 +568,6 @@ class GoodputControl:
         reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
             "" if best == 0 else f" (plain {plain:.1f})"
         )
-        if best == 0 and widest_fixed == 0 and rows > 1:
-            # A window the cost model rates above plain decoding before any margin, at a shape
-            # not timed here lately, runs once to time it: the fit prices an untimed shape from
-            # other batch sizes and the stacked passes that refit it, and a shape dearer on the
-            # fit than on the host is never chosen to correct it (bench e2e at 16 streams: k = 1
-            # predicted at +34% of a plain pass, where a pass run in place costs +10%).
-            ahead = max(windows, key=lambda k: goodput[names[k]])
-            if (
-                ahead > 0
-                and goodput[names[ahead]] > plain
-                and not self.cost.measured(rows, ahead + 1, within=WINDOW_RETIME_PASSES)
-            ):
-                best = ahead
-                reason = (
-                    f"k={ahead}: {rows}-row windows of {ahead} not timed in the last "
-                    f"{WINDOW_RETIME_PASSES} passes ({goodput[names[ahead]]:.1f} tok/s "
-                    f"predicted, plain {plain:.1f}): one pass times them"
-                )
         if best > 0 and widest_fixed == 0 and self._plain_stale(rows):
             # Plain decoding at this batch size was not timed here lately: its cost is the
             # fit's or an old sample's, and a fit of speculative passes alone prices it wrongly

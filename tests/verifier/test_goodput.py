@@ -13,8 +13,6 @@ from verifier.goodput import (
     SHAPE_WEIGHT,
     SPECULATION_MARGIN,
     STALE_SHAPE_WEIGHT,
-    WINDOW_RETIME_PASSES,
-    WINDOWS,
     DraftCost,
     GoodputControl,
     PassCost,
@@ -39,13 +37,6 @@ def fitted() -> GoodputControl:
         for (rows, positions), ms in TABLE.items():
             control.observe_pass(rows, positions, ms)
     return control
-
-
-def timed_windows(control: GoodputControl, rows: int) -> None:
-    """Every window's shape at `rows` timed at what the control predicts for it: choices made
-    on the cost model as it stands, with no pass spent timing a window (WINDOW_RETIME_PASSES)."""
-    for k in WINDOWS:
-        control.observe_pass(rows, k + 1, control.cost.predict(rows, k + 1))
 
 
 def test_the_cost_fit_follows_the_measured_table() -> None:
@@ -143,7 +134,6 @@ def test_a_streams_own_rounds_outweigh_its_tasks_rate() -> None:
     assert control.expected_tokens(copying, 4) > task_alone + 1.5
     assert control.expected_tokens(chatty, 4) < 1.5 < task_alone
     assert control.choose([copying] * 1, []).k >= 4
-    timed_windows(control, 4)
     assert control.choose([chatty] * 4, []).k == 0
     # A row that names no stream, or a stream with no rounds here, is scored on the task.
     task_now = control.expected_tokens(StreamRow("hybrid", "chat", 8, 0.5), 4)
@@ -364,8 +354,6 @@ def test_a_head_priced_per_step_speculates_at_a_batch_that_per_row_pricing_kept_
 
     per_row = control_timed([(1, 1.3), (4, 4 * 1.3)])
     per_step = control_timed([(n, 1.2 + 0.05 * n) for n in (1, 2, 3, 4)])
-    timed_windows(per_row, 4)
-    timed_windows(per_step, 4)
     assert per_row.choose(rows, []).k == 0
     chosen = per_step.choose(rows, [])
     assert chosen.k > 0, chosen.reason
@@ -404,44 +392,3 @@ def test_a_streams_own_record_is_of_the_drafter_that_made_it() -> None:
     assert control.expected_tokens(StreamRow("lookup", "chat", 2, 0.5, "s1"), 2) < 1.2
     control.observe_round("eagle", "chat", 2, 2, 0, stream="s1")
     assert control.expected_tokens(fresh, 2) < before
-
-
-def test_a_window_rated_above_plain_at_a_shape_not_timed_runs_once_to_time_it() -> None:
-    """At 16 rows the fit prices a window of 1 from other batch sizes, dear enough that the
-    margin keeps the pass plain although the window's raw goodput is above plain decoding's, so
-    no pass would ever time it. One pass runs it; on a cheap sample it is then chosen on its
-    merits, and on a dear one plain decoding is, with no window timed again for
-    WINDOW_RETIME_PASSES passes of that shape."""
-
-    def control_at(plain_ms: float) -> tuple[GoodputControl, list[StreamRow]]:
-        control = GoodputControl()
-        for _ in range(20):  # the fit: 3 ms a row per extra position, plain 16 rows timed
-            control.observe_pass(4, 1, 40.0)
-            control.observe_pass(4, 3, 64.0)
-            control.observe_pass(16, 1, plain_ms)
-        for _ in range(200):
-            for accepted in (1, 1, 1, 0):  # the first token holds, mostly
-                control.observe_round("hybrid", "chat", 1, 1, accepted)
-        return control, [StreamRow("hybrid", "chat", 1, 0.5)] * 16
-
-    control, rows = control_at(100.0)
-    first = control.choose(rows, [])
-    assert first.k == 1 and "not timed in the last" in first.reason, first.reason
-    assert first.goodput["1"] > first.goodput["0"]
-    control.observe_pass(16, 2, 110.0)  # in place, a window of 1 adds a tenth
-    cheap = control.choose(rows, [])
-    assert cheap.k == 1 and "not timed" not in cheap.reason, cheap.reason
-
-    control, rows = control_at(100.0)
-    control.choose(rows, [])
-    control.observe_pass(16, 2, 150.0)  # dear: above plain before the margin, not after it
-    for _ in range(WINDOW_RETIME_PASSES + 1):  # the window timed within the last 96 passes
-        dear = control.choose(rows, [])
-        assert dear.k == 0 and "not timed" not in dear.reason, dear.reason
-        assert dear.goodput["1"] > dear.goodput["0"]
-        control.observe_pass(16, 1, 100.0)
-    again = control.choose(rows, [])
-    assert again.k == 1 and "not timed in the last" in again.reason, again.reason
-    # Never where plain decoding is rated above every window, nor for a lone row.
-    alone = control.choose(rows[:1], [])
-    assert "not timed in the last" not in alone.reason
