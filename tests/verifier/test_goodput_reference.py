@@ -21,7 +21,6 @@ from verifier.goodput import (
     PRIOR_DRAFT_MS_PER_TOKEN,
     PRIOR_WEIGHT,
     SPECULATION_MARGIN,
-    WINDOW_RETIME_PASSES,
     GoodputControl,
     PassCost,
     PositionAcceptance,
@@ -105,16 +104,6 @@ def reference_choose(
     reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
         "" if best == 0 else f" (plain {plain:.1f})"
     )
-    if best == 0 and rows > 1 and widest_fixed == 0:
-        ahead = max((int(k) for k in goodput), key=lambda k: (goodput[str(k)], -k))
-        timed = control.cost.measured(rows, ahead + 1, within=WINDOW_RETIME_PASSES)
-        if ahead > 0 and goodput[str(ahead)] > plain and not timed:
-            best = ahead
-            reason = (
-                f"k={ahead}: {rows}-row windows of {ahead} not timed in the last "
-                f"{WINDOW_RETIME_PASSES} passes ({goodput[str(ahead)]:.1f} tok/s predicted, "
-                f"plain {plain:.1f}): one pass times them"
-            )
     lately = control.cost.measured(rows, 1, within=PLAIN_REMEASURE_PASSES)
     if best > 0 and rows > 1 and widest_fixed == 0 and not lately:
         reason = (
