@@ -334,6 +334,30 @@ def measure_profile(
     )
 
 
+def fit_host_drafting(rounds: Iterable[RecordedRound]) -> dict[str, tuple[float, float]]:
+    """Per host drafter, its passes' drafting per window token as a + b n for the n rows it
+    drafted together in a pass (the verifier's `DraftCost`): a pass's rows share its verify
+    time and record its rows, each row's draft time its share. A drafter seen at one batch size
+    only is priced per row (a = 0), as the verifier prices it until it sees another."""
+    passes: dict[tuple[str, float, int | None], list[RecordedRound]] = defaultdict(list)
+    for r in rounds:
+        timed = r.t_draft_ms is not None and r.t_verify_ms is not None
+        if r.mode == "cloud" and r.draft_model and r.window and timed:
+            passes[(r.draft_model, r.t_verify_ms or 0.0, r.pass_rows)].append(r)
+    points: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for (drafter, _, _), rows in passes.items():
+        widest = max(r.window for r in rows)
+        total = sum(r.t_draft_ms or 0.0 for r in rows)
+        points[drafter].append((len(rows), total / widest))
+    terms: dict[str, tuple[float, float]] = {}
+    for drafter, seen in points.items():
+        if len({n for n, _ in seen}) > 1:
+            terms[drafter] = _line(seen)
+        else:
+            terms[drafter] = (0.0, statistics.median(y / n for n, y in seen))
+    return terms
+
+
 def _line(points: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares intercept and slope, both kept >= 0."""
     n = len(points)
@@ -683,6 +707,7 @@ def calibrate(
         verifiers={"cpu": profile},
         acceptance=acceptance,
         host_draft_ms_per_token=host_draft,
+        host_draft_terms=fit_host_drafting(rounds),
         device_draft_ms_per_token={device_class: device_draft} if device_draft else {},
         answer_tokens=answers,
         prompt_tokens=prompts,

@@ -433,19 +433,29 @@ class Verifier:
         prefill = sum([self._prefill_ms(row.session) for row in batch]) * self.speed
         verify_ms = self.truth.predict(len(batch), positions) * self.speed
         verify_ms *= max(0.2, rng.gauss(1.0, self.profile.pass_cv))
-        drafting = self.speed * sum(
-            [
-                self.fleet.host_draft_ms(row.session.policy.draft_model) * row.window
-                for row in batch
-                if row.stream and row.window
-            ]
-        )
+        drafting = self.speed * self._drafting(batch)
         self.busy = True
         self.busy_ms += verify_ms + prefill + drafting
         self.rows_total += len(batch)
         loop.after(
             verify_ms + prefill + drafting, self._end_pass, batch, positions, verify_ms, prefill
         )
+
+    def _drafting(self, batch: list[_Row]) -> float:
+        """The pass's host drafting, ms: each drafter's rows drafted together, a + b n per
+        window token of its widest window (what the verifier's goodput control then learns)."""
+        by_drafter: dict[str, tuple[int, int]] = {}  # drafter -> rows, widest window
+        for row in batch:
+            if row.stream and row.window:
+                rows, widest = by_drafter.get(row.session.policy.draft_model, (0, 0))
+                by_drafter[row.session.policy.draft_model] = (rows + 1, max(widest, row.window))
+        total = 0.0
+        for drafter, (rows, widest) in by_drafter.items():
+            a, b = self.fleet.host_draft_terms(drafter)
+            ms = (a + b * rows) * widest
+            self.control.observe_draft_ms(drafter, widest, ms * self.speed, rows=rows)
+            total += ms
+        return total
 
     def _cap(self, session: Session) -> int:
         policy = session.policy
@@ -708,6 +718,11 @@ class Fleet:
 
     def host_draft_ms(self, drafter: str) -> float:
         return self.calibration.host_draft_ms_per_token.get(drafter, 0.2)
+
+    def host_draft_terms(self, drafter: str) -> tuple[float, float]:
+        """A pass's drafting per window token, a + b n for n rows (per row where unfitted)."""
+        terms = self.calibration.host_draft_terms.get(drafter)
+        return terms if terms is not None else (0.0, self.host_draft_ms(drafter))
 
     def link_ms(self, session: Session) -> float:
         link = session.device.link

@@ -90,6 +90,9 @@ class Calibration(_Strict):
     verifiers: dict[str, VerifierProfile] = Field(min_length=1)  # by kind: cpu, gpu-...
     acceptance: dict[str, dict[str, PositionRates]] = Field(min_length=1)  # drafter -> task
     host_draft_ms_per_token: dict[str, Ms] = Field(default_factory=dict)  # by drafter
+    # By drafter, a pass's drafting per window token as a + b n for its n rows drafted together
+    # (the verifier's DraftCost): [a, b]. A drafter not here costs host_draft_ms_per_token a row.
+    host_draft_terms: dict[str, tuple[Ms, Ms]] = Field(default_factory=dict)
     # Drafting on a device, by device class then drafter.
     device_draft_ms_per_token: dict[str, dict[str, Ms]] = Field(default_factory=dict)
     answer_tokens: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(min_length=1)  # by task

@@ -96,3 +96,25 @@ def test_a_bad_fleet_file_is_one_line_and_exit_2(
     assert capsys.readouterr().err.strip() == (
         "specfleet sim: fleet.toml: devices.0.count: Input should be greater than or equal to 1"
     )
+
+
+def test_host_drafting_is_fitted_per_pass_as_a_plus_b_n() -> None:
+    """Rows of one pass share its verify time; each row's draft time is its share. Passes of 1,
+    2 and 4 rows of a head at 1 ms a step plus 0.5 a row per window token (windows of 2): a = 1,
+    b = 0.5. A drafter seen at one batch size only is priced per row."""
+    from sim.calibrate import RecordedRound, fit_host_drafting
+
+    rounds = []
+    for pass_ms, rows in ((50.0, 1), (60.0, 2), (70.0, 4)):
+        share = (1.0 + 0.5 * rows) * 2 / rows
+        for i in range(rows):
+            rounds.append(
+                RecordedRound(f"s{i}", 3, "cloud", "hybrid+eagle-h1", 2, 1, 2, share, pass_ms, rows)
+            )
+    for i in range(3):
+        rounds.append(RecordedRound(f"l{i}", 5, "cloud", "lookup", 1, 0, 2, 0.2, 40.0 + i, 1))
+    rounds.append(RecordedRound("d", 1, "distributed", "hybrid", 4, 2, 4, 2.0, 30.0, 1))
+    terms = fit_host_drafting(rounds)
+    assert terms["hybrid+eagle-h1"] == pytest.approx((1.0, 0.5))
+    assert terms["lookup"] == pytest.approx((0.0, 0.1))
+    assert "hybrid" not in terms  # drafted on a device

@@ -100,3 +100,33 @@ def test_a_link_adds_its_profiles_latency_and_waits_out_an_outage() -> None:
     cut = Link(LinkSpec(profile="loopback", outage_every_s=1.0, outage_s=2.0), rng)
     start = cut._outage_start
     assert cut.delay(start + 1.0, upstream=True) == pytest.approx(start + 2000.0)
+
+
+def _cloud_run(terms: dict[str, tuple[float, float]]) -> tuple[Session, Fleet]:
+    calibration = make_calibration(host_draft_terms=terms)
+    fleet = Fleet(calibration, ["cpu"], seed=3)
+    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
+    policy = m.Policy(mode=m.Mode.CLOUD, draft_model="hybrid", k=2)
+    session = Session(
+        id="s0", device=device, task="chat", prompt_tokens=30, length=200, adaptive=False,
+        policy=policy, opened_at=0.0, on_end=lambda _: None,
+    )  # fmt: skip
+    fleet.open_session(session)
+    fleet.loop.run()
+    return session, fleet
+
+
+def test_host_drafting_costs_a_pass_a_plus_b_n_per_window_token_and_the_verifier_learns_it() -> (
+    None
+):
+    """A cloud stream's windows of 2 drafted at 3 ms a step plus 1 ms a row, per window token:
+    8 ms a pass beside the 20 ms verification, which the verifier's goodput control learns as
+    it does from its own passes. The draws are the same either way (drafting draws nothing)."""
+    free, _ = _cloud_run({"hybrid": (0.0, 0.0)})
+    priced, fleet = _cloud_run({"hybrid": (3.0, 1.0)})
+    assert priced.generated == free.generated == 200
+    assert priced.rounds_by_mode == free.rounds_by_mode
+    rounds = priced.rounds_by_mode["cloud"]
+    # Every round a pass of one row; its window of 2 costs (3 + 1) x 2 ms (1 near the end).
+    assert rounds * 6.0 < priced.ended_at - free.ended_at <= rounds * 8.0
+    assert fleet.verifiers[0].control.draft_ms("hybrid", 1) == pytest.approx(4.0, rel=0.05)
