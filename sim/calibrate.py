@@ -462,10 +462,10 @@ def fit_prefill_scale(
     """How much more than the profile's prefills the verifier's passes that prefilled cost in
     the benchmark's runs, as the simulator prices such a pass (the pass's own shape at the run's
     speed, plus each new session's prefill at the run's speed): the median over bench e2e's
-    passes that held a session's first round, of (ms / speed - pass) / sum of the prefills.
-    A wave's sessions are prefilled together in one padded pass, which costs more than the
-    profile's prompts timed alone (best of three)."""
-    from sim.engine import ProfileCost
+    passes that held a session's first round, of (ms / speed - pass) / the pass's prefills, each
+    padded to the longest (`padded_prefill_ms`, as the simulator prices them): a wave's sessions
+    are prefilled together in one padded pass."""
+    from sim.engine import ProfileCost, padded_prefill_ms
 
     keys = {sid: key for document in documents for sid, key in run_keys(document).items()}
     prompt = {s.session_id.replace("-", ""): s.prompt_tokens for s in sessions}
@@ -483,7 +483,7 @@ def fit_prefill_scale(
         tokens = [prompt.get(r.session_id.replace("-", "")) for r in first]
         if any(t is None for t in tokens):
             continue
-        prefills = sum(profile.prefill_ms(int(t or 0)) for t in tokens)
+        prefills = padded_prefill_ms(profile, [int(t or 0) for t in tokens])
         positions = max(r.drafted for r in members) + 1
         rest = cost.predict(len(members), positions)
         factors.append((ms / host_speed[key] - rest) / prefills)

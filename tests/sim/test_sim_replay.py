@@ -18,7 +18,7 @@ from sim.calibrate import (
     plain_prefill_speed,
     run_keys,
 )
-from sim.engine import Broker, Link
+from sim.engine import Broker, Link, padded_prefill_ms
 from sim.inputs import LinkSpec, SimInputError
 from sim.validate import Comparison, mean_of, replay_adaptive, replay_e2e
 from tests.sim.conftest import PASS_MS, flat_profile, make_calibration
@@ -106,6 +106,27 @@ def test_prefills_are_priced_as_the_runs_passes_that_prefilled_paid_them() -> No
     # Two such passes are too few to trust; a run without a speed is not priced.
     assert fit_prefill_scale(rounds[:6], sessions, [document], profile, speed) is None
     assert fit_prefill_scale(rounds, sessions, [document], profile, {}) is None
+
+
+def test_a_pass_that_prefills_several_prompts_pads_them_to_the_longest() -> None:
+    """Prompts prefilled in one pass run as rows padded to the longest: 20 and 40 positions
+    cost two prefills of 40. The calibration scales the profile against the same padding: a
+    pass that paid 1.5 times that, at speed 1, gives 1.5."""
+    profile = flat_profile().model_copy(
+        update={"prefill_fixed_ms": 10.0, "prefill_ms_per_token": 1.0}
+    )
+    assert padded_prefill_ms(profile, [20, 40]) == 2 * (10.0 + 40.0)
+    assert padded_prefill_ms(profile, []) == 0.0
+    sessions = [RecordedSession(f"s{i}", "chat", 20 + 20 * (i % 2), 10, 10, True) for i in range(6)]
+    rounds = []
+    for wave in range(3):
+        ms = PASS_MS + 1.5 * 2 * (10.0 + 40.0) + wave * 1e-3
+        rounds += [_round(f"s{2 * wave + i}", 0, ms, drafted=4) for i in range(2)]
+    document = {"sessions": [{"session_id": f"s{i}", "run": "adaptive x4"} for i in range(6)]}
+    speed = {"e2e adaptive x4": 1.0}
+    assert fit_prefill_scale(rounds, sessions, [document], profile, speed) == pytest.approx(
+        1.5, rel=1e-4
+    )
 
 
 def test_plain_servings_prefills_get_their_own_speed_from_the_json() -> None:
