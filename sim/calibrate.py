@@ -49,11 +49,15 @@ class _Counts:
             if i < went_on_to:
                 self.went_on[i] += 1
 
-    def rates(self) -> list[float]:
-        """Each position's rate, pulled toward the position before's (the first: 0.5)."""
+    def rates(self, toward: Sequence[float] | None = None) -> list[float]:
+        """Each position's rate, pulled toward the position before's (the first: 0.5), or
+        toward `toward`'s rate at the same position."""
         out: list[float] = []
         for i in range(MAX_POSITIONS):
-            pull = 0.5 if i == 0 else out[-1]
+            if toward is not None:
+                pull = toward[min(i, len(toward) - 1)]
+            else:
+                pull = 0.5 if i == 0 else out[-1]
             out.append((self.went_on[i] + pull * PRIOR_WEIGHT) / (self.reached[i] + PRIOR_WEIGHT))
         return out
 
@@ -72,8 +76,10 @@ class _Tables:
         self.accept.add(min(drafted, accepted + 1), accepted)
         self.rounds += 1
 
-    def rates(self) -> PositionRates:
-        return PositionRates(fill=self.fill.rates(), accept=self.accept.rates(), rounds=self.rounds)
+    def rates(self, toward: PositionRates | None = None) -> PositionRates:
+        fill = self.fill.rates(toward.fill if toward is not None else None)
+        accept = self.accept.rates(toward.accept if toward is not None else None)
+        return PositionRates(fill=fill, accept=accept, rounds=self.rounds)
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,47 @@ def fit_acceptance(
         drafter: {task: t.rates() for task, t in by_task.items()}
         for drafter, by_task in tables.items()
     }
+
+
+PROMPT_MIN_ROUNDS = 8  # a drafter's rounds on a prompt below this: the prompt has no table
+
+
+def fit_prompt_acceptance(
+    sessions: Sequence[RecordedSession],
+    rounds: Iterable[RecordedRound],
+    documents: Sequence[dict[str, Any]],
+    acceptance: dict[str, dict[str, PositionRates]],
+) -> dict[str, dict[str, PositionRates]]:
+    """Per drafter, per benchmark prompt (the JSON's `prompt_id` of each session): its rates
+    on that prompt, each position pulled toward its task's (`acceptance`). Acceptance varies
+    from prompt to prompt within a task more than by task, and a benchmark's runs are of
+    particular prompts: a wave of bench e2e ends with its session that accepts least."""
+    prompt_of = {
+        str(s.get("session_id") or "").replace("-", ""): str(s["prompt_id"])
+        for document in documents
+        for s in document.get("sessions", [])
+        if s.get("prompt_id") is not None
+    }
+    task_of = {s.session_id: s.task for s in sessions}
+    tables: dict[str, dict[str, _Tables]] = defaultdict(lambda: defaultdict(_Tables))
+    tasks: dict[str, str] = {}
+    for r in rounds:
+        prompt = prompt_of.get(r.session_id.replace("-", ""))
+        if prompt is None or r.draft_model is None or r.window <= 0 or r.mode == "local":
+            continue
+        tables[r.draft_model][prompt].add(r.window, r.drafted, r.n_accepted)
+        tasks[prompt] = task_of.get(r.session_id, "chat")
+    out: dict[str, dict[str, PositionRates]] = {}
+    for drafter, by_prompt in tables.items():
+        by_task = acceptance.get(drafter, {})
+        fitted = {
+            prompt: t.rates(by_task.get(tasks[prompt]) or by_task.get("*"))
+            for prompt, t in by_prompt.items()
+            if t.rounds >= PROMPT_MIN_ROUNDS
+        }
+        if fitted:
+            out[drafter] = fitted
+    return out
 
 
 def fit_draft_costs(rounds: Iterable[RecordedRound]) -> tuple[dict[str, float], dict[str, float]]:
@@ -625,6 +672,7 @@ def calibrate(
     acceptance = fit_acceptance(sessions, rounds)
     if not acceptance:
         raise ValueError("the database holds no drafted rounds to fit acceptance on")
+    prompt_acceptance = fit_prompt_acceptance(sessions, rounds, documents, acceptance)
     device_draft, host_draft = fit_draft_costs(rounds)
     if not host_draft:
         unfit.append("host draft cost: no cloud round measured it (0.2 ms/token used)")
@@ -706,6 +754,7 @@ def calibrate(
     return Calibration(
         verifiers={"cpu": profile},
         acceptance=acceptance,
+        prompt_acceptance=prompt_acceptance,
         host_draft_ms_per_token=host_draft,
         host_draft_terms=fit_host_drafting(rounds),
         device_draft_ms_per_token={device_class: device_draft} if device_draft else {},

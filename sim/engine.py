@@ -214,8 +214,10 @@ class Acceptance:
 
     def __init__(self, calibration: Calibration, rng: random.Random) -> None:
         self.rates = calibration.acceptance
+        self.prompts = calibration.prompt_acceptance
         self.rng = rng
-        self._tables: dict[tuple[str, str], PositionRates] = {}  # table() of each, once
+        # table() of each (drafter, task, prompt), once
+        self._tables: dict[tuple[str, str, str | None], PositionRates] = {}
 
     def table(self, drafter: str, task: str) -> PositionRates:
         by_task = self.rates.get(drafter) or self.rates.get(drafter.split("+")[0])
@@ -223,13 +225,23 @@ class Acceptance:
             by_task = next(iter(self.rates.values()))
         return by_task.get(task) or by_task.get("*") or next(iter(by_task.values()))
 
-    def draw(self, drafter: str, task: str, window: int) -> tuple[int, int]:
-        """(drafted, accepted) for one round with a window of `window`."""
+    def prompt_table(self, drafter: str, task: str, prompt: str | None) -> PositionRates:
+        """The drafter's rates on a benchmark prompt where the calibration has them, else on
+        its task (`table`)."""
+        by_prompt = self.prompts.get(drafter) or self.prompts.get(drafter.split("+")[0]) or {}
+        table = by_prompt.get(prompt) if prompt is not None else None
+        return table if table is not None else self.table(drafter, task)
+
+    def draw(
+        self, drafter: str, task: str, window: int, prompt: str | None = None
+    ) -> tuple[int, int]:
+        """(drafted, accepted) for one round with a window of `window`; `prompt`: the
+        benchmark prompt a replayed session answers."""
         if window <= 0:
             return 0, 0  # nothing drafted, nothing drawn
-        table = self._tables.get((drafter, task))
+        table = self._tables.get((drafter, task, prompt))
         if table is None:
-            table = self._tables[drafter, task] = self.table(drafter, task)
+            table = self._tables[drafter, task, prompt] = self.prompt_table(drafter, task, prompt)
         random, fill, accept = self.rng.random, table.fill, table.accept
         drafted = 0
         while drafted < window and random() < _at(fill, drafted):
@@ -286,6 +298,7 @@ class Session:
     rounds_by_mode: dict[str, int] = field(default_factory=dict)
     in_mode_rounds: int = 0
     shard: int = -1  # the coordinator that owns it, once asked
+    prompt: str | None = None  # the benchmark prompt a replayed session answers
 
     @property
     def finished(self) -> bool:
@@ -436,7 +449,9 @@ class Verifier:
         for session, cap in zip(turn, caps, strict=True):
             window = (cap if cap < k else k) if session.adaptive else cap  # min(k, cap)
             drafter = session.policy.draft_model
-            drafted, accepted = self.fleet.acceptance.draw(drafter, session.task, window)
+            drafted, accepted = self.fleet.acceptance.draw(
+                drafter, session.task, window, session.prompt
+            )
             batch.append(_Row(session, window, drafted, accepted, loop.now, stream=True))
         positions = max([row.drafted for row in batch]) + 1
         prefill = self._prefill_ms(batch) * self.speed
@@ -775,7 +790,9 @@ class Fleet:
             return
         drafter = session.policy.draft_model
         window = 0 if empty else min(session.policy.k, session.length - session.generated - 1)
-        drafted, accepted = self.acceptance.draw(drafter, session.task, max(0, window))
+        drafted, accepted = self.acceptance.draw(
+            drafter, session.task, max(0, window), session.prompt
+        )
         work = self.calibration.agent_turn_ms + session.device.draft_ms(drafter, drafted)
         sent = session.device.cpu.serve(self.loop.now, work)
         verifier = session.verifier

@@ -89,6 +89,9 @@ class Calibration(_Strict):
     version: Literal[1] = 1
     verifiers: dict[str, VerifierProfile] = Field(min_length=1)  # by kind: cpu, gpu-...
     acceptance: dict[str, dict[str, PositionRates]] = Field(min_length=1)  # drafter -> task
+    # By drafter, then a benchmark prompt's id: what the drafter did on that prompt, pulled
+    # towards its task's rates (a replay draws a session of that prompt from it).
+    prompt_acceptance: dict[str, dict[str, PositionRates]] = Field(default_factory=dict)
     host_draft_ms_per_token: dict[str, Ms] = Field(default_factory=dict)  # by drafter
     # By drafter, a pass's drafting per window token as a + b n for its n rows drafted together
     # (the verifier's DraftCost): [a, b]. A drafter not here costs host_draft_ms_per_token a row.

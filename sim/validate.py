@@ -97,6 +97,7 @@ class _Work:
     task: str
     prompt_tokens: int
     tokens: int
+    prompt: str | None = None  # its prompt's id: acceptance is drawn from that prompt's rates
 
 
 @dataclass
@@ -127,10 +128,16 @@ def _waves(
             str(s["task"]),
             int(s.get("prompt_len") or lens.get(str(s.get("prompt_id"))) or 32),
             max(1, int(s["tokens"])),
+            _prompt(s),
         )
         for s in sessions
     ]
     return [work[i : i + size] for i in range(0, len(work), size)]
+
+
+def _prompt(session: dict[str, Any]) -> str | None:
+    prompt = session.get("prompt_id")
+    return None if prompt is None else str(prompt)
 
 
 def _measured_waits(sessions: list[dict[str, Any]]) -> tuple[float, float]:
@@ -174,6 +181,7 @@ def _wave(
             policy=policy,
             opened_at=start,
             on_end=on_end,
+            prompt=item.prompt,
         )
         sessions.append(session)
         fleet.open_session(session)
@@ -321,7 +329,9 @@ def replay_adaptive(
         work: dict[tuple[str, str], list[_Work]] = {}
         for s in document["sessions"]:
             key = (str(s["phase"]), str(s["config"]))
-            item = _Work(str(s["task"]), int(s.get("prompt_len") or 32), max(1, int(s["tokens"])))
+            item = _Work(
+                str(s["task"]), int(s.get("prompt_len") or 32), max(1, int(s["tokens"])), _prompt(s)
+            )
             work.setdefault(key, []).append(item)
     except (KeyError, TypeError, ValueError) as exc:
         raise SimInputError(f"not a bench adaptive document: missing or bad {exc}") from None

@@ -118,3 +118,43 @@ def test_host_drafting_is_fitted_per_pass_as_a_plus_b_n() -> None:
     assert terms["hybrid+eagle-h1"] == pytest.approx((1.0, 0.5))
     assert terms["lookup"] == pytest.approx((0.0, 0.1))
     assert "hybrid" not in terms  # drafted on a device
+
+
+def test_acceptance_is_fitted_per_benchmark_prompt_and_pulled_toward_its_task() -> None:
+    """Two chat prompts: the drafter's windows of 2 always held on one and never on the other.
+    Each prompt's table follows its own rounds, pulled toward the task's rates (which pool
+    both); a prompt with under PROMPT_MIN_ROUNDS rounds, or a session the JSON does not name,
+    gets none."""
+    from sim.calibrate import (
+        PROMPT_MIN_ROUNDS,
+        RecordedRound,
+        RecordedSession,
+        fit_acceptance,
+        fit_prompt_acceptance,
+    )
+
+    sessions = [RecordedSession(f"s{i}", "chat", 40, 10, 10, True) for i in range(4)]
+    rounds = []
+    for i in range(40):
+        rounds.append(RecordedRound("s0", i, "distributed", "hybrid", 2, 2, 2, 0.1))
+        rounds.append(RecordedRound("s1", i, "distributed", "hybrid", 2, 0, 2, 0.1))
+    rounds += [
+        RecordedRound("s2", i, "distributed", "hybrid", 2, 2, 2, 0.1)
+        for i in range(PROMPT_MIN_ROUNDS - 1)
+    ]
+    rounds += [RecordedRound("s3", i, "distributed", "hybrid", 2, 0, 2, 0.1) for i in range(20)]
+    document = {
+        "sessions": [
+            {"session_id": "s0", "prompt_id": "chat-01"},
+            {"session_id": "s1", "prompt_id": "chat-02"},
+            {"session_id": "s2", "prompt_id": "chat-03"},
+        ]
+    }
+    acceptance = fit_acceptance(sessions, rounds)
+    task = acceptance["hybrid"]["chat"].accept[0]
+    by_prompt = fit_prompt_acceptance(sessions, rounds, [document], acceptance)["hybrid"]
+    assert set(by_prompt) == {"chat-01", "chat-02"}
+    assert task < by_prompt["chat-01"].accept[0] < 1.0
+    assert 0.0 < by_prompt["chat-02"].accept[0] < task
+    assert by_prompt["chat-01"].accept[0] > 0.85 and by_prompt["chat-02"].accept[0] < 0.15
+    assert by_prompt["chat-01"].rounds == 40

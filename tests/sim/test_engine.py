@@ -130,3 +130,21 @@ def test_host_drafting_costs_a_pass_a_plus_b_n_per_window_token_and_the_verifier
     # Every round a pass of one row; its window of 2 costs (3 + 1) x 2 ms (1 near the end).
     assert rounds * 6.0 < priced.ended_at - free.ended_at <= rounds * 8.0
     assert fleet.verifiers[0].control.draft_ms("hybrid", 1) == pytest.approx(4.0, rel=0.05)
+
+
+def test_a_replayed_session_draws_from_its_prompts_rates_and_others_from_their_tasks() -> None:
+    task = PositionRates(fill=[1.0] * 4, accept=[0.5] * 4)
+    copying = PositionRates(fill=[1.0] * 4, accept=[0.95] * 4)
+    calibration = make_calibration(
+        acceptance={"hybrid": {"chat": task}}, prompt_acceptance={"hybrid": {"chat-07": copying}}
+    )
+    draws = Acceptance(calibration, random.Random(5))
+
+    def mean_accepted(prompt: str | None, drafter: str = "hybrid") -> float:
+        return statistics.fmean(draws.draw(drafter, "chat", 1, prompt)[1] for _ in range(5000))
+
+    assert mean_accepted("chat-07") == pytest.approx(0.95, abs=0.02)
+    # A hybrid of the drafter answers from its table too, as the task tables do.
+    assert mean_accepted("chat-07", "hybrid+eagle-h1") == pytest.approx(0.95, abs=0.02)
+    assert mean_accepted("chat-01") == pytest.approx(0.5, abs=0.03)  # no table: its task's
+    assert mean_accepted(None) == pytest.approx(0.5, abs=0.03)
