@@ -5,30 +5,11 @@ from __future__ import annotations
 
 from broker import messages as m
 from coordinator.runtime.declines import DECLINED_ROUNDS, LONE_LOAD, Declines
-from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
+from coordinator.runtime.policy import AdaptivePolicy
+from tests.coordinator.host_rounds import DEVICE
+from tests.coordinator.host_rounds import host_round as hosted_round
 
-DEVICE = "phone-1"
 HOST = ("hybrid+draft-l1", "hybrid+eagle-h1")
-
-
-def hosted_round(
-    draft: str, session: str, k: int, accepted: int, load: float = 0.0, plain: bool = False
-) -> RoundObservation:
-    return RoundObservation(
-        session_id=session,
-        device_id=DEVICE,
-        draft_model=draft,
-        task_type="chat",
-        k=k,
-        n_accepted=accepted,
-        t_draft_ms=1.0 * k,
-        t_uplink_ms=None,
-        t_queue_ms=0.0,
-        t_verify_ms=26.0,
-        verifier_load=load,
-        mode=m.Mode.PLAIN if plain else m.Mode.CLOUD,
-        window=0 if plain else max(k, 1),
-    )
 
 
 def warmed() -> AdaptivePolicy:

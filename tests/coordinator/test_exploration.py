@@ -8,28 +8,11 @@ import pytest
 from broker import messages as m
 from coordinator.runtime.decisions import opening_candidate
 from coordinator.runtime.exploration import HostExploration, explore_stream_rounds, host_offer
-from coordinator.runtime.policy import AdaptivePolicy, RoundObservation
+from coordinator.runtime.policy import AdaptivePolicy
+from tests.coordinator.host_rounds import DEVICE
+from tests.coordinator.host_rounds import host_round as cloud_round
 
-DEVICE = "phone-1"
 HOST = ("hybrid", "hybrid+eagle-h1", "hybrid+eagle-h1-tflite", "draft-l1-tflite")
-
-
-def cloud_round(draft: str, session: str, k: int, accepted: int) -> RoundObservation:
-    return RoundObservation(
-        session_id=session,
-        device_id=DEVICE,
-        draft_model=draft,
-        task_type="chat",
-        k=k,
-        n_accepted=accepted,
-        t_draft_ms=0.2 * k,
-        t_uplink_ms=None,
-        t_queue_ms=0.0,
-        t_verify_ms=26.0,
-        verifier_load=0.0,
-        mode=m.Mode.CLOUD,
-        window=max(k, 1),
-    )
 
 
 def decide(
