@@ -190,6 +190,12 @@ def _pass_rows(policy: Any) -> int | None:
     return None
 
 
+def _drafter(r: RecordedRound) -> str | None:
+    """The drafter of a round that drafted by a window of ours, in a mode the fleet runs (not
+    local); None for any other round."""
+    return r.draft_model if r.window > 0 and r.mode != "local" else None
+
+
 def fit_acceptance(
     sessions: Sequence[RecordedSession], rounds: Iterable[RecordedRound]
 ) -> dict[str, dict[str, PositionRates]]:
@@ -197,10 +203,11 @@ def fit_acceptance(
     task_of = {s.session_id: s.task for s in sessions}
     tables: dict[str, dict[str, _Tables]] = defaultdict(lambda: defaultdict(_Tables))
     for r in rounds:
-        if r.draft_model is None or r.window <= 0 or r.mode == "local":
+        drafter = _drafter(r)
+        if drafter is None:
             continue
         for task in (task_of.get(r.session_id, "chat"), "*"):
-            tables[r.draft_model][task].add(r.window, r.drafted, r.n_accepted)
+            tables[drafter][task].add(r.window, r.drafted, r.n_accepted)
     return {
         drafter: {task: t.rates() for task, t in by_task.items()}
         for drafter, by_task in tables.items()
@@ -231,9 +238,10 @@ def fit_prompt_acceptance(
     tasks: dict[str, str] = {}
     for r in rounds:
         prompt = prompt_of.get(r.session_id.replace("-", ""))
-        if prompt is None or r.draft_model is None or r.window <= 0 or r.mode == "local":
+        drafter = _drafter(r)
+        if prompt is None or drafter is None:
             continue
-        tables[r.draft_model][prompt].add(r.window, r.drafted, r.n_accepted)
+        tables[drafter][prompt].add(r.window, r.drafted, r.n_accepted)
         tasks[prompt] = task_of.get(r.session_id, "chat")
     out: dict[str, dict[str, PositionRates]] = {}
     for drafter, by_prompt in tables.items():

@@ -220,7 +220,7 @@ class Acceptance:
         self._tables: dict[tuple[str, str, str | None], PositionRates] = {}
 
     def table(self, drafter: str, task: str) -> PositionRates:
-        by_task = self.rates.get(drafter) or self.rates.get(drafter.split("+")[0])
+        by_task = _of_drafter(self.rates, drafter)
         if by_task is None:
             by_task = next(iter(self.rates.values()))
         return by_task.get(task) or by_task.get("*") or next(iter(by_task.values()))
@@ -228,7 +228,7 @@ class Acceptance:
     def prompt_table(self, drafter: str, task: str, prompt: str | None) -> PositionRates:
         """The drafter's rates on a benchmark prompt where the calibration has them, else on
         its task (`table`)."""
-        by_prompt = self.prompts.get(drafter) or self.prompts.get(drafter.split("+")[0]) or {}
+        by_prompt = _of_drafter(self.prompts, drafter) or {}
         table = by_prompt.get(prompt) if prompt is not None else None
         return table if table is not None else self.table(drafter, task)
 
@@ -250,6 +250,14 @@ class Acceptance:
         while accepted < drafted and random() < _at(accept, accepted):
             accepted += 1
         return drafted, accepted
+
+
+def _of_drafter(
+    tables: dict[str, dict[str, PositionRates]], drafter: str
+) -> dict[str, PositionRates] | None:
+    """A drafter's tables, else those of the drafter it is the hybrid of (`hybrid+eagle-h1`:
+    `hybrid`'s)."""
+    return tables.get(drafter) or tables.get(drafter.split("+")[0])
 
 
 def _at(rates: list[float], index: int) -> float:

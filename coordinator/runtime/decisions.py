@@ -119,26 +119,25 @@ def choose_mode(
     return current, f"{current.value}"
 
 
-def host_worth(best: dict[m.Mode, Candidate], plain: Candidate) -> dict[m.Mode, Candidate]:
-    """Each mode's best candidate as the modes are compared: cloud mode's worth at least `plain`
-    decoding's tokens/s. An adaptive session's host stream has each pass's window chosen by its
+def host_worth(
+    best: dict[m.Mode, Candidate], plain: Candidate
+) -> tuple[dict[m.Mode, Candidate], str]:
+    """Each mode's best candidate as the modes are compared, cloud mode's worth at least `plain`
+    decoding's tokens/s; and the note for the mode's reason where that floor counted ("" where
+    nothing changes). An adaptive session's host stream has each pass's window chosen by its
     verifier, k = 0 among them, so where the host can draft plain mode offers nothing cloud mode
     lacks (the policy offers no plain mode then), and plain mode took the drafter away from the
     passes where a window pays (bench e2e at 16 sessions: with most streams plain, a window was
     priced for the whole padded pass and scored on the few rows that could draft). The drafter
-    is still chosen on what its windows promise. `best` itself where nothing changes."""
+    is still chosen on what its windows promise."""
     cloud = best.get(m.Mode.CLOUD)
     if cloud is None or cloud.tokens_per_s >= plain.tokens_per_s:
-        return best
-    return {**best, m.Mode.CLOUD: cloud._replace(tokens_per_s=plain.tokens_per_s)}
-
-
-def plain_passes_note(windows: Candidate, worth: Candidate) -> str:
-    """The mode reason's note where cloud mode is worth plain decoding's rate (host_worth)."""
-    return (
-        f" (its windows promise {windows.tokens_per_s:.1f} tok/s, plain passes "
-        f"{worth.tokens_per_s:.1f}: the verifier runs a window only where one pays)"
+        return best, ""
+    note = (
+        f" (its windows promise {cloud.tokens_per_s:.1f} tok/s, plain passes "
+        f"{plain.tokens_per_s:.1f}: the verifier runs a window only where one pays)"
     )
+    return {**best, m.Mode.CLOUD: cloud._replace(tokens_per_s=plain.tokens_per_s)}, note
 
 
 @dataclass(frozen=True)

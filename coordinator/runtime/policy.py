@@ -50,7 +50,6 @@ from coordinator.runtime.decisions import (
     choose_draft,
     choose_mode,
     host_worth,
-    plain_passes_note,
     spare_the_device,
 )
 from coordinator.runtime.declines import Declines
@@ -446,7 +445,7 @@ class AdaptivePolicy:
             for mode, candidates in by_mode.items()
             if candidates
         }
-        worth = host_worth(best, plain_decoding)
+        worth, floor_note = host_worth(best, plain_decoding)
         # A session that never changed mode may change at once; after a change it dwells.
         in_mode, rounds = self._in_mode.get(session_id, (current_mode, MODE_DWELL_ROUNDS))
         if in_mode is not current_mode:
@@ -457,8 +456,8 @@ class AdaptivePolicy:
         else:
             mode, mode_reason = choose_mode(current_mode, worth, rounds)
         self._in_mode[session_id] = (mode, rounds + 1 if mode is current_mode else 0)
-        if mode is m.Mode.CLOUD and worth is not best:
-            mode_reason += plain_passes_note(best[mode], worth[mode])
+        if mode is m.Mode.CLOUD:
+            mode_reason += floor_note
 
         explore = self.exploration.pick(session_id, cloud, new_stream and mode is m.Mode.CLOUD)
         if explore is not None:
