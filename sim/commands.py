@@ -329,11 +329,21 @@ def _run(args: argparse.Namespace) -> int:
     kind = args.kind or fleet.verifiers[0].kind
     if args.verifiers < 1:
         raise CommandError("--verifiers must be >= 1")
+    from tqdm import tqdm
+
     started, cpu_started = time.perf_counter(), time.process_time()
-    try:
-        result = simulate(calibration, fleet, workload, kind, args.verifiers, args.seed)
-    except SimInputError as exc:
-        raise CommandError(str(exc)) from None
+    total = round(workload.duration_s)
+    with tqdm(total=total, desc="fleet time", unit="s", file=sys.stderr) as bar:
+
+        def progress(fleet_s: float) -> None:
+            bar.update(min(total, round(fleet_s)) - bar.n)
+
+        try:
+            result = simulate(
+                calibration, fleet, workload, kind, args.verifiers, args.seed, progress
+            )
+        except SimInputError as exc:
+            raise CommandError(str(exc)) from None
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     print(format_table(RUN_HEADERS, _run_rows([result])))
     devices = sum(d.count for d in fleet.devices)

@@ -22,12 +22,14 @@ The flows, as in docs/protocol.md:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 import math
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -40,7 +42,7 @@ from netem.profiles import PROFILES, LinkShape
 from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierProfile
 from verifier.child import PROFILE_SHAPES
 from verifier.goodput import PRIOR_ACCEPT, GoodputControl, StreamRow
-from verifier.worker import BATCH_WINDOW_MS
+from verifier.worker import BATCH_WINDOW_MS, HEARTBEAT_S
 
 # A mode's name, as rounds are counted by it (Enum's .value is a descriptor call, every round).
 MODE_NAMES = {mode: mode.value for mode in m.Mode}
@@ -48,6 +50,22 @@ _LOAD = attrgetter("load")  # a verifier's
 _CLOUD = m.Mode.CLOUD
 MESSAGE_BYTES = 320  # a draft or a verdict of a few tokens, JSON, with MQTT framing
 TIMELINE_LIMIT = 10_000_000  # events one simulation may run, against a runaway model
+
+
+@contextlib.contextmanager
+def without_cycle_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a simulation runs. A run allocates millions
+    of small objects and keeps most (its sessions, their commits), and each full collection
+    walked them all: at 10 minutes of a 1,000-session fleet it took 13% of the run (186.6 s of
+    CPU with it, 162.0 s without, the same 0.99 GB at most: a run leaves no cycles behind to
+    collect). It is back on, as it was, when the run ends."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Loop:
@@ -533,6 +551,7 @@ class Coordinator:
         self.fleet = fleet
         self.policy = fleet.policy
         self.cpus = [Server() for _ in range(shards)]
+        self._costs_due = 0.0  # fleet time of the next heartbeats' costs
 
     def cpu(self, session: Session) -> Server:
         """The CPU of the coordinator that owns the session."""
@@ -552,7 +571,13 @@ class Coordinator:
 
     def _report_costs(self) -> None:
         """What the verifiers' heartbeats report of their costs (VerifierPool.reported_costs),
-        told to the policy as the coordinator tells it before it decides."""
+        told to the policy as the coordinator tells it before it decides. A heartbeat comes
+        every HEARTBEAT_S, so the costs the policy sees change once a heartbeat, not after
+        every pass (which also spared the simulation averaging 96 fits at every decision)."""
+        now = self.fleet.loop.now
+        if now < self._costs_due:
+            return  # the policy holds the last heartbeats' costs
+        self._costs_due = now + HEARTBEAT_S * 1e3
         fits = [v.control.cost.coefficients for v in self.fleet.verifiers]
         a, b, c = (sum(fit[i] for fit in fits) / len(fits) for i in range(3))
         self.policy.observe_verifiers((a, b, c), self.fleet.calibration.host_draft_ms_per_token)

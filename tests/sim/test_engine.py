@@ -12,6 +12,7 @@ from sim.engine import Acceptance, Device, Fleet, Link, Session
 from sim.inputs import Calibration, LinkSpec, PositionRates
 from sim.validate import LOOPBACK
 from tests.sim.conftest import PASS_MS, make_calibration
+from verifier.worker import HEARTBEAT_S
 
 
 def _one_session(calibration: Calibration, policy: m.Policy, length: int, seed: int = 0) -> Session:
@@ -148,3 +149,22 @@ def test_a_replayed_session_draws_from_its_prompts_rates_and_others_from_their_t
     assert mean_accepted("chat-07", "hybrid+eagle-h1") == pytest.approx(0.95, abs=0.02)
     assert mean_accepted("chat-01") == pytest.approx(0.5, abs=0.03)  # no table: its task's
     assert mean_accepted(None) == pytest.approx(0.5, abs=0.03)
+
+
+def test_the_policy_sees_the_verifiers_costs_once_a_heartbeat(calibration: Calibration) -> None:
+    """The coordinator's policy knows a verifier's pass cost from its heartbeats (one every
+    HEARTBEAT_S), so a pass timed between two of them changes nothing until the next."""
+    fleet = Fleet(calibration, ["cpu"], seed=0)
+    coordinator, control = fleet.coordinator, fleet.verifiers[0].control
+    coordinator._report_costs()
+    reported = fleet.policy.verify_cost.reported
+    assert reported == control.cost.coefficients
+    for _ in range(50):  # the verifier times passes three times as dear
+        control.observe_pass(4, 1, 3 * PASS_MS)
+    assert control.cost.coefficients != reported
+    fleet.loop.now = HEARTBEAT_S * 1e3 - 1.0
+    coordinator._report_costs()
+    assert fleet.policy.verify_cost.reported == reported
+    fleet.loop.now = HEARTBEAT_S * 1e3
+    coordinator._report_costs()
+    assert fleet.policy.verify_cost.reported == control.cost.coefficients

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
+
+import pytest
 
 from sim.commands import plan_html
 from sim.inputs import Calibration, DeviceClassSpec, FleetSpec, LinkSpec, SloSpec, WorkloadSpec
@@ -31,3 +34,29 @@ def test_plan_answers_the_smallest_count(calibration: Calibration, tmp_path: Pat
     assert answer.holds(SLO)
     page = plan_html([answer], SLO)
     assert page.startswith("<!doctype html>") and "<svg" in page and "2 x cpu" in page
+
+
+def test_a_run_tells_its_progress_each_fleet_second_and_runs_the_same(
+    calibration: Calibration,
+) -> None:
+    seen: list[float] = []
+    told = simulate(calibration, FLEET, WORKLOAD, "cpu", 2, progress=seen.append)
+    assert seen == [float(s) for s in range(1, 13)]
+    assert told == simulate(calibration, FLEET, WORKLOAD, "cpu", 2)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cycle_collector_is_off_during_a_run_and_as_it_was_after(
+    calibration: Calibration, enabled: bool
+) -> None:
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        during: list[bool] = []
+        simulate(
+            calibration, FLEET, WORKLOAD, "cpu", 2, progress=lambda _: during.append(gc.isenabled())
+        )
+        assert during and not any(during)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
