@@ -356,6 +356,9 @@ class _Row:
     accepted: int
     arrived: float
     stream: bool
+    # A host-drafted window's share of its drafter's drafting in the pass, ms: what the
+    # verifier's draft_together records on the round (a call's time split among its rows).
+    draft_ms: float = 0.0
 
 
 def padded_prefill_ms(profile: VerifierProfile, contexts: Sequence[int]) -> float:
@@ -500,11 +503,17 @@ class Verifier:
                 rows, widest = by_drafter.get(row.session.policy.draft_model, (0, 0))
                 by_drafter[row.session.policy.draft_model] = (rows + 1, max(widest, row.window))
         total = 0.0
+        spent: dict[str, float] = {}
         for drafter, (rows, widest) in by_drafter.items():
             a, b = self.fleet.host_draft_terms(drafter)
             ms = (a + b * rows) * widest
             self.control.observe_draft_ms(drafter, widest, ms * self.speed, rows=rows)
+            spent[drafter] = ms * self.speed / rows
             total += ms
+        if spent:
+            for row in batch:
+                if row.stream and row.window:
+                    row.draft_ms = spent[row.session.policy.draft_model]
         return total
 
     def _cap(self, session: Session) -> int:
@@ -674,9 +683,7 @@ class Coordinator:
                 k=row.drafted,
                 n_accepted=row.accepted,
                 t_draft_ms=(
-                    self.fleet.host_draft_ms(drafter) * row.window
-                    if host
-                    else session.device.draft_ms(drafter, row.drafted)
+                    row.draft_ms if host else session.device.draft_ms(drafter, row.drafted)
                 ),
                 t_uplink_ms=None if host else self.fleet.link_ms(session),
                 t_queue_ms=0.0 if host else max(0.0, self.fleet.loop.now - row.arrived - verify_ms),

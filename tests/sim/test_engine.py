@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from broker import messages as m
-from sim.engine import Acceptance, Device, Fleet, Link, Session
+from sim.engine import Acceptance, Device, Fleet, Link, Session, _Row
 from sim.inputs import Calibration, LinkSpec, PositionRates
 from sim.validate import LOOPBACK
 from tests.sim.conftest import PASS_MS, make_calibration
@@ -168,3 +168,23 @@ def test_the_policy_sees_the_verifiers_costs_once_a_heartbeat(calibration: Calib
     fleet.loop.now = HEARTBEAT_S * 1e3
     coordinator._report_costs()
     assert fleet.policy.verify_cost.reported == control.cost.coefficients
+
+
+def test_a_host_drafted_round_records_its_share_of_the_pass_drafting() -> None:
+    """The verifier's draft_together splits a call's time among its rows, and that share is
+    the round's t_draft_ms, which the policy learns the host's drafting cost from: two rows
+    drafted together at 3 ms a step plus 1 ms a row, windows of 2, cost 10 ms, 5 each."""
+    fleet = Fleet(make_calibration(host_draft_terms={"hybrid": (3.0, 1.0)}), ["cpu"], seed=0)
+    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
+
+    def session(i: int, mode: m.Mode) -> Session:
+        return Session(
+            id=f"s{i}", device=device, task="chat", prompt_tokens=30, length=100,
+            adaptive=True, policy=m.Policy(mode=mode, draft_model="hybrid", k=2),
+            opened_at=0.0, on_end=lambda _: None,
+        )  # fmt: skip
+
+    rows = [_Row(session(i, m.Mode.CLOUD), 2, 2, 1, 0.0, stream=True) for i in range(2)]
+    rows.append(_Row(session(2, m.Mode.DISTRIBUTED), 4, 4, 2, 0.0, stream=False))
+    assert fleet.verifiers[0]._drafting(rows) == pytest.approx(10.0)
+    assert [row.draft_ms for row in rows] == pytest.approx([5.0, 5.0, 0.0])
