@@ -22,6 +22,7 @@ The flows, as in docs/protocol.md:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import heapq
@@ -125,13 +126,24 @@ class Link:
             self.up, self.down = PROFILES[spec.profile].up, PROFILES[spec.profile].down
         self.rng = rng
         self.extra_ms = 0.0  # each way, beyond the profile (a network emulator's own cost)
-        self._outage_ms = spec.outage_s * 1e3
-        self._outage_start = self._next_outage(0.0)
-        self.reconnect_ms = 0.0  # after an outage, until messages flow again
+        # Its outages, in order: [start, end) in ms, the end after the client reconnected. A
+        # query may ask ahead of the simulation's clock (a verdict sent once a CPU is done, an
+        # RTT probe's way back), so an outage is kept after such a query has passed it: one
+        # whose end was asked about first was forgotten, and every verdict sent into the
+        # outage after that went through (bench adaptive's blip: a cloud stream's tokens
+        # arrived during the cut, where the agent had them all 2 s later).
+        self._periodic = spec.outage_every_s is not None and spec.outage_s > 0
+        self._starts: list[float] = []
+        self._ends: list[float] = []
+        first = self._next_outage(0.0)
+        if first != math.inf:
+            self._starts.append(first)
+            self._ends.append(first + spec.outage_s * 1e3)
 
     def _next_outage(self, after_ms: float) -> float:
-        if self.spec.outage_every_s is None or self.spec.outage_s <= 0:
+        if not self._periodic:
             return math.inf
+        assert self.spec.outage_every_s is not None
         return after_ms + self.rng.expovariate(1.0 / (self.spec.outage_every_s * 1e3))
 
     def cut(
@@ -145,24 +157,35 @@ class Link:
         again after full-jitter exponential waits (`backoff_s`: its first ceiling and its cap, as
         broker.client.Backoff draws them), so messages flow from its first try after the link
         is back, plus `resume_ms`; the link's own outages, if any, resume after it."""
-        self._outage_start, self._outage_ms = at_ms, for_ms
         tried, attempt = at_ms, 0
         if backoff_s is not None:
             low, high = backoff_s
             while tried < at_ms + for_ms:
                 tried += self.rng.uniform(low, max(low, min(high, low * 2.0**attempt))) * 1e3
                 attempt += 1
-        self.reconnect_ms = max(0.0, tried - at_ms - for_ms) + resume_ms
+        reconnect = max(0.0, tried - at_ms - for_ms) + resume_ms
+        keep = bisect.bisect_left(self._starts, at_ms)
+        del self._starts[keep:], self._ends[keep:]
+        self._starts.append(at_ms)
+        self._ends.append(at_ms + for_ms + reconnect)
+
+    def back_at(self, now: float) -> float:
+        """When a message sent at `now` can go: now, or the end of the outage it falls in."""
+        starts, ends = self._starts, self._ends
+        if not starts:
+            return now
+        # The link's own outages, one after another: the next is drawn once the last is over.
+        while self._periodic and now >= ends[-1]:
+            start = self._next_outage(ends[-1])
+            starts.append(start)
+            ends.append(start + self.spec.outage_s * 1e3)
+        i = bisect.bisect_right(starts, now) - 1
+        return ends[i] if i >= 0 and now < ends[i] else now
 
     def delay(self, now: float, upstream: bool) -> float:
         """When a message sent now arrives on the other side."""
+        now = self.back_at(now)
         shape = self.up if upstream else self.down
-        while now >= self._outage_start + self._outage_ms + self.reconnect_ms:
-            self._outage_start = self._next_outage(self._outage_start + self._outage_ms)
-            self._outage_ms = self.spec.outage_s * 1e3
-            self.reconnect_ms = 0.0
-        if now >= self._outage_start:  # cut: it goes when the link is back and reconnected
-            now = self._outage_start + self._outage_ms + self.reconnect_ms
         ms = shape.latency_ms + self.extra_ms + self.rng.uniform(-shape.jitter_ms, shape.jitter_ms)
         if shape.rate_kbit_s:
             ms += MESSAGE_BYTES * 8 / shape.rate_kbit_s

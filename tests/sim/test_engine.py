@@ -99,8 +99,28 @@ def test_a_link_adds_its_profiles_latency_and_waits_out_an_outage() -> None:
     assert min(delays) >= 22.0 and max(delays) <= 39.0  # 30 ms +- 8 ms jitter, plus 0.5 ms rate
     assert statistics.fmean(delays) == pytest.approx(30.5, abs=0.5)
     cut = Link(LinkSpec(profile="loopback", outage_every_s=1.0, outage_s=2.0), rng)
-    start = cut._outage_start
+    start = cut._starts[0]
     assert cut.delay(start + 1.0, upstream=True) == pytest.approx(start + 2000.0)
+
+
+def test_an_outage_holds_what_is_sent_into_it_whatever_was_asked_before() -> None:
+    """A message sent ahead of the clock (a verdict once a CPU is done, an RTT probe's way
+    back) may be asked about past an outage's end; one sent into the outage afterwards still
+    waits for the link (a cut was forgotten, and a stream's verdicts crossed it)."""
+    link = Link(LinkSpec(profile="loopback"), random.Random(0))
+    link.cut(300.0, 1500.0, resume_ms=50.0)
+    assert link.delay(100.0, upstream=False) == pytest.approx(100.0)
+    assert link.delay(5_000.0, upstream=True) == pytest.approx(5_000.0)  # far ahead
+    assert link.delay(400.0, upstream=False) == pytest.approx(1_850.0)  # held: back at 1.85 s
+    assert link.delay(1_900.0, upstream=False) == pytest.approx(1_900.0)
+    # A periodic link's outages, asked out of order, come out the same.
+    ahead = Link(LinkSpec(profile="loopback", outage_every_s=1.0, outage_s=0.5), random.Random(3))
+    inline = Link(LinkSpec(profile="loopback", outage_every_s=1.0, outage_s=0.5), random.Random(3))
+    times = [float(t) for t in range(0, 20_000, 37)]
+    in_order = [inline.back_at(t) for t in times]
+    ahead.back_at(25_000.0)
+    assert [ahead.back_at(t) for t in times] == in_order
+    assert any(back > t for back, t in zip(in_order, times, strict=True))
 
 
 def _cloud_run(terms: dict[str, tuple[float, float]]) -> tuple[Session, Fleet]:
