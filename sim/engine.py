@@ -648,8 +648,9 @@ class Coordinator:
             if best is not None:
                 session.policy = m.Policy(mode=best.mode, draft_model=best.draft_model, k=best.k)
         if session.policy.mode in m.HOST_MODES:
-            fleet.loop.at(fleet.broker.hop(fleet.loop.now), session.verifier.open_stream, session)
-            session.sent_at = fleet.loop.now
+            # The session state goes down; its agent asks for the stream (a cloud window, as
+            # the agent drafts in a host mode), which the coordinator hands to the verifier.
+            fleet.send_down(session, fleet.ask_stream, session)
             return
         # The session state goes down; the device drafts its first window (an adaptive
         # session's first is empty: it has no drafter yet).
@@ -905,6 +906,22 @@ class Fleet:
             session.sent_at = now
             return
         self.device_drafts(session)
+
+    def ask_stream(self, session: Session) -> None:
+        """A device in a host mode asks for its stream: up its link to the coordinator, which
+        opens it on the session's verifier (`RoundPipeline._host_stream`)."""
+        if session.ended_at is not None or session.policy.mode not in m.HOST_MODES:
+            return
+        session.sent_at = self.loop.now
+        self.send_up(session, self._stream_asked, session)
+
+    def _stream_asked(self, session: Session) -> None:
+        verifier = session.verifier
+        assert verifier is not None
+        done = self.coordinator.cpu(session).serve(
+            self.loop.now, self.calibration.coordinator_round_ms
+        )
+        self.loop.at(self.broker.hop(done), verifier.open_stream, session)
 
     def open_session(self, session: Session) -> None:
         """The device asks; the coordinator opens the session and starts its first round."""
