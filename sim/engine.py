@@ -916,8 +916,10 @@ class Fleet:
         self.send_up(session, self._stream_asked, session)
 
     def _stream_asked(self, session: Session) -> None:
-        verifier = session.verifier
-        assert verifier is not None
+        # The pool picks the least loaded verifier as the stream opens (VerifierPool.stream),
+        # not at the session's open: a wave of opens would all pick the one that was least
+        # loaded before any of their streams had started.
+        verifier = session.verifier = min(self.verifiers, key=_LOAD)
         done = self.coordinator.cpu(session).serve(
             self.loop.now, self.calibration.coordinator_round_ms
         )
