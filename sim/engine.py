@@ -43,7 +43,7 @@ from netem.profiles import PROFILES, LinkShape
 from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierProfile
 from verifier.child import PROFILE_SHAPES
 from verifier.goodput import PRIOR_ACCEPT, GoodputControl, StreamRow
-from verifier.worker import BATCH_WINDOW_MS, HEARTBEAT_S
+from verifier.worker import BATCH_WINDOW_MS, HEARTBEAT_S, STEPS_PER_CALL
 
 # A mode's name, as rounds are counted by it (Enum's .value is a descriptor call, every round).
 MODE_NAMES = {mode: mode.value for mode in m.Mode}
@@ -348,6 +348,9 @@ class Session:
     in_mode_rounds: int = 0
     shard: int = -1  # the coordinator that owns it, once asked
     prompt: str | None = None  # the benchmark prompt a replayed session answers
+    # Its stream's acceptance prior, as the stream's request carries it (the coordinator's
+    # estimate for an adaptive cloud stream, StreamSpec.alpha; else the verifier's own).
+    stream_prior: float = PRIOR_ACCEPT
 
     @property
     def finished(self) -> bool:
@@ -417,6 +420,9 @@ class Verifier:
         self.load = 0
         self.busy = False
         self.waiting = False
+        # Plain passes the inference process still runs by itself after a plain choice
+        # (`verifier.child.Steps`, STEPS_PER_CALL a call), until other work arrives.
+        self.run_on = 0
         self.passes = 0
         self.busy_ms = 0.0
         self.rows_total = 0
@@ -437,11 +443,19 @@ class Verifier:
     def submit(self, row: _Row) -> None:
         self.not_due(row.session.id)
         self.queue.append(row)
+        self.run_on = 0  # the worker interrupts the child's run: this goes in the next pass
         self.kick()
 
     def open_stream(self, session: Session) -> None:
         if session.id not in self.streams:
             self.streams[session.id] = session
+            self.run_on = 0
+            policy = session.policy
+            session.stream_prior = (
+                self.fleet.policy.alpha(session.device.id, policy.draft_model, session.task)
+                if session.adaptive and policy.mode is _CLOUD
+                else PRIOR_ACCEPT
+            )
             self.load += 1
             self.fleet.total_load += 1
             self.fleet.total_streams += 1
@@ -489,15 +503,25 @@ class Verifier:
             self.last_pass[session.id] = self.passes
         k = 0
         caps = [self._cap(s) for s in turn]
-        if turn:
+        whole = not batch and len(turn) == len(self.streams)  # every stream, no device row
+        if turn and self.run_on > 0 and whole:
+            self.run_on -= 1  # the child runs the plain rounds on by itself
+        elif turn:
+            self.run_on = 0
             rows = [
-                StreamRow(s.policy.draft_model, s.task, cap, PRIOR_ACCEPT)
+                StreamRow(s.policy.draft_model, s.task, cap, s.stream_prior, s.id)
                 for s, cap in zip(turn, caps, strict=True)
                 if s.adaptive
             ]
             fixed = [row.drafted for row in batch]
             fixed += [cap for s, cap in zip(turn, caps, strict=True) if not s.adaptive]
-            k = self.control.choose(rows, fixed).k
+            choice = self.control.choose(rows, fixed)
+            k = choice.k
+            if k == 0 and whole and not any(fixed) and not self.control.retimes_plain(choice):
+                # A plain choice for every stream: a `Steps` call (VerifierWorker._steps), as
+                # many passes as its rows have rounds left, STEPS_PER_CALL at most.
+                left = max(s.length - s.generated for s in turn)
+                self.run_on = min(STEPS_PER_CALL, left) - 1
         for session, cap in zip(turn, caps, strict=True):
             window = (cap if cap < k else k) if session.adaptive else cap  # min(k, cap)
             drafter = session.policy.draft_model
@@ -568,7 +592,12 @@ class Verifier:
                 if row.window:
                     drafter = row.session.policy.draft_model
                     self.control.observe_round(
-                        drafter, row.session.task, row.window, row.drafted, row.accepted
+                        drafter,
+                        row.session.task,
+                        row.window,
+                        row.drafted,
+                        row.accepted,
+                        stream=row.session.id,
                     )
                 self.fleet.coordinator.stream_result(self, row, verify_ms, len(batch))
             else:
@@ -670,6 +699,8 @@ class Coordinator:
         finished = session.generated >= session.length
         if finished or session.round % CLOUD_STREAM_ROUNDS == 0:
             verifier.stop_stream(session)
+        if finished:  # its own rounds no longer count (a stream that ran out of rounds opens
+            verifier.control.forget_stream(session.id)  # again, and they do)
         if session.adaptive:
             self._observe(session, row, verify_ms, mode, prefill=session.round == 1)
             if not finished and session.round % STREAM_DECISION_EVERY == 0:

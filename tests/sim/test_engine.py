@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from typing import Any
 
 import pytest
 
@@ -208,3 +209,39 @@ def test_a_host_drafted_round_records_its_share_of_the_pass_drafting() -> None:
     rows.append(_Row(session(2, m.Mode.DISTRIBUTED), 4, 4, 2, 0.0, stream=False))
     assert fleet.verifiers[0]._drafting(rows) == pytest.approx(10.0)
     assert [row.draft_ms for row in rows] == pytest.approx([5.0, 5.0, 0.0])
+
+
+def test_a_plain_choice_runs_on_in_the_child_until_other_work_comes() -> None:
+    """After a plain choice for every stream and no device row, the verifier's inference
+    process runs STEPS_PER_CALL plain passes by itself (`Steps`): the goodput rule is asked
+    again only after them, or at once when a device's round arrives."""
+    fleet = Fleet(make_calibration(), ["cpu"], seed=0)
+    verifier = fleet.verifiers[0]
+    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
+    stream = Session(
+        id="s0", device=device, task="chat", prompt_tokens=30, length=100, adaptive=True,
+        policy=m.Policy(mode=m.Mode.PLAIN, draft_model="hybrid", k=0),
+        opened_at=0.0, on_end=lambda _: None,
+    )  # fmt: skip
+    asked: list[int] = []
+    choose = verifier.control.choose
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        asked.append(verifier.passes)
+        return choose(*args, **kwargs)
+
+    verifier.control.choose = counted  # type: ignore[method-assign]
+    verifier.open_stream(stream)  # pass 1: chosen plain, then passes 2-4 run on
+    for _ in range(3):
+        fleet.loop.run(until=fleet.loop.now + PASS_MS)
+    assert asked == [1]
+    assert verifier.passes >= 4
+    fleet.loop.run(until=fleet.loop.now + PASS_MS)  # pass 5: asked again
+    assert asked == [1, 5]
+    row = _Row(Session(
+        id="s1", device=device, task="chat", prompt_tokens=30, length=100, adaptive=False,
+        policy=m.Policy(mode=m.Mode.DISTRIBUTED, draft_model="hybrid", k=4),
+        opened_at=0.0, on_end=lambda _: None,
+    ), 4, 4, 2, fleet.loop.now, stream=False)  # fmt: skip
+    verifier.submit(row)  # a device's round: the next pass is chosen with it
+    assert verifier.run_on == 0
