@@ -707,8 +707,11 @@ class Coordinator:
                 self._decide(session)
         fleet.loop.at(fleet.down_at(session, done), fleet.verdict_arrived, session, True, kept)
         next_stream = not finished and session.round % CLOUD_STREAM_ROUNDS == 0
-        if next_stream and session.policy.mode in m.HOST_MODES:  # the agent asks again
-            fleet.loop.at(done + 2 * fleet.link_ms(session), verifier.open_stream, session)
+        if next_stream and session.policy.mode in m.HOST_MODES:
+            # A stream that ran out of rounds: the coordinator opens the next itself, from
+            # what it persisted (RoundPipeline._host_stream's loop), on the verifier that holds
+            # the session's cache (VerifierPool.pick); no word to the device.
+            fleet.loop.at(fleet.broker.hop(done), verifier.open_stream, session)
 
     def round_done(self, session: Session, row: _Row, verify_ms: float) -> None:
         """A direct round's report, off its path: the policy learns, and may move it."""

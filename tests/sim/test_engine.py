@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from broker import messages as m
+from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from sim.engine import Acceptance, Device, Fleet, Link, Session, _Row
 from sim.inputs import Calibration, LinkSpec, PositionRates
 from sim.validate import LOOPBACK
@@ -245,3 +246,21 @@ def test_a_plain_choice_runs_on_in_the_child_until_other_work_comes() -> None:
     ), 4, 4, 2, fleet.loop.now, stream=False)  # fmt: skip
     verifier.submit(row)  # a device's round: the next pass is chosen with it
     assert verifier.run_on == 0
+
+
+def test_a_stream_that_ran_out_of_rounds_goes_on_without_a_word_to_the_device() -> None:
+    """After CLOUD_STREAM_ROUNDS rounds the coordinator opens the next stream itself, from what
+    it persisted: on 4G (30 ms each way) no gap between two tokens holds a device round trip."""
+    fleet = Fleet(make_calibration(), ["cpu"], seed=0)
+    device = Device("d0", "bench", Link(LinkSpec(profile="4g"), fleet.rng), {"hybrid": 0.0})
+    session = Session(
+        id="s0", device=device, task="chat", prompt_tokens=30, length=3 * CLOUD_STREAM_ROUNDS,
+        adaptive=False, policy=m.Policy(mode=m.Mode.PLAIN, draft_model="hybrid", k=0),
+        opened_at=0.0, on_end=lambda _: None,
+    )  # fmt: skip
+    fleet.open_session(session)
+    fleet.loop.run()
+    assert session.generated == 3 * CLOUD_STREAM_ROUNDS
+    gaps = session.token_gaps_ms()
+    # A pass each, and the downlink's jitter (+-8 ms) between two verdicts: never + 60 ms.
+    assert max(gaps) < PASS_MS + 2 * 8.0 + 5.0
