@@ -216,6 +216,13 @@ class RoundPipeline(DirectRounds):
                     failures = 0
                     if not goes_on:
                         return
+                    if self._stream_draft(live) != request.cloud_draft:
+                        # The policy chose another host drafter (or none): a stream keeps the
+                        # drafter it opened with, so this one ends here (the verifier is told
+                        # to stop; what it ran ahead is computed again) and the next opens
+                        # with the choice. Kept to the stream's end, a choice made within it
+                        # waited up to 64 rounds: a whole answer.
+                        break
             except StreamLost as exc:
                 failures += 1
                 log.warning("stream of %s broke off at round %d: %s", live.id, live.next_round, exc)
@@ -234,6 +241,13 @@ class RoundPipeline(DirectRounds):
                 "the host stream broke off",
             )
             await self._send_state(live)
+
+    @staticmethod
+    def _stream_draft(live: LiveSession) -> str | None:
+        """The host drafter a stream of the session opens with now (None: plain rounds)."""
+        policy = live.policy
+        cloud = policy.mode is m.Mode.CLOUD and min(policy.k, m.MAX_CLOUD_K) > 0
+        return policy.draft_model if cloud else None
 
     def _stream_request(self, live: LiveSession) -> m.VerifyRequest:
         policy = live.policy
