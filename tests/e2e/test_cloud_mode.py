@@ -44,6 +44,19 @@ def _start_agent(fleet: LocalFleet, spec: AgentSpec, broker_url: str) -> None:
     fleet.start_agent(spec, broker_url=broker_url, extra=["--telemetry-interval", "1"])
 
 
+def count_drafts(fleet: LocalFleet) -> Counter[str]:
+    """The Drafts each session sends from now on, counted as the coordinator takes them."""
+    drafts: Counter[str] = Counter()
+    handle_draft = fleet.coordinator.device_handlers[m.Draft]
+
+    async def counting(device_id: str, draft: m.Draft) -> None:
+        drafts[draft.session_id] += 1
+        await handle_draft(device_id, draft)
+
+    fleet.coordinator.device_handlers[m.Draft] = counting
+    return drafts
+
+
 def _rounds(fleet: LocalFleet, session_id: str) -> tuple[DecodingSession, list[Round]]:
     with fleet.coordinator.sessions() as db:
         session = db.get(DecodingSession, uuid.UUID(session_id))
@@ -84,14 +97,7 @@ def test_cloud_rounds_stream_and_equal_the_target_alone(tmp_path: Path) -> None:
                 _start_agent(fleet, CLOUD, mosquitto.url)
                 _start_agent(fleet, ADAPTIVE, f"mqtt://127.0.0.1:{link.port}")
                 await fleet.wait_agents(time.monotonic() + START_TIMEOUT_S)
-                drafts: Counter[str] = Counter()  # the Drafts each session sent
-                handle_draft = fleet.coordinator.device_handlers[m.Draft]
-
-                async def counting(device_id: str, draft: m.Draft) -> None:
-                    drafts[draft.session_id] += 1
-                    await handle_draft(device_id, draft)
-
-                fleet.coordinator.device_handlers[m.Draft] = counting
+                drafts = count_drafts(fleet)
                 answers: list[dict[str, Any]] = []
                 async with httpx.AsyncClient() as client:
                     for prompt in prompts:

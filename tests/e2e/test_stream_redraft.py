@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from test_cloud_mode import _rebuilt, _rounds, _start_agent
+from test_cloud_mode import _rebuilt, _rounds, _start_agent, count_drafts
 from test_dsd_bus import shared_prompts, target_answer
 
 from broker import messages as m
@@ -51,14 +51,7 @@ def test_a_stream_takes_the_drafter_the_policy_chose_within_it(tmp_path: Path) -
                 book = fleet.coordinator.book
                 (verifier,) = book.pool.live()
                 assert NEW_DRAFT in verifier.status.drafts
-                drafts: Counter[str] = Counter()  # the Drafts the session sent
-                handle_draft = fleet.coordinator.device_handlers[m.Draft]
-
-                async def counting(device_id: str, draft: m.Draft) -> None:
-                    drafts[draft.session_id] += 1
-                    await handle_draft(device_id, draft)
-
-                fleet.coordinator.device_handlers[m.Draft] = counting
+                drafts = count_drafts(fleet)
                 switched_at: list[int] = []
 
                 async def switch() -> None:
