@@ -41,7 +41,8 @@ def test_an_untried_host_drafter_gets_one_stream_then_is_rated_on_its_rounds() -
     policy.observe_verifiers((20.0, 1.5, 1.0), {"hybrid": 0.2})
     for i in range(30):  # hybrid, drafted in cloud rounds: it accepts well when it proposes
         policy.observe(cloud_round("hybrid", f"warm-{i}", 2, 2))
-    # A decision within a stream would not change its drafter: it tries nothing.
+    # A decision within a stream tries nothing: an untried drafter is offered where a stream
+    # opens, not where a running one would have to be ended for it.
     assert decide(policy, "s0", new_stream=False)[0] == "hybrid"
     # Rated on hybrid's acceptance at 2.5 ms a token, the head's hybrid is below hybrid...
     draft, reason = decide(policy, "s1")
