@@ -135,16 +135,15 @@ class Link:
         self._periodic = spec.outage_every_s is not None and spec.outage_s > 0
         self._starts: list[float] = []
         self._ends: list[float] = []
-        first = self._next_outage(0.0)
-        if first != math.inf:
-            self._starts.append(first)
-            self._ends.append(first + spec.outage_s * 1e3)
+        if self._periodic:
+            self._draw_outage(0.0)
 
-    def _next_outage(self, after_ms: float) -> float:
-        if not self._periodic:
-            return math.inf
+    def _draw_outage(self, after_ms: float) -> None:
+        """The link's next outage of its own, an exponential gap after `after_ms`."""
         assert self.spec.outage_every_s is not None
-        return after_ms + self.rng.expovariate(1.0 / (self.spec.outage_every_s * 1e3))
+        start = after_ms + self.rng.expovariate(1.0 / (self.spec.outage_every_s * 1e3))
+        self._starts.append(start)
+        self._ends.append(start + self.spec.outage_s * 1e3)
 
     def cut(
         self,
@@ -176,9 +175,7 @@ class Link:
             return now
         # The link's own outages, one after another: the next is drawn once the last is over.
         while self._periodic and now >= ends[-1]:
-            start = self._next_outage(ends[-1])
-            starts.append(start)
-            ends.append(start + self.spec.outage_s * 1e3)
+            self._draw_outage(ends[-1])
         i = bisect.bisect_right(starts, now) - 1
         return ends[i] if i >= 0 and now < ends[i] else now
 
@@ -544,23 +541,20 @@ class Verifier:
     def _drafting(self, batch: list[_Row]) -> float:
         """The pass's host drafting, ms: each drafter's rows drafted together, a + b n per
         window token of its widest window (what the verifier's goodput control then learns)."""
-        by_drafter: dict[str, tuple[int, int]] = {}  # drafter -> rows, widest window
+        by_drafter: dict[str, list[_Row]] = {}
         for row in batch:
             if row.stream and row.window:
-                rows, widest = by_drafter.get(row.session.policy.draft_model, (0, 0))
-                by_drafter[row.session.policy.draft_model] = (rows + 1, max(widest, row.window))
+                by_drafter.setdefault(row.session.policy.draft_model, []).append(row)
         total = 0.0
-        spent: dict[str, float] = {}
-        for drafter, (rows, widest) in by_drafter.items():
+        for drafter, rows in by_drafter.items():
             a, b = self.fleet.host_draft_terms(drafter)
-            ms = (a + b * rows) * widest
-            self.control.observe_draft_ms(drafter, widest, ms * self.speed, rows=rows)
-            spent[drafter] = ms * self.speed / rows
+            widest = max(row.window for row in rows)
+            ms = (a + b * len(rows)) * widest
+            self.control.observe_draft_ms(drafter, widest, ms * self.speed, rows=len(rows))
+            share = ms * self.speed / len(rows)  # each row's, as draft_together splits a call
+            for row in rows:
+                row.draft_ms = share
             total += ms
-        if spent:
-            for row in batch:
-                if row.stream and row.window:
-                    row.draft_ms = spent[row.session.policy.draft_model]
         return total
 
     def _cap(self, session: Session) -> int:
@@ -699,10 +693,8 @@ class Coordinator:
         finished = session.generated >= session.length
         if finished or session.round % CLOUD_STREAM_ROUNDS == 0:
             verifier.stop_stream(session)
-        if finished:
-            # Its own rounds no longer count (a stream that only ran out of rounds opens
-            # again, and they still do).
-            verifier.control.forget_stream(session.id)
+            if finished:  # its own rounds no longer count (a stream reopened keeps them)
+                verifier.control.forget_stream(session.id)
         if session.adaptive:
             self._observe(session, row, verify_ms, mode, prefill=session.round == 1)
             if not finished and session.round % STREAM_DECISION_EVERY == 0:
@@ -844,13 +836,12 @@ class Fleet:
 
     # -- costs ---------------------------------------------------------------------------------
 
-    def host_draft_ms(self, drafter: str) -> float:
-        return self.calibration.host_draft_ms_per_token.get(drafter, 0.2)
-
     def host_draft_terms(self, drafter: str) -> tuple[float, float]:
         """A pass's drafting per window token, a + b n for n rows (per row where unfitted)."""
         terms = self.calibration.host_draft_terms.get(drafter)
-        return terms if terms is not None else (0.0, self.host_draft_ms(drafter))
+        if terms is not None:
+            return terms
+        return 0.0, self.calibration.host_draft_ms_per_token.get(drafter, 0.2)
 
     def link_ms(self, session: Session) -> float:
         link = session.device.link

@@ -251,7 +251,8 @@ class RoundPipeline(DirectRounds):
 
     def _stream_request(self, live: LiveSession) -> m.VerifyRequest:
         policy = live.policy
-        cloud_k = min(policy.k, m.MAX_CLOUD_K) if policy.mode is m.Mode.CLOUD else 0
+        draft = self._stream_draft(live)
+        cloud_k = min(policy.k, m.MAX_CLOUD_K) if draft is not None else 0
         if live.policy_task is not None and cloud_k:
             # The verifier chooses each pass's window for its whole batch, with what it sees
             # of the batch and of the drafter: the policy's k is a per-session guess, and a cap
@@ -267,7 +268,7 @@ class RoundPipeline(DirectRounds):
             context_ids=tuple(live.prompt_ids + live.generated),
             tokens=(),
             sampling=live.sampling,
-            cloud_draft=policy.draft_model if cloud_k else None,
+            cloud_draft=draft,
             cloud_k=cloud_k or None,
             stream=m.StreamSpec(
                 rounds=explore_stream_rounds(live.next_round, STREAM_DECISION_EVERY)
