@@ -182,6 +182,13 @@ class PassCost:
         else:
             t1, t2 = sorted(sorted(seen, key=lambda t: (abs(t - positions), t))[:2])
         slope = (seen[t2] - seen[t1]) / (t2 - t1)
+        if positions > t2:
+            # Past its widest point, a shape costs at least the fit's price of a position: two
+            # noisy points (bench e2e at 14 rows: a plain pass timed slower than the window of
+            # 1 after it) made every wider window free, and a window of 4 at 14 rows was
+            # predicted at 200 tok/s against plain's 108.
+            fit_slope = self._coefficients[2] * rows
+            slope = fit_slope if fit_slope > slope else slope
         at = seen[t1] + (slope if slope > 0.0 else 0.0) * (positions - t1)
         return 1e-3 if at < 1e-3 else at
 

@@ -187,6 +187,27 @@ def test_unseen_deep_positions_inherit_the_rate_before_them() -> None:
     assert stats.expected_tokens(8, prior=0.5) > 4.5
 
 
+def test_a_window_wider_than_its_shape_was_timed_is_not_free() -> None:
+    """Two noisy points of one batch size, the plain pass slower than the window of 1 (bench e2e
+    at 14 rows): a wider window is priced past them at the fit's cost of a position at least,
+    not at nothing; the pass keeps plain decoding where the streams' acceptance is unknown."""
+    cost = PassCost()
+    for _ in range(30):
+        for (rows, positions), ms in TABLE.items():
+            cost.observe(rows, positions, ms)
+    cost.observe(14, 1, 130.0)
+    cost.observe(14, 2, 110.0)
+    per_position = cost.coefficients[2] * 14
+    assert per_position > 10.0
+    assert cost.predict(14, 5) >= cost.predict(14, 2) + 3 * per_position - 1e-9
+    assert cost.predict(14, 2) == pytest.approx(110.0)  # a point seen is its own
+    control = GoodputControl()
+    control.cost = cost
+    picked = control.choose([StreamRow("hybrid", "chat", 4, 0.5)] * 14, [])
+    assert picked.goodput["4"] < picked.goodput["0"]
+    assert picked.k <= 1
+
+
 def test_a_shape_with_one_point_below_a_steep_fit_is_predicted_positive() -> None:
     """One 16-row shape seen cheap, then passes on a loaded host that steepen the fit: below that
     point, the fit's slope alone predicted a negative cost (-926 ms stopped a verifier)."""

@@ -248,7 +248,10 @@ def reference_predict(cost: PassCost, rows: int, positions: int) -> float:
         slope = seen[t] + cost.fitted(rows, positions) - cost.fitted(rows, t)
         return max(slope, seen[t] * cost.fitted(rows, positions) / cost.fitted(rows, t))
     (t1, t2) = sorted(nearest)
-    slope = max(0.0, (seen[t2] - seen[t1]) / (t2 - t1))
+    slope = (seen[t2] - seen[t1]) / (t2 - t1)
+    if positions > t2:
+        slope = max(slope, cost.coefficients[2] * rows)
+    slope = max(0.0, slope)
     return max(seen[t1] + slope * (positions - t1), 1e-3)
 
 
