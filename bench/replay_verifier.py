@@ -54,7 +54,7 @@ from broker.topics import (
 )
 from coordinator.db.engine import make_engine
 from coordinator.db.round_writer import RoundWriter
-from core.aio import task_group
+from core.aio import run_service, task_group
 from verifier.leases import LeaseBook, Verified, no_lease
 from verifier.outbox import Outbox, heartbeat
 
@@ -263,7 +263,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        asyncio.run(
+        run_service(
             run_replay_verifier(
                 args.broker_url, args.verifier_id, args.answers, args.database_url, args.report
             )

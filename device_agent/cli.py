@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from broker.secrets import RefuseSecretInArgv
+from core.aio import run_service
 from core.cli_help import finish_parsers
 from core.completion import add_completion_command
 from core.logs import configure_logging
@@ -313,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specfleet-agent: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_run(settings))
+        run_service(_run(settings))
     except KeyboardInterrupt:
         return 130
     return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker.secrets import RefuseSecretInArgv
+from core.aio import run_service
 
 if TYPE_CHECKING:
     from core.settings import Settings
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         config.steps_per_call,
     )
     try:
-        asyncio.run(_serve(worker))
+        run_service(_serve(worker))
     except VerifierError as exc:
         raise CommandError(str(exc)) from exc
     return 0

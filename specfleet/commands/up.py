@@ -49,13 +49,12 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import asyncio
-
     from pydantic import ValidationError
 
     from broker.client import BrokerAddress
     from broker.embedded import DEFAULT_PORT
     from coordinator.stack import run_up
+    from core.aio import run_service
     from core.settings import Settings
 
     overrides: dict[str, Any] = {}
@@ -87,7 +86,7 @@ def _up(args: argparse.Namespace) -> int:
     _quiet_alembic(keep_migration_steps=False)
     embedded_port = None if args.broker else (args.mqtt_port or DEFAULT_PORT)
     try:
-        asyncio.run(run_up(settings, embedded_port=embedded_port, local_broker=args.local_broker))
+        run_service(run_up(settings, embedded_port=embedded_port, local_broker=args.local_broker))
     except OSError as exc:
         raise CommandError(f"cannot start: {exc}") from exc
     return 0
