@@ -268,7 +268,11 @@ def round_legs(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[str
         for round_index, total, downlink, agent_wait in rows:
             stored_legs = stored.legs.get((session["session_id"], round_index))
             verify = (stored_legs.verify_ms if stored_legs else None) or 0.0
-            legs["overhead"].append(max(0.0, total - verify))
+            overhead = max(0.0, total - verify)
+            legs["overhead"].append(overhead)
+            # A session's first round comes while the fleet's sessions are being opened (all
+            # at once by default): its tail is the opening's, the later rounds' the steady state's.
+            legs["overhead_first" if round_index == 0 else "overhead_later"].append(overhead)
             legs["downlink"].append(downlink)
             legs["agent_wait"].append(agent_wait)
             if stored_legs is None or stored_legs.uplink_ms is None or stored_legs.queue_ms is None:
@@ -338,6 +342,15 @@ def report(
         "overhead_ms_p50": percentile(legs["overhead"], 50),
         "overhead_ms_p99": percentile(legs["overhead"], 99),
         "overhead_ms_max": max(legs["overhead"], default=float("nan")),
+        # The same, of the sessions' first rounds and of the rounds after them.
+        "overhead_by_round_ms": {
+            part: {
+                "p50": percentile(legs[f"overhead_{part}"], 50),
+                "p99": percentile(legs[f"overhead_{part}"], 99),
+                "n": len(legs[f"overhead_{part}"]),
+            }
+            for part in ("first", "later")
+        },
         "round_trip_ms_p50": percentile(latencies, 50),
         "round_trip_ms_p99": percentile(latencies, 99),
         # Where the overhead goes (see round_legs); loop_lag: how late the swarms' timers fired.
@@ -407,6 +420,12 @@ def table(document: dict[str, Any]) -> str:
         ["rounds/s served", f"{document['rounds_per_s']:.1f}"],
         ["overhead p50 ms", f"{document['overhead_ms_p50']:.2f}"],
         ["overhead p99 ms", f"{document['overhead_ms_p99']:.2f}"],
+        *(
+            [f"  {name} p50 / p99 ms", f"{by_round[part]['p50']:.2f} / {by_round[part]['p99']:.2f}"]
+            for by_round in [document.get("overhead_by_round_ms") or {}]
+            for part, name in (("first", "sessions' first rounds"), ("later", "later rounds"))
+            if isinstance(by_round.get(part), dict) and by_round[part]["n"]
+        ),
         *(
             [f"  {leg} p50 / p99 ms",
              f"{document['legs_ms'][leg]['p50']:.2f} / {document['legs_ms'][leg]['p99']:.2f}"]

@@ -94,6 +94,7 @@ def test_a_round_splits_into_its_legs() -> None:
     )  # fmt: skip
     legs = fleet.round_legs(sessions, stored)
     assert legs["overhead"] == [19.5, 8.0]
+    assert (legs["overhead_first"], legs["overhead_later"]) == ([19.5], [8.0])
     assert (legs["uplink"], legs["verifier_hops"], legs["answerer"]) == ([3.0], [4.0], [10.0])
     assert (legs["downlink"], legs["agent_wait"]) == ([2.5, 2.0], [1.0, 0.5])
 
@@ -190,6 +191,9 @@ def test_a_small_fleet_runs_with_nothing_lost_or_duplicated(
     assert document["rounds"] == document["rounds_stored"] > 8
     assert (document["rounds_lost"], document["rounds_duplicated"]) == (0, 0)
     assert document["sessions_with_gaps"] == 0
+    by_round = document["overhead_by_round_ms"]
+    assert by_round["first"]["n"] == 8
+    assert by_round["first"]["n"] + by_round["later"]["n"] == document["rounds"]
     assert document["coordinator_rss_mb_max"] > 0
     answers = document["verifier_answers"]
     assert answers["answered"] == document["rounds"]
