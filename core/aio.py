@@ -25,8 +25,10 @@ T = TypeVar("T")
 # answers, the result handed back to the loop). With the loop busy 95% of the time, a commit
 # that takes 1.1 ms alone took 7.7 ms at 5 ms and 5.2 ms at 0.5 ms; in `bench fleet` at a round
 # a second a session (two coordinators, PostgreSQL), the verifier's answer p99 went from
-# 22-33 ms to 17-20 ms over three runs in turns. A shorter interval costs a thread that
-# computes alone nothing, and one of two that compute a forced switch at most every 0.5 ms.
+# 22-33 ms to 17-20 ms over three runs in turns. It costs the closed loop at saturation (every
+# session drafting again the moment its verdict comes, two coordinators) 368-405 rounds/s
+# against 415-447 at 5 ms: two threads that both compute switch more often. A fleet is run
+# below saturation, where a round's tail is what its devices wait on.
 SERVICE_SWITCH_INTERVAL_S = 0.0005
 
 
