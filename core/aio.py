@@ -21,7 +21,7 @@ T = TypeVar("T")
 # How long a thread may hold the GIL while another waits for it, in a long-running process of
 # the fleet (CPython's default: 5 ms). A service's event loop runs Python for milliseconds at a
 # time when busy, and its helper threads wait for the GIL at every step they take: the round
-# writer's commit on PostgreSQL takes it four or five times (its statements, the server's
+# writer's commit on PostgreSQL takes it again and again (its statements, the server's
 # answers, the result handed back to the loop). With the loop busy 95% of the time, a commit
 # that takes 1.1 ms alone took 7.7 ms at 5 ms and 5.2 ms at 0.5 ms; in `bench fleet` at a round
 # a second a session (two coordinators, PostgreSQL), the verifier's answer p99 went from
