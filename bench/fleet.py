@@ -287,6 +287,11 @@ def round_legs(sessions: list[dict[str, Any]], stored: StoredRounds) -> dict[str
 LEGS = ("uplink", "verifier_hops", "answerer", "downlink", "agent_wait", "loop_lag")
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    """p50, p99 and the count of a set of times, as the report gives each."""
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "n": len(values)}
+
+
 def report(
     results: list[dict[str, Any]],
     stored: StoredRounds,
@@ -344,24 +349,12 @@ def report(
         "overhead_ms_max": max(legs["overhead"], default=float("nan")),
         # The same, of the sessions' first rounds and of the rounds after them.
         "overhead_by_round_ms": {
-            part: {
-                "p50": percentile(legs[f"overhead_{part}"], 50),
-                "p99": percentile(legs[f"overhead_{part}"], 99),
-                "n": len(legs[f"overhead_{part}"]),
-            }
-            for part in ("first", "later")
+            part: spread(legs[f"overhead_{part}"]) for part in ("first", "later")
         },
         "round_trip_ms_p50": percentile(latencies, 50),
         "round_trip_ms_p99": percentile(latencies, 99),
         # Where the overhead goes (see round_legs); loop_lag: how late the swarms' timers fired.
-        "legs_ms": {
-            leg: {
-                "p50": percentile(legs[leg], 50),
-                "p99": percentile(legs[leg], 99),
-                "n": len(legs[leg]),
-            }
-            for leg in LEGS
-        },
+        "legs_ms": {leg: spread(legs[leg]) for leg in LEGS},
         "refusals": len(refusals),
         "refusal_reasons": sorted(set(refusals))[:20],
         "connect_failures": len(connect_failures),
@@ -601,8 +594,7 @@ def replay_counts(workdir: Path, verifiers: int) -> dict[str, Any]:
         held += counts.get("held_ms", [])
         persist += counts.get("persist_ms", [])
     for key, values in (("held_ms", held), ("persist_ms", persist)):
-        totals[key] = {"p50": percentile(values, 50), "p99": percentile(values, 99),
-                       "n": len(values)}  # fmt: skip
+        totals[key] = spread(values)
     return totals
 
 
