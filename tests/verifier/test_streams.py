@@ -11,6 +11,7 @@ from verifier_helpers import BusListener, greedy_reference, prompt_ids, target_p
 
 from broker.messages import StreamSpec, StreamStop, VerifyRequest, VerifyResult, encode
 from broker.mosquitto import PrivateMosquitto
+from verifier.streams import HostStream, HostStreams
 from verifier.worker import VerifierWorker
 
 MAX_NEW = 12
@@ -157,3 +158,57 @@ def test_plain_rounds_run_on_in_the_inference_process_as_pass_by_pass(
     assert seen[4] == seen[1] and len(seen[1]) == 40
     assert not any("run on in the inference process" in r for r in reasons[1])
     assert any("run on in the inference process" in r for r in reasons[4])
+
+
+def test_a_pass_that_opens_a_session_leaves_the_streams_that_ran_the_last_to_the_next() -> None:
+    """A stream's first round prefills its prompt in a forward of its own: a pass of streams
+    that opens one leaves those that ran the pass before to the next pass, once in a row, where
+    they join the opened session's rows (plain serving prefills, then decodes every session
+    together). A pass with a device-drafted round keeps them: that forward runs anyway."""
+    streams = HostStreams()
+    under_way = HostStream.open(stream_request(1, None), 0.0)
+    streams.open(under_way)
+    assert under_way.first_round and streams.turn(16, 1, ()) == [under_way]
+    under_way.advance((), 0, 7)
+    opened = HostStream.open(stream_request(2, None), 0.0)
+    streams.open(opened)
+    assert streams.turn(16, 2, ()) == [opened]
+    opened.advance((), 0, 7)
+    # Another opens at once: the stream that sat out runs now; the one that ran sits out.
+    third = HostStream.open(stream_request(3, None), 0.0)
+    streams.open(third)
+    assert streams.turn(16, 3, ()) == [third, under_way]
+    third.advance((), 0, 7)
+    assert streams.turn(16, 4, ()) == [opened, under_way, third]
+    # Beside a device's round (its session busy) nobody sits out.
+    fourth = HostStream.open(stream_request(4, None), 0.0)
+    streams.open(fourth)
+    turn = streams.turn(16, 5, ("device-session",))
+    assert sorted(s.session_id for s in turn) == sorted(
+        s.session_id for s in (opened, under_way, third, fourth)
+    )
+
+
+def test_a_stream_under_way_joins_the_pass_after_a_new_sessions_prefill(
+    mosquitto: PrivateMosquitto,
+) -> None:
+    """On a real worker: the pass that prefills a second session holds its round alone, the
+    first stream's rounds go on contiguously from the pass after, and both answers are the
+    target's."""
+
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        under_way = stream_request(1, None, max_new=24)
+        await listener.client.publish(worker.work_topic, encode(under_way))
+        while len(listener.streamed.get(under_way.request_id, [])) < 2:
+            await asyncio.sleep(0.005)
+        opened = stream_request(2, None)
+        await listener.client.publish(worker.work_topic, encode(opened))
+        second = await listener.stream_end(opened.request_id)
+        first = await listener.stream_end(under_way.request_id)
+        assert second[0].pass_choice is not None and second[0].pass_choice.rows == 1
+        assert any(r.pass_choice is not None and r.pass_choice.rows == 2 for r in first)
+        assert [r.round for r in first] == list(range(len(first)))
+        assert committed(first) == list(greedy_reference(1, 24))
+        assert committed(second) == list(greedy_reference(2, MAX_NEW))
+
+    run_with_worker(mosquitto, body)
