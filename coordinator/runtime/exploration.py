@@ -1,5 +1,9 @@
 """Host drafters tried once: a drafter the verifier hosts offer that no cloud round has drafted
-with yet gets one stream's rounds, so that it is rated on what it does.
+with yet gets a stream's rounds up to the policy's next decision (after round 8), so that it is
+rated on what it does. That decision ends the try; the stream runs on where it keeps the
+drafter, and is ended (and the next opened with the choice) where it chooses another: a try cut
+at the decision always ended its stream, and the session's next round waited a bus round trip
+for the next one, a pass behind the others (`bench e2e` at 16: one more pass a wave).
 
 Before any round of it, a drafter is rated on priors: its acceptance is what the device's other
 drafters see on the task (DraftWants.unseen_alpha), so a drafter that costs more a token than
@@ -29,19 +33,6 @@ from dataclasses import dataclass, field
 from coordinator.runtime.decisions import Candidate
 from inference.drafters import HYBRID_PREFIX
 from inference.drafts import TFLITE_SUFFIX
-
-
-def explore_stream_rounds(first_round: int, every: int) -> int:
-    """The rounds of a stream that tries a drafter from `first_round`: up to the round after
-    which the policy decides next (a stream's rounds `every`, 2 `every`, ...; the policy's
-    STREAM_DECISION_EVERY), whose decision rates the drafter on them and ends the try, so that
-    the next stream opens with what it chose: rounds 1-8 after a device's round 0, rounds 0-8
-    for a stream opened at round 0 (a stream of 8 from round 0 ended a round before the
-    decision, and the next one tried the same drafter for 8 rounds more). A stream runs the
-    whole answer otherwise (CLOUD_STREAM_ROUNDS), and in bench e2e six of ten lone sessions had
-    each spent their whole answer on a drafter being tried."""
-    last = max(every, -(-first_round // every) * every)
-    return last - first_round + 1
 
 
 def host_offer(host_drafts: Iterable[str]) -> list[str]:
@@ -97,10 +88,6 @@ class HostExploration:
         best = max(untried, key=lambda c: c.tokens_per_s)
         self.exploring[best.draft_model] = session_id
         return best
-
-    def trying(self, session_id: str, draft: str) -> bool:
-        """Whether the session's stream is trying `draft`."""
-        return self.exploring.get(draft) == session_id
 
     def forget_session(self, session_id: str) -> None:
         """A session that ended: a drafter it was trying is free for another to try."""

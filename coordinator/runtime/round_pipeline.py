@@ -13,8 +13,6 @@ import sqlalchemy as sa
 from broker import messages as m
 from coordinator.db.models import Round, SessionStatus
 from coordinator.runtime.direct_rounds import DirectRounds
-from coordinator.runtime.exploration import explore_stream_rounds
-from coordinator.runtime.policy import STREAM_DECISION_EVERY
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from coordinator.runtime.session_state import LiveSession
 from coordinator.runtime.verifiers import (
@@ -271,9 +269,7 @@ class RoundPipeline(DirectRounds):
             cloud_draft=draft,
             cloud_k=cloud_k or None,
             stream=m.StreamSpec(
-                rounds=explore_stream_rounds(live.next_round, STREAM_DECISION_EVERY)
-                if self.policy.exploration.trying(live.id, policy.draft_model)
-                else CLOUD_STREAM_ROUNDS,
+                rounds=CLOUD_STREAM_ROUNDS,
                 max_new=max(1, live.max_tokens - len(live.generated)),
                 eos_id=self.eos_id,
                 task_type=live.policy_task or live.task_type or "chat",

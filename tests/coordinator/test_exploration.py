@@ -3,11 +3,9 @@ session the policy keeps in cloud mode, and is rated on its own rounds from then
 
 from __future__ import annotations
 
-import pytest
-
 from broker import messages as m
 from coordinator.runtime.decisions import opening_candidate
-from coordinator.runtime.exploration import HostExploration, explore_stream_rounds, host_offer
+from coordinator.runtime.exploration import HostExploration, host_offer
 from coordinator.runtime.policy import AdaptivePolicy
 from tests.coordinator.host_rounds import DEVICE
 from tests.coordinator.host_rounds import host_round as cloud_round
@@ -122,21 +120,6 @@ def test_a_session_opening_in_cloud_mode_opens_its_stream_with_an_untried_drafte
     assert opened.draft_model == "hybrid+eagle-h1"
     assert decision.reason.startswith("explore hybrid+eagle-h1")
     assert policy.exploration.exploring == {"hybrid+eagle-h1": "new"}
-
-
-@pytest.mark.parametrize(
-    ("first_round", "rounds"),
-    [(1, 8), (0, 9), (3, 6), (8, 1), (9, 8), (16, 1)],
-)
-def test_a_stream_trying_a_drafter_ends_where_the_policy_decides_next(
-    first_round: int, rounds: int
-) -> None:
-    """The policy decides after a stream's rounds 8, 16, ...: a try ends there, and the next
-    stream opens with what that decision chose (rounds 1-8 after a device's round 0, 0-8 for
-    a stream opened at round 0)."""
-    last = first_round + rounds - 1
-    assert explore_stream_rounds(first_round, 8) == rounds
-    assert last % 8 == 0 and last > 0
 
 
 def test_a_drafter_offered_in_the_hybrid_too_is_tried_in_the_hybrid_only() -> None:
