@@ -496,6 +496,10 @@ class Verifier:
         last_pass = self.last_pass
         ready.sort(key=lambda s: last_pass[s.id])
         turn = ready[: self.profile.max_batch - len(batch)]
+        if not batch and any(s.round == 0 for s in turn):
+            # A pass that opens sessions leaves the streams that ran the pass before to the
+            # next, once in a row (`HostStreams.turn`).
+            turn = [s for s in turn if s.round == 0 or last_pass[s.id] != self.passes - 1]
         for session in turn:
             self.last_pass[session.id] = self.passes
         k = 0

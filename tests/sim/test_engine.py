@@ -264,3 +264,34 @@ def test_a_stream_that_ran_out_of_rounds_goes_on_without_a_word_to_the_device() 
     gaps = session.token_gaps_ms()
     # A pass each, and the downlink's jitter (+-8 ms) between two verdicts: never + 60 ms.
     assert max(gaps) < PASS_MS + 2 * 8.0 + 5.0
+
+
+def test_a_pass_that_opens_a_session_leaves_the_stream_under_way_to_the_next() -> None:
+    """As the verifier does (`HostStreams.turn`): the pass that prefills a new stream's prompt
+    runs without the stream that ran the pass before; that one joins the pass after."""
+    fleet = Fleet(make_calibration(), ["cpu"], seed=0)
+    verifier = fleet.verifiers[0]
+    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
+
+    def stream(name: str) -> Session:
+        session = Session(
+            id=name, device=device, task="chat", prompt_tokens=30, length=20, adaptive=True,
+            policy=m.Policy(mode=m.Mode.PLAIN, draft_model="hybrid", k=0),
+            opened_at=0.0, on_end=lambda _: None,
+        )  # fmt: skip
+        session.verifier = verifier
+        return session
+
+    rows: list[list[str]] = []
+    end_pass = verifier._end_pass
+
+    def recorded(batch: list[_Row], *args: Any) -> None:
+        rows.append([row.session.id for row in batch])
+        end_pass(batch, *args)
+
+    verifier._end_pass = recorded  # type: ignore[method-assign]
+    verifier.open_stream(stream("under-way"))
+    fleet.loop.run(until=fleet.loop.now + PASS_MS / 2)
+    verifier.open_stream(stream("opened"))
+    fleet.loop.run()
+    assert rows[:3] == [["under-way"], ["opened"], ["under-way", "opened"]]
