@@ -384,6 +384,7 @@ def table(document: dict[str, Any]) -> str:
         value = document[key]
         return "n/a" if value is None else f"{value:.1f}"
 
+    by_round = document.get("overhead_by_round_ms") or {}
     rows = [
         ["agents connected", f"{document['agents_connected']} / {document['agents']}"],
         ["coordinators / verifiers", f"{document['coordinators']} / {document['verifiers']}"],
@@ -415,7 +416,6 @@ def table(document: dict[str, Any]) -> str:
         ["overhead p99 ms", f"{document['overhead_ms_p99']:.2f}"],
         *(
             [f"  {name} p50 / p99 ms", f"{by_round[part]['p50']:.2f} / {by_round[part]['p99']:.2f}"]
-            for by_round in [document.get("overhead_by_round_ms") or {}]
             for part, name in (("first", "sessions' first rounds"), ("later", "later rounds"))
             if isinstance(by_round.get(part), dict) and by_round[part]["n"]
         ),

@@ -43,6 +43,7 @@ from netem.profiles import PROFILES, LinkShape
 from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierProfile
 from verifier.child import PROFILE_SHAPES
 from verifier.goodput import PRIOR_ACCEPT, GoodputControl, StreamRow
+from verifier.streams import pass_turn
 from verifier.worker import BATCH_WINDOW_MS, HEARTBEAT_S, STEPS_PER_CALL
 
 # A mode's name, as rounds are counted by it (Enum's .value is a descriptor call, every round).
@@ -493,13 +494,14 @@ class Verifier:
             ready = [s for s in self.streams.values() if s.id not in busy]
         else:
             ready = list(self.streams.values())
-        last_pass = self.last_pass
-        ready.sort(key=lambda s: last_pass[s.id])
-        turn = ready[: self.profile.max_batch - len(batch)]
-        if not batch and any(s.round == 0 for s in turn):
-            # A pass that opens sessions leaves the streams that ran the pass before to the
-            # next, once in a row (`HostStreams.turn`).
-            turn = [s for s in turn if s.round == 0 or last_pass[s.id] != self.passes - 1]
+        turn = pass_turn(
+            ready,
+            self.profile.max_batch - len(batch),
+            self.passes,
+            lambda s: self.last_pass[s.id],
+            lambda s: s.round == 0,
+            beside_device_rows=bool(batch),
+        )
         for session in turn:
             self.last_pass[session.id] = self.passes
         k = 0

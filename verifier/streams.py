@@ -12,12 +12,40 @@ from the same distribution: the lost one was never published).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from broker.messages import MAX_CLOUD_K, StreamSpec, VerifyRequest
 from inference.speculative import apply_stop_rules
 from verifier.goodput import PRIOR_ACCEPT, StreamRow
+
+S = TypeVar("S")
+
+
+def pass_turn(
+    ready: Sequence[S],
+    room: int,
+    pass_index: int,
+    last_pass: Callable[[S], int],
+    first_round: Callable[[S], bool],
+    beside_device_rows: bool,
+) -> list[S]:
+    """The streams of pass `pass_index` among `ready`: up to `room`, those that waited longest
+    first (by the pass that last ran them).
+
+    A pass of streams alone that opens sessions (their prompts prefilled one after another)
+    leaves the streams that ran the pass just before to the next one, where they join the
+    opened sessions' rows: run beside the prefills, they were a forward of their own (a lone
+    row's costs about 30 ms on this CPU, as much as 13 rows more in a batch), each wave of
+    sessions opening one more forward than plain serving, which prefills first and then decodes
+    every session together. A stream sits out at most one pass in a row; beside a device's
+    round none does, that forward running anyway. The verifier's rule (`HostStreams.turn`), and
+    the simulator's."""
+    chosen = sorted(ready, key=last_pass)[: max(0, room)]
+    if not beside_device_rows and any(first_round(s) for s in chosen):
+        chosen = [s for s in chosen if first_round(s) or last_pass(s) != pass_index - 1]
+    return chosen
 
 
 @dataclass
@@ -141,21 +169,18 @@ class HostStreams:
         return self.by_session.get(stream.session_id) is stream
 
     def turn(self, room: int, pass_index: int, busy: Iterable[str]) -> list[HostStream]:
-        """Up to `room` streams for this pass, those that waited longest first; a session
-        whose device-drafted round is in the pass already sits this one out.
-
-        A pass of streams alone that opens sessions (their prompts prefilled one after another)
-        leaves the streams that ran the pass just before to the next one, where they join the
-        opened sessions' rows: run beside the prefills, they were a forward of their own (a
-        lone row's costs about 30 ms on this CPU, as much as 13 rows more in a batch), each
-        wave of sessions opening one more forward than plain serving, which prefills first and
-        then decodes every session together. A stream sits out at most one pass in a row."""
+        """Up to `room` streams for this pass (`pass_turn`); a session whose device-drafted
+        round is in the pass already sits this one out."""
         taken = set(busy)
         ready = [s for s in self.by_session.values() if s.session_id not in taken]
-        ready.sort(key=lambda s: s.last_pass)
-        chosen = ready[: max(0, room)]
-        if not taken and any(stream.first_round for stream in chosen):
-            chosen = [s for s in chosen if s.first_round or s.last_pass != pass_index - 1]
+        chosen = pass_turn(
+            ready,
+            room,
+            pass_index,
+            lambda s: s.last_pass,
+            lambda s: s.first_round,
+            beside_device_rows=bool(taken),
+        )
         for stream in chosen:
             stream.last_pass = pass_index
         return chosen
