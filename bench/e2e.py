@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -213,6 +214,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an external broker instead of the private Mosquitto",
     )
     parser.add_argument("--database-url", metavar="URL", default=None, help="instead of SQLite")
+    parser.add_argument(
+        "--pass-trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write DIR/verifier.jsonl (a line per forward pass of the verifier's target: "
+        "`verifier --pass-trace`) and DIR/waves.jsonl (a line per wave: its run, start and end "
+        "on the same monotonic clock)",
+    )
     add_json_argument(parser, DEFAULT_JSON)
 
 
@@ -852,6 +862,32 @@ class WaveRunner:
     plain: PlainArm
     args: argparse.Namespace
 
+    def trace_wave(
+        self,
+        run: str,
+        number: int,
+        sessions: int,
+        started: float,
+        ended: float,
+        extra: dict[str, float] | None = None,
+    ) -> None:
+        """A line in the pass trace's waves.jsonl (with --pass-trace): a wave that ended, its
+        start and end as its wall time counts them (plain serving's: its own wall time, ending
+        now), and what plain serving's target computed in it."""
+        directory = getattr(self.args, "pass_trace", None)
+        if directory is None:
+            return
+        line = {
+            "run": run,
+            "wave": number,
+            "sessions": sessions,
+            "start": round(started, 6),
+            "end": round(ended, 6),
+            **(extra or {}),
+        }
+        with (directory / "waves.jsonl").open("a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+
     async def bus_wave(
         self,
         config: RunConfig,
@@ -913,12 +949,27 @@ async def run_level(
                     result.sessions += await runner.bus_wave(
                         config, wave, lambda: bar.update(1), concurrency
                     )
-                    result.wall_s += time.perf_counter() - started
+                    ended = time.perf_counter()
+                    result.wall_s += ended - started
+                    runner.trace_wave(config.label, number, len(wave), started, ended)
                     after = await target_counters(runner.probes.pool, time.time())
                     result.target.add(before, after)
                 else:
                     sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
                         wave, runner.args.max_tokens, concurrency
+                    )
+                    prefill_ms = sum(session["prefill_ms"] for session in sessions)
+                    runner.trace_wave(
+                        config.label,
+                        number,
+                        len(wave),
+                        time.perf_counter() - wall_s,
+                        time.perf_counter(),
+                        {
+                            "decode_passes": len(pass_ms),
+                            "decode_ms": sum(pass_ms),
+                            "prefill_ms": prefill_ms,
+                        },
                     )
                     result.sessions += sessions
                     result.wall_s += wall_s
@@ -1060,6 +1111,7 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
             ["bench-verifier"],
             workdir=workdir,
             external_broker=broker_url,
+            verifier_flags=_trace_flags(args.pass_trace),
         ) as fleet:
             placement = _place(fleet, server, shared=args.shared_cpus)
             probes = CoordinatorProbes(fleet.coordinator, hold_zero_window=args.bus_target_only)
@@ -1075,6 +1127,14 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
             zero = len(probes.zero_window_sessions)
         load_s = server.load_s or float("nan")
     return BenchRun(results, broker_url, settings.database_url, workdir, zero, load_s, placement)
+
+
+def _trace_flags(directory: Path | None) -> list[str]:
+    """The verifier's flags for --pass-trace DIR (made here: the verifier appends to it)."""
+    if directory is None:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    return ["--pass-trace", str((directory / "verifier.jsonl").resolve())]
 
 
 def _place(fleet: LocalFleet, server: PlainServer, *, shared: bool) -> str:

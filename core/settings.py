@@ -118,6 +118,9 @@ class Settings(BaseSettings):
     # A verifier offline this long is forgotten: dropped from the list, its retained status
     # cleared on the broker (verifiers with new ids each start would pile up there for good).
     verifier_forget_after_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    # A verifier's inference process appends one JSON line per forward pass here (its rows,
+    # positions, prefills and time, on the host's monotonic clock): `verifier --pass-trace`.
+    verifier_pass_trace: Path | None = None
     secret_key: str = ""
     # HTTP request bodies: the admin API's are small JSON; model release uploads get their own.
     http_max_body_bytes: int = Field(default=1024 * 1024, ge=1024)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import multiprocessing
 import os
@@ -63,6 +64,7 @@ class ChildConfig:
     cloud_drafts: bool = True  # draft cloud rounds with the drafters of the models directory
     profile: bool = True  # time a few pass shapes after loading, to seed the worker's cost model
     preload_drafters: bool = True  # load the cloud drafters' models while idle, not on first use
+    pass_trace: Path | None = None  # append a JSON line per pass here (PassTrace)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,50 @@ class ChildReply:
     stack_ms: float = 0.0
 
 
+class PassTrace:
+    """One JSON line per forward pass, appended to a file as the pass ends: `t` (the host's
+    monotonic clock at its start, the clock `time.perf_counter` reads in every process here, so
+    the lines line up with other processes' records), `rows`, `positions` (the widest row's: a
+    padded pass pays for it), `prefills` and `prefilled` (rows whose context was computed first,
+    and its positions), `draft_ms` (the host drafting inside it), `ms` and `steps` (a pass the
+    child ran on by itself). Where the target's time goes, pass by pass: what aggregates hide
+    (a pass of one row beside passes of fifteen, a prefill that ran alone)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", buffering=1, encoding="utf-8")  # a line at a time
+
+    def write(
+        self,
+        started: float,
+        requests: Sequence[VerifyRequest],
+        verifications: Sequence[Verification],
+        ms: float,
+        steps: bool,
+    ) -> None:
+        widest, prefills, prefilled, draft_ms = 1, 0, 0, 0.0
+        for request, verification in zip(requests, verifications, strict=False):
+            drafted = verification.draft_tokens
+            width = 1 + len(request.tokens if drafted is None else drafted)
+            widest = width if width > widest else widest
+            if verification.prefilled:
+                prefills += 1
+                prefilled += verification.prefilled
+            draft_ms += verification.draft_ms
+        line = {
+            "t": round(started, 6),
+            "rows": len(requests),
+            "positions": widest,
+            "prefills": prefills,
+            "prefilled": prefilled,
+            "draft_ms": round(draft_ms, 3),
+            "ms": round(ms, 3),
+            "steps": steps,
+            "rows_of": [f"{request.session_id[:8]}:{request.round}" for request in requests],
+        }
+        self._file.write(json.dumps(line) + "\n")
+
+
 def stacking_ms(runtime: Runtime) -> float:
     """The target's stacking time so far (0 for a runtime that does not count it)."""
     return float(getattr(runtime, "stack_ms", 0.0))
@@ -192,6 +238,7 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         _send_or_exit(conn, ChildFailed(f"{type(exc).__name__}: {exc}"))
         return
     _send_or_exit(conn, ready)
+    trace = None if config.pass_trace is None else PassTrace(config.pass_trace)
     replied = time.perf_counter()
     # The drafters' models load while no batch waits, one at a time: a batch that comes
     # meanwhile waits for one load at most.
@@ -218,14 +265,14 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         plan = batch if isinstance(batch, Steps) else None
         requests = batch.requests if isinstance(batch, Steps) else batch
         idle_ms = (time.perf_counter() - replied) * 1e3
-        verifications, compute_ms, stack_ms = timed_pass(core, runtime, requests)
+        verifications, compute_ms, stack_ms = timed_pass(core, runtime, requests, trace)
         reply = ChildReply(verifications, compute_ms, core.stats(), idle_ms, stack_ms)
         if not _send_or_exit(conn, reply):
             return
         if plan is not None:
             # Each pass's rounds go up as soon as it ends: the worker publishes them while the
             # next pass runs, as it does pass by pass.
-            for step in run_steps(core, runtime, plan, verifications, conn):
+            for step in run_steps(core, runtime, plan, verifications, conn, trace):
                 if not _send_or_exit(conn, step):
                     return
             if not _send_or_exit(conn, StepsEnd()):
@@ -234,14 +281,21 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
 
 
 def timed_pass(
-    core: VerifierCore, runtime: Runtime, requests: Sequence[VerifyRequest]
+    core: VerifierCore,
+    runtime: Runtime,
+    requests: Sequence[VerifyRequest],
+    trace: PassTrace | None = None,
+    steps: bool = False,
 ) -> tuple[list[Verification], float, float]:
     """One batch through the core: its verifications, the ms it took, and the ms of that spent
     stacking rows' caches."""
     t0 = time.perf_counter()
     stacked = stacking_ms(runtime)
     verifications = core.verify_batch(requests)
-    return verifications, (time.perf_counter() - t0) * 1e3, stacking_ms(runtime) - stacked
+    ms = (time.perf_counter() - t0) * 1e3
+    if trace is not None:
+        trace.write(t0, requests, verifications, ms, steps)
+    return verifications, ms, stacking_ms(runtime) - stacked
 
 
 def run_steps(
@@ -250,6 +304,7 @@ def run_steps(
     plan: Steps,
     first: Sequence[Verification],
     conn: Connection,
+    trace: PassTrace | None = None,
 ) -> Iterator[Step]:
     """The passes of `plan` after its first (whose rounds are `first`), each as it ends, until
     every row has stopped or the worker sends something down the pipe (read by the next
@@ -277,7 +332,9 @@ def run_steps(
                 going.append(row)
         if not going or conn.poll():
             return
-        last, compute_ms, stack_ms = timed_pass(core, runtime, [requests[row] for row in going])
+        last, compute_ms, stack_ms = timed_pass(
+            core, runtime, [requests[row] for row in going], trace, steps=True
+        )
         rows = going
         yield Step(tuple(going), last, compute_ms, stack_ms)
 

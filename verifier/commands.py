@@ -143,6 +143,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--models-dir", type=Path, default=None, help="models directory (default: from settings)"
     )
     parser.add_argument(
+        "--pass-trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per forward pass to FILE (its rows, positions, prefilled "
+        "rows and positions, ms, and the host's monotonic clock at its start): where the "
+        "target's time goes (default: settings' verifier_pass_trace, else none)",
+    )
+    parser.add_argument(
         "--database-url",
         default=None,
         metavar="URL",
@@ -210,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
                 max_sessions=args.max_sessions,
                 max_cache_mb=args.max_cache_mb,
                 cloud_drafts=not args.no_cloud_drafts,
+                pass_trace=args.pass_trace or settings.verifier_pass_trace,
             ),
         )
     except ValueError as exc:
