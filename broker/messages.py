@@ -467,6 +467,8 @@ class VerifierStatus(_Message):
     # prices rounds with them rather than with a fit of its own (None, {}: nothing reported).
     pass_cost: tuple[Milliseconds, Milliseconds, Milliseconds] | None = None
     draft_ms: dict[Name, Milliseconds] = Field(default_factory=dict, max_length=64)
+    # It takes StreamRedraft: a running stream's drafter changes without ending the stream.
+    redraft: bool = False
 
 
 MAX_STREAM_ROUNDS = 256
@@ -629,6 +631,28 @@ class StreamStop(_Message):
     session_id: SessionId
 
 
+class StreamRedraft(_Message):
+    """The coordinator's policy chose another host drafter (or none: plain decoding) for a
+    session whose stream runs: the verifier drafts the stream's rounds with it from its next
+    pass on, and the stream goes on. Ending the stream and opening the next cost the round the
+    verifier had run ahead (computed again) and a hop: each session that switched finished a
+    pass behind the others, a pass more for its wave. Sent only to a verifier whose status says
+    `redraft`."""
+
+    type: Literal["stream_redraft"] = "stream_redraft"
+    request_id: str = Field(min_length=1, max_length=64)  # the stream's opening request
+    session_id: SessionId
+    cloud_draft: Name | None = None  # None: plain decoding (no window)
+    cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
+    alpha: Probability | None = None  # the coordinator's acceptance estimate for the drafter
+
+    @model_validator(mode="after")
+    def _drafter_and_window(self) -> StreamRedraft:
+        if (self.cloud_draft is None) != (self.cloud_k is None):
+            raise ValueError("cloud_draft and cloud_k come together (neither: plain decoding)")
+        return self
+
+
 class VerifyResult(_Message):
     type: Literal["verify_result"] = "verify_result"
     request_id: str = Field(min_length=1, max_length=64)
@@ -653,6 +677,10 @@ class VerifyResult(_Message):
     # A host stream's round: the pass's choice of window, and whether the stream ends with it.
     pass_choice: PassChoice | None = None
     stream_ends: bool = False
+    # A host stream's round, from a verifier that redrafts streams: the drafter the stream had
+    # for this round (None: plain decoding), which a StreamRedraft may have changed since the
+    # stream opened (the coordinator reads it once it has sent one).
+    stream_draft: Name | None = None
     # Asked for by the request (`want_features`): as Verdict.features, at the position whose
     # logits chose next_token.
     features: Features | None = None
@@ -754,6 +782,7 @@ Message: TypeAlias = (
     | VerifyRequest
     | VerifyResult
     | StreamStop
+    | StreamRedraft
     | SessionLease
     | LeaseEnd
     | LeaseAck
@@ -777,6 +806,7 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
         VerifyRequest,
         VerifyResult,
         StreamStop,
+        StreamRedraft,
         SessionLease,
         LeaseEnd,
         LeaseAck,

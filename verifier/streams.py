@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from broker.messages import MAX_CLOUD_K, StreamSpec, VerifyRequest
+from broker.messages import MAX_CLOUD_K, StreamRedraft, StreamSpec, VerifyRequest
 from inference.speculative import apply_stop_rules
 from verifier.goodput import PRIOR_ACCEPT, StreamRow
 
@@ -61,6 +61,9 @@ class HostStream:
     rounds_done: int = 0
     last_pass: int = -1  # the pass that last ran a round of it, for fair turns
     finished: bool = False  # its session's answer ended (eos or max_new), not just the stream
+    # A drafter the coordinator chose since (StreamRedraft), taken at the stream's next turn:
+    # the rounds of a pass in flight keep the drafter they were drafted with.
+    redraft: StreamRedraft | None = None
 
     @classmethod
     def open(cls, request: VerifyRequest, received_at: float) -> HostStream:
@@ -76,6 +79,21 @@ class HostStream:
     @property
     def session_id(self) -> str:
         return self.opening.session_id
+
+    @property
+    def draft(self) -> str | None:
+        """The drafter of its rounds now (None: plain decoding)."""
+        return self.opening.cloud_draft
+
+    def take_redraft(self) -> None:
+        """The drafter chosen since its last turn, from this round on."""
+        redraft, self.redraft = self.redraft, None
+        if redraft is None:
+            return
+        self.opening = self.opening.model_copy(
+            update={"cloud_draft": redraft.cloud_draft, "cloud_k": redraft.cloud_k}
+        )
+        self.spec = self.spec.model_copy(update={"alpha": redraft.alpha})
 
     @property
     def request_id(self) -> str:
@@ -165,6 +183,15 @@ class HostStreams:
             return None
         return self.by_session.pop(session_id)
 
+    def redraft(self, message: StreamRedraft) -> HostStream | None:
+        """Give a stream the drafter the coordinator chose, from its next turn on; None when no
+        stream of that request runs (it ended meanwhile)."""
+        stream = self.by_session.get(message.session_id)
+        if stream is None or stream.request_id != message.request_id:
+            return None
+        stream.redraft = message
+        return stream
+
     def is_current(self, stream: HostStream) -> bool:
         return self.by_session.get(stream.session_id) is stream
 
@@ -183,4 +210,5 @@ class HostStreams:
         )
         for stream in chosen:
             stream.last_pass = pass_index
+            stream.take_redraft()
         return chosen

@@ -34,6 +34,7 @@ from broker.messages import (
     Message,
     PassChoice,
     SessionLease,
+    StreamRedraft,
     StreamStop,
     VerifierStatus,
     VerifyRequest,
@@ -272,6 +273,7 @@ class VerifierWorker:
             positions=self.counters.positions,
             pass_cost=self.goodput.cost.coefficients if self.goodput.cost.samples else None,
             draft_ms=self.goodput.timed_drafts(),
+            redraft=True,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -344,11 +346,20 @@ class VerifierWorker:
                         log.debug("stream of %s stopped", message.session_id)
                         self.child.interrupt()
                     continue
+                if isinstance(message, StreamRedraft):
+                    if self.streams.redraft(message) is None:
+                        log.debug("no stream %s to redraft", message.request_id)
+                    elif message.cloud_draft is not None:
+                        # Rounds run on plainly in the child stop, so that the next pass weighs
+                        # the new drafter's windows.
+                        self.child.interrupt()
+                    continue
                 if isinstance(message, SessionLease | LeaseEnd):
                     self._on_lease_message(message)
                     continue
                 if not isinstance(message, VerifyRequest):
-                    raise BusError(f"expected verify_request or stream_stop, got {message.type}")
+                    expected = "verify_request, stream_stop or stream_redraft"
+                    raise BusError(f"expected {expected}, got {message.type}")
                 request = message
             except BusError as exc:
                 self.counters.refused += 1
@@ -587,7 +598,7 @@ class VerifierWorker:
         together in the pass (a feature head steps them all in one call)."""
         drafted: dict[str, tuple[int, int, float]] = {}  # drafter -> rows, window, ms
         for stream, request, verification in zip(turn, requests, verifications, strict=True):
-            draft, window = stream.opening.cloud_draft, request.cloud_k or 0
+            draft, window = stream.draft, request.cloud_k or 0
             if draft is None or window <= 0 or verification.error:
                 continue
             rows, widest, ms = drafted.get(draft, (0, 0, 0.0))
@@ -676,9 +687,9 @@ class VerifierWorker:
         goes_on = False
         if verification is not None and not error and verification.next_token is not None:
             drafted = verification.draft_tokens or ()
-            if stream.opening.cloud_draft is not None and window:
+            if stream.draft is not None and window:
                 self.goodput.observe_round(
-                    stream.opening.cloud_draft,
+                    stream.draft,
                     stream.spec.task_type,
                     window,
                     len(drafted),
@@ -713,6 +724,7 @@ class VerifierWorker:
             draft_ms=verification.draft_ms if verification is not None else 0.0,
             pass_choice=_row_choice(stream, choice, window),
             stream_ends=not goes_on,
+            stream_draft=stream.draft,
         )
         if result.error:
             self.counters.failed += 1

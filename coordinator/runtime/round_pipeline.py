@@ -201,6 +201,7 @@ class RoundPipeline(DirectRounds):
         while self._hosted(live) and failures < STREAM_ATTEMPTS:
             request = self._stream_request(live)
             stream = self.pool.stream(request)
+            draft, redrafted = request.cloud_draft, False
             try:
                 async for result in stream:
                     async with live.lock:
@@ -208,19 +209,24 @@ class RoundPipeline(DirectRounds):
                             return  # closed, moved back to distributed, or taken over
                         live.in_flight_round = result.round
                         try:
-                            goes_on = await self._commit_streamed(live, request, result)
+                            ran = result.stream_draft if redrafted else request.cloud_draft
+                            goes_on = await self._commit_streamed(live, request, result, ran)
                         finally:
                             live.in_flight_round = None
                     failures = 0
                     if not goes_on:
                         return
-                    if self._stream_draft(live) != request.cloud_draft:
-                        # The policy chose another host drafter (or none): a stream keeps the
-                        # drafter it opened with, so this one ends here (the verifier is told
-                        # to stop; what it ran ahead is computed again) and the next opens
-                        # with the choice. Kept to the stream's end, a choice made within it
-                        # waited up to 64 rounds: a whole answer.
-                        break
+                    if self._stream_draft(live) != draft:
+                        # The policy chose another host drafter (or none): the verifier drafts
+                        # the stream's next pass with it (its rounds name the drafter they ran
+                        # with). One that cannot has the stream end here (what it ran ahead is
+                        # computed again: a pass more for the session) and the next open with
+                        # the choice. Kept to the stream's end, a choice made within it waited
+                        # up to 64 rounds: a whole answer.
+                        draft, cloud_k, alpha = self._stream_window(live)
+                        if not await self.pool.redraft(live.id, draft, cloud_k or None, alpha):
+                            break
+                        redrafted = True
             except StreamLost as exc:
                 failures += 1
                 log.warning("stream of %s broke off at round %d: %s", live.id, live.next_round, exc)
@@ -247,7 +253,9 @@ class RoundPipeline(DirectRounds):
         cloud = policy.mode is m.Mode.CLOUD and min(policy.k, m.MAX_CLOUD_K) > 0
         return policy.draft_model if cloud else None
 
-    def _stream_request(self, live: LiveSession) -> m.VerifyRequest:
+    def _stream_window(self, live: LiveSession) -> tuple[str | None, int, float | None]:
+        """A stream's drafter (None: plain rounds), its cap (0 with none) and the coordinator's
+        acceptance estimate for it, from the session's policy now."""
         policy = live.policy
         draft = self._stream_draft(live)
         cloud_k = min(policy.k, m.MAX_CLOUD_K) if draft is not None else 0
@@ -259,6 +267,10 @@ class RoundPipeline(DirectRounds):
         alpha = None
         if live.policy_task is not None and cloud_k:
             alpha = self.policy.alpha(live.device_id, policy.draft_model, live.policy_task)
+        return draft, cloud_k, alpha
+
+    def _stream_request(self, live: LiveSession) -> m.VerifyRequest:
+        draft, cloud_k, alpha = self._stream_window(live)
         return m.VerifyRequest(
             request_id="pending",
             session_id=live.id,
@@ -279,12 +291,17 @@ class RoundPipeline(DirectRounds):
         )
 
     async def _commit_streamed(
-        self, live: LiveSession, request: m.VerifyRequest, result: m.VerifyResult
+        self,
+        live: LiveSession,
+        request: m.VerifyRequest,
+        result: m.VerifyResult,
+        stream_draft: str | None,
     ) -> bool:
+        """A streamed round committed; `stream_draft`: the stream's drafter for it."""
         drafted = result.draft_tokens or ()
         row = self._round_row(live, result.round, result.base_len, result)
         row.draft_tokens = list(drafted)
-        row.draft_model = request.cloud_draft if drafted else None
+        row.draft_model = stream_draft if drafted else None
         row.q_ids = [list(r) for r in result.q_ids] if result.q_ids else None
         row.q_probs = [list(r) for r in result.q_probs] if result.q_probs else None
         window = result.pass_choice.k if result.pass_choice is not None else len(drafted)
@@ -292,7 +309,7 @@ class RoundPipeline(DirectRounds):
         row.k = len(drafted)
         # Plain: no drafter was asked for, or the pass chose none (a fixed window cut to 0 at
         # the end of the output is still the session's cloud mode).
-        plain = request.cloud_draft is None or (adaptive and window == 0)
+        plain = stream_draft is None or (adaptive and window == 0)
         row.mode = m.Mode.PLAIN if plain else m.Mode.CLOUD
         row.t_draft_ms = result.draft_ms
         row.t_queue_ms = result.queue_ms

@@ -314,6 +314,29 @@ class VerifierPool:
                 except Exception as exc:  # the stream ends anyway with the stream's rounds
                     log.debug("could not stop stream %s: %s", attempt.request_id, exc)
 
+    async def redraft(
+        self, session_id: str, cloud_draft: str | None, cloud_k: int | None, alpha: float | None
+    ) -> bool:
+        """Give the session's running stream another drafter (None: plain decoding) from the
+        verifier's next pass on (StreamRedraft). False where its verifier does not take one or
+        no stream of it runs: the caller ends the stream and opens the next."""
+        for info in self.live():
+            for request_id, pending in info.streams.items():
+                if pending.request.session_id != session_id:
+                    continue
+                if not info.status.redraft:
+                    return False
+                redraft = m.StreamRedraft(
+                    request_id=request_id,
+                    session_id=session_id,
+                    cloud_draft=cloud_draft,
+                    cloud_k=cloud_k if cloud_draft is not None else None,
+                    alpha=alpha,
+                )
+                await self._send_work(info.verifier_id, redraft)
+                return True
+        return False
+
     async def _while_busy(
         self, info: VerifierInfo, wait: Callable[[], Awaitable[T]], request: m.VerifyRequest
     ) -> T:

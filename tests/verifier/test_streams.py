@@ -9,7 +9,14 @@ import pytest
 from test_worker import run_with_worker
 from verifier_helpers import BusListener, greedy_reference, prompt_ids, target_pair
 
-from broker.messages import StreamSpec, StreamStop, VerifyRequest, VerifyResult, encode
+from broker.messages import (
+    StreamRedraft,
+    StreamSpec,
+    StreamStop,
+    VerifyRequest,
+    VerifyResult,
+    encode,
+)
 from broker.mosquitto import PrivateMosquitto
 from verifier.streams import HostStream, HostStreams
 from verifier.worker import VerifierWorker
@@ -212,3 +219,64 @@ def test_a_stream_under_way_joins_the_pass_after_a_new_sessions_prefill(
         assert committed(second) == list(greedy_reference(2, MAX_NEW))
 
     run_with_worker(mosquitto, body)
+
+
+@pytest.mark.parametrize(
+    ("first", "then"), [(None, "lookup"), ("hybrid", None), ("hybrid", "lookup")]
+)
+def test_a_redraft_changes_a_running_streams_drafter_in_place(
+    mosquitto: PrivateMosquitto, first: str | None, then: str | None
+) -> None:
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        assert (await listener.status(lambda s: s.redraft)).redraft
+        request = stream_request(3, first, max_new=40, adaptive=False)
+        await listener.client.publish(worker.work_topic, encode(request))
+        while len(listener.streamed.get(request.request_id, [])) < 3:
+            await asyncio.sleep(0.005)
+        redraft = StreamRedraft(
+            request_id=request.request_id,
+            session_id=request.session_id,
+            cloud_draft=then,
+            cloud_k=None if then is None else 2,
+        )
+        await listener.client.publish(worker.work_topic, encode(redraft))
+        rounds = await listener.stream_end(request.request_id)
+        # One stream, every round once, in order: nothing run again, nothing skipped.
+        assert [r.round for r in rounds] == list(range(len(rounds)))
+        assert committed(rounds)[:40] == list(greedy_reference(3, 40))
+        # Each round names the stream's drafter for it: the first, then the new one from a pass
+        # after the redraft came, never the first again.
+        drafts = [r.stream_draft for r in rounds]
+        switched = drafts.index(then)
+        assert switched >= 3 and set(drafts[:switched]) == {first}
+        assert set(drafts[switched:]) == {then}, drafts
+        # Its windows are the new drafter's: none for plain decoding, else the new cap of 2 (a
+        # fixed window; the lookup may propose fewer tokens than it allows).
+        windows = [r.pass_choice.k for r in rounds[switched:]]  # type: ignore[union-attr]
+        if then is None:
+            assert set(windows) == {0} and all(not r.draft_tokens for r in rounds[switched:])
+        else:
+            assert max(windows) == 2 and windows.count(2) >= len(windows) - 2, windows
+        assert len(worker.streams) == 0
+
+    run_with_worker(mosquitto, body)
+
+
+def test_a_redraft_for_a_stream_that_ended_changes_nothing() -> None:
+    streams = HostStreams()
+    request = stream_request(1, "hybrid")
+    stream = HostStream.open(request, 0.0)
+    streams.open(stream)
+    other = StreamRedraft(
+        request_id=uuid.uuid4().hex, session_id=request.session_id, cloud_draft=None
+    )
+    assert streams.redraft(other) is None  # another request's stream (a stale message)
+    redraft = StreamRedraft(
+        request_id=request.request_id, session_id=request.session_id, cloud_draft=None
+    )
+    assert streams.redraft(redraft) is stream
+    assert stream.draft == "hybrid"  # until its next turn: a pass in flight keeps its drafter
+    assert streams.turn(4, 1, ()) == [stream]
+    assert (stream.draft, stream.cap, stream.row().draft) == (None, 0, None)
+    streams.stop(request.session_id)
+    assert streams.redraft(redraft) is None
