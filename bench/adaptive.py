@@ -50,8 +50,6 @@ from core.report import add_json_argument, format_table, write_json
 from localfleet.prompts import BenchPrompt, read_prompts
 
 if TYPE_CHECKING:
-    import httpx
-
     from localfleet.fleet import LocalFleet
     from netem import NetworkEmulator
 
@@ -308,7 +306,6 @@ def _round_modes(fleet: LocalFleet, session_id: str) -> list[str]:
 
 async def run_phase(
     fleet: LocalFleet,
-    client: httpx.AsyncClient,
     config: Config,
     link: NetworkEmulator,
     phase: str,
@@ -321,7 +318,7 @@ async def run_phase(
     async def one(prompt: BenchPrompt) -> dict[str, Any]:
         request = config.request(prompt, args.max_tokens)
         label = f"{phase} {config.name} {prompt.id}"
-        summary = await ask_one(client, port, request, label, SESSION_TIMEOUT_S)
+        summary = await ask_one(port, request, label, SESSION_TIMEOUT_S)
         modes = await asyncio.to_thread(_round_modes, fleet, summary["session_id"])
         return {**summary, "prompt_id": prompt.id, "task": prompt.task, "round_modes": modes}
 
@@ -363,7 +360,6 @@ def _start_agent(fleet: LocalFleet, config: Config, broker_url: str, runtime: st
 async def run_trace(
     args: argparse.Namespace, configs: list[Config], phase_work: list[list[BenchPrompt]]
 ) -> Trace:
-    import httpx
     from tqdm import tqdm
 
     from broker.mosquitto import PrivateMosquitto
@@ -411,7 +407,6 @@ async def run_trace(
                 url = f"mqtt://127.0.0.1:{links[config.name].port}"
                 _start_agent(fleet, config, url, "onnx" if neural else "none")
             await fleet.wait_agents(time.monotonic() + START_TIMEOUT_S)
-            client = await stack.enter_async_context(httpx.AsyncClient())
             total = len(configs) * (len(trace.phases) + 1)
             with tqdm(total=total, desc="adaptive trace", unit="run", file=sys.stderr) as bar:
                 # Warm-up on the LAN: drafters loaded on the devices and on the verifier host.
@@ -419,7 +414,6 @@ async def run_trace(
                 await asyncio.gather(
                     *(
                         ask_one(
-                            client,
                             fleet.agent_ports[c.device_id],
                             c.request(warm[0], WARMUP_TOKENS),
                             f"warm-up {c.name}",
@@ -439,9 +433,7 @@ async def run_trace(
                     for config in configs[shift:] + configs[:shift]:
                         bar.set_postfix_str(f"{phase}: {config.name}")
                         trace.runs.append(
-                            await run_phase(
-                                fleet, client, config, links[config.name], phase, prompts, args
-                            )
+                            await run_phase(fleet, config, links[config.name], phase, prompts, args)
                         )
                         bar.update(1)
     return trace

@@ -88,8 +88,6 @@ from core.report import add_json_argument, format_table, median, percentile, wri
 from localfleet.prompts import BenchPrompt, read_prompts
 
 if TYPE_CHECKING:
-    import httpx
-
     from bench.plain_serving import PlainServer
     from broker import messages as m
     from coordinator.db.models import Round, SessionStatus
@@ -110,6 +108,7 @@ AGENT_NICENESS = 10  # the device processes yield the shared CPUs to the cloud s
 NEURAL_PROACTIVE_DRAFTER = "hybrid+draft-l1"
 SESSIONS_PER_AGENT = 8  # concurrent sessions one agent is asked to run at most
 SESSION_TIMEOUT_S = 600.0
+LOCAL_HOST = "127.0.0.1"  # the agents' local APIs
 WARMUP_TOKENS = 8
 # Goals of the issue, all against plain serving: adaptive never slower at any level, and faster
 # where the verifier has compute to spare for drafted tokens; the overhead budget per round.
@@ -792,16 +791,32 @@ def session_request(
 
 
 async def ask_one(
-    client: httpx.AsyncClient,
     port: int,
     request: dict[str, Any],
     label: str,
     timeout_s: float = SESSION_TIMEOUT_S,
 ) -> dict[str, Any]:
-    """One session through an agent's local API; an error unless it finished."""
-    from localfleet.demo import ask
+    """One session through an agent's local API; an error unless it finished.
 
-    summary = await asyncio.wait_for(ask(client, port, request, label, False), timeout_s)
+    Through the agent's own client (`stream_session`: asyncio streams, a line read per event),
+    not httpx: the benchmark's coordinator shares this process's loop and CPU with the load
+    generator, which read every token's event of every session (768 a wave of 16) and sent a
+    wave's requests 17-30 ms into it, holding the opens back; on a device the client is the
+    device's app, on the device's own CPU."""
+    from device_agent.local_api import ApiError, stream_session
+
+    async def answer() -> dict[str, Any]:
+        async for event in stream_session(LOCAL_HOST, port, request):
+            if event.event == "done":
+                return event.data
+            if event.event == "error":
+                raise RuntimeError(f"{label}: {event.data}")
+        raise RuntimeError(f"{label}: the agent's stream ended without an answer")
+
+    try:
+        summary = await asyncio.wait_for(answer(), timeout_s)
+    except ApiError as exc:
+        raise RuntimeError(f"{label}: agent refused the session: {exc.reason}") from None
     if summary.get("status") != "finished":
         raise RuntimeError(f"{label}: session ended {summary.get('status')}: {summary}")
     return summary
@@ -858,7 +873,6 @@ class WaveRunner:
 
     fleet: LocalFleet
     probes: CoordinatorProbes
-    client: httpx.AsyncClient
     plain: PlainArm
     args: argparse.Namespace
 
@@ -906,7 +920,7 @@ class WaveRunner:
             label = f"{config.label} {device_id} {prompt.id}"
             port = self.fleet.agent_ports[device_id]
             async with slots:
-                summary = await ask_one(self.client, port, request, label)
+                summary = await ask_one(port, request, label)
             on_done()
             return {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
 
@@ -1032,9 +1046,7 @@ async def warm_up(runner: WaveRunner, prompt: BenchPrompt, configs: Sequence[Run
                 continue
             for device_id, port in runner.fleet.agent_ports.items():
                 request = session_request(prompt, config, runner.args, WARMUP_TOKENS)
-                jobs.append(
-                    ask_one(runner.client, port, request, f"warm-up {device_id} {config.label}")
-                )
+                jobs.append(ask_one(port, request, f"warm-up {device_id} {config.label}"))
         await asyncio.gather(*jobs)
     runner.probes.holding_zero_window = False
 
@@ -1051,8 +1063,6 @@ class BenchRun:
 
 
 async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> BenchRun:
-    import httpx
-
     from bench.plain_serving import PlainServer
     from broker.mosquitto import PrivateMosquitto
     from core.settings import Settings
@@ -1115,14 +1125,11 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
         ) as fleet:
             placement = _place(fleet, server, shared=args.shared_cpus)
             probes = CoordinatorProbes(fleet.coordinator, hold_zero_window=args.bus_target_only)
-            async with httpx.AsyncClient() as client:
-                runner = WaveRunner(fleet, probes, client, plain, args)
-                await warm_up(runner, prompts[0], [c for configs in plans for c in configs])
-                for configs in plans:
-                    work = level_work(prompts, configs[0].sessions, args.waves)
-                    results += await run_level(
-                        runner, configs, work, steady=args.arrivals == "steady"
-                    )
+            runner = WaveRunner(fleet, probes, plain, args)
+            await warm_up(runner, prompts[0], [c for configs in plans for c in configs])
+            for configs in plans:
+                work = level_work(prompts, configs[0].sessions, args.waves)
+                results += await run_level(runner, configs, work, steady=args.arrivals == "steady")
             await count_round_modes(fleet.coordinator, results)
             zero = len(probes.zero_window_sessions)
         load_s = server.load_s or float("nan")
