@@ -4,14 +4,16 @@ its limit or its end token, and anything the worker sends down the pipe stops th
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+from pathlib import Path
 
 from verifier_helpers import greedy_reference, make_request, prompt_ids
 
 from broker.messages import VerifyRequest
 from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
-from verifier.child import Interrupt, Steps, run_steps
+from verifier.child import Interrupt, PassTrace, Steps, run_steps, timed_pass
 from verifier.core import VerifierCore
 
 Target = tuple[OnnxRuntime, ChatTokenizer]
@@ -69,3 +71,26 @@ def test_anything_down_the_pipe_stops_the_run_and_is_left_for_the_next_receive(
     theirs.send(Interrupt())
     assert list(run_steps(core, runtime, plan, first, ours)) == []
     assert isinstance(ours.recv(), Interrupt)
+
+
+def test_the_pass_trace_has_a_line_per_pass_with_its_rows(target: Target, tmp_path: Path) -> None:
+    runtime, _ = target
+    core = VerifierCore(runtime)
+    requests = plain_rounds((1, 3), "trace")
+    trace = PassTrace(tmp_path / "passes.jsonl")
+    first, _, _ = timed_pass(core, runtime, requests, trace)
+    ours, _theirs = multiprocessing.Pipe()
+    steps = list(
+        run_steps(core, runtime, Steps(requests, (3, 3), (None, None)), first, ours, trace)
+    )
+    lines = [json.loads(line) for line in (tmp_path / "passes.jsonl").read_text().splitlines()]
+    assert len(lines) == 1 + len(steps) == 3
+    opening, *ran = lines
+    # The first pass prefilled both prompts (their rounds 0); the run-on passes are steps.
+    assert (opening["rows"], opening["prefills"], opening["steps"]) == (2, 2, False)
+    assert opening["prefilled"] == sum(len(prompt_ids(p)) - 1 for p in (1, 3))
+    assert opening["rows_of"] == [f"{r.session_id[:8]}:0" for r in requests]
+    for number, line in enumerate(ran, start=1):
+        assert (line["rows"], line["prefills"], line["positions"], line["steps"]) == (2, 0, 1, True)
+        assert [row.split(":")[1] for row in line["rows_of"]] == [str(number)] * 2
+        assert line["ms"] > 0 and line["t"] > opening["t"]
