@@ -326,6 +326,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--broker must be an mqtt:// or mqtts:// URL, got {args.broker!r}")
     if not args.prompts.is_file():
         raise CommandError(f"no prompts file {args.prompts}")
+    if args.pass_trace is not None:
+        try:
+            args.pass_trace.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CommandError(f"--pass-trace {args.pass_trace}: {exc.strerror or exc}") from None
 
 
 def resolve_drafters(args: argparse.Namespace, models_dir: Path) -> list[str]:
@@ -1137,10 +1142,9 @@ async def run_bench(args: argparse.Namespace, prompts: list[BenchPrompt]) -> Ben
 
 
 def _trace_flags(directory: Path | None) -> list[str]:
-    """The verifier's flags for --pass-trace DIR (made here: the verifier appends to it)."""
+    """The verifier's flags for --pass-trace DIR (made by `check_arguments`)."""
     if directory is None:
         return []
-    directory.mkdir(parents=True, exist_ok=True)
     return ["--pass-trace", str((directory / "verifier.jsonl").resolve())]
 
 

@@ -238,7 +238,12 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         _send_or_exit(conn, ChildFailed(f"{type(exc).__name__}: {exc}"))
         return
     _send_or_exit(conn, ready)
-    trace = None if config.pass_trace is None else PassTrace(config.pass_trace)
+    trace = None
+    if config.pass_trace is not None:
+        try:
+            trace = PassTrace(config.pass_trace)
+        except OSError:  # the worker checked it; a disk that went away costs the trace only
+            log.exception("no pass trace: %s cannot be appended to", config.pass_trace)
     replied = time.perf_counter()
     # The drafters' models load while no batch waits, one at a time: a batch that comes
     # meanwhile waits for one load at most.

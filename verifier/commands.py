@@ -161,6 +161,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_pass_trace(path: Path | None) -> None:
+    """Refuse, before any process starts, a pass trace that cannot be appended to."""
+    from core.errors import CommandError
+
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise CommandError(f"--pass-trace {path}: {exc.strerror or exc}") from None
+
+
 def _check_target(args: argparse.Namespace, settings: Settings) -> None:
     """Refuse, before any process starts, a provider this machine lacks or an unbuilt target."""
     from core.errors import CommandError
@@ -202,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.heartbeat_s > 0:
         raise CommandError(f"--heartbeat-s must be > 0, got {args.heartbeat_s}")
     _check_target(args, settings)
+    _check_pass_trace(args.pass_trace or settings.verifier_pass_trace)
     try:
         address = BrokerAddress.from_url(args.broker_url or settings.broker_url)
         config = WorkerConfig(

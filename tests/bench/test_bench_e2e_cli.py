@@ -54,6 +54,17 @@ def test_a_prompts_file_that_is_not_jsonl_is_refused(
     assert "\n" not in err
 
 
+def test_a_pass_trace_directory_that_cannot_be_made_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["bench", "e2e", "--pass-trace", str(blocker / "trace")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"specfleet bench: --pass-trace {blocker / 'trace'}: "), err
+    assert "\n" not in err
+
+
 @pytest.mark.parametrize("arguments", [["--limit", "many"], ["--sessions"], ["--no-such-flag"]])
 def test_malformed_flags_are_refused_by_the_parser(arguments: list[str]) -> None:
     with pytest.raises(SystemExit) as exited:

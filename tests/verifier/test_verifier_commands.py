@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specfleet.cli import main
@@ -55,3 +57,14 @@ def test_cuda_is_refused_where_onnxruntime_has_no_cuda_provider(
     err = capsys.readouterr().err.strip()
     assert err.startswith("specfleet verifier: provider cuda: this onnxruntime has no ")
     assert "CUDAExecutionProvider" in err and "\n" not in err
+
+
+def test_a_pass_trace_that_cannot_be_written_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["verifier", "--pass-trace", str(blocker / "passes.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"specfleet verifier: --pass-trace {blocker / 'passes.jsonl'}: ")
+    assert "\n" not in err
