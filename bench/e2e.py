@@ -804,10 +804,10 @@ async def ask_one(
     """One session through an agent's local API; an error unless it finished.
 
     Through the agent's own client (`stream_session`: asyncio streams, a line read per event),
-    not httpx: the benchmark's coordinator shares this process's loop and CPU with the load
-    generator, which read every token's event of every session (768 a wave of 16) and sent a
-    wave's requests 17-30 ms into it, holding the opens back; on a device the client is the
-    device's app, on the device's own CPU."""
+    not httpx: the benchmark's coordinator shares this process's loop and CPU with this load
+    generator, which reads every token's event of every session (768 a wave of 16), and through
+    httpx sent a wave's 16 requests 17-30 ms into it, holding the opens back. On a device the
+    client is the device's app, on the device's own CPU."""
     from device_agent.local_api import ApiError, stream_session
 
     async def answer() -> dict[str, Any]:
@@ -978,12 +978,13 @@ async def run_level(
                         wave, runner.args.max_tokens, concurrency
                     )
                     prefill_ms = sum(session["prefill_ms"] for session in sessions)
+                    now = time.perf_counter()
                     runner.trace_wave(
                         config.label,
                         number,
                         len(wave),
-                        time.perf_counter() - wall_s,
-                        time.perf_counter(),
+                        now - wall_s,
+                        now,
                         {
                             "decode_passes": len(pass_ms),
                             "decode_ms": sum(pass_ms),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import TextIO
 
 from broker.messages import VerifyRequest
 from core.aio import timeout
@@ -137,13 +138,16 @@ class PassTrace:
     monotonic clock at its start, the clock `time.perf_counter` reads in every process here, so
     the lines line up with other processes' records), `rows`, `positions` (the widest row's: a
     padded pass pays for it), `prefills` and `prefilled` (rows whose context was computed first,
-    and its positions), `draft_ms` (the host drafting inside it), `ms` and `steps` (a pass the
-    child ran on by itself). Where the target's time goes, pass by pass: what aggregates hide
-    (a pass of one row beside passes of fifteen, a prefill that ran alone)."""
+    and its positions), `draft_ms` (the host drafting inside it), `ms`, `steps` (a pass the
+    child ran on by itself) and `rows_of` (each row's session, by the first 8 characters of its
+    id, and round: "3f2a9c1e:12"). Where the target's time goes, pass by pass: what aggregates
+    hide (a pass of one row beside passes of fifteen, a prefill that ran alone, a round run
+    twice). A write that fails (a full disk) ends the trace, not the pass."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", buffering=1, encoding="utf-8")  # a line at a time
+        self.path = path
+        self._file: TextIO | None = path.open("a", buffering=1, encoding="utf-8")  # by line
 
     def write(
         self,
@@ -153,6 +157,8 @@ class PassTrace:
         ms: float,
         steps: bool,
     ) -> None:
+        if self._file is None:
+            return
         widest, prefills, prefilled, draft_ms = 1, 0, 0, 0.0
         for request, verification in zip(requests, verifications, strict=False):
             drafted = verification.draft_tokens
@@ -173,7 +179,11 @@ class PassTrace:
             "steps": steps,
             "rows_of": [f"{request.session_id[:8]}:{request.round}" for request in requests],
         }
-        self._file.write(json.dumps(line) + "\n")
+        try:
+            self._file.write(json.dumps(line) + "\n")
+        except OSError:
+            log.exception("pass trace %s stopped: a line could not be written", self.path)
+            self._file = None
 
 
 def stacking_ms(runtime: Runtime) -> float:

@@ -147,9 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="append one JSON line per forward pass to FILE (its rows, positions, prefilled "
-        "rows and positions, ms, and the host's monotonic clock at its start): where the "
-        "target's time goes (default: settings' verifier_pass_trace, else none)",
+        help="append one JSON line per forward pass to FILE (its rows by session and round, "
+        "positions, prefilled rows and positions, ms, and the host's monotonic clock at its "
+        "start): where the target's time goes (default: settings' verifier_pass_trace, else "
+        "none)",
     )
     parser.add_argument(
         "--database-url",
