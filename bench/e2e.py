@@ -893,7 +893,7 @@ class WaveRunner:
         """A line in the pass trace's waves.jsonl (with --pass-trace): a wave that ended, its
         start and end as its wall time counts them (plain serving's: its own wall time, ending
         now), and what plain serving's target computed in it."""
-        directory = getattr(self.args, "pass_trace", None)
+        directory = self.args.pass_trace
         if directory is None:
             return
         line = {

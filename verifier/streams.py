@@ -103,7 +103,7 @@ class HostStream:
     def cap(self) -> int:
         """The widest window of its next round: the stream's cap, cut so that the accepted
         tokens plus the target's own fit in what the session may still generate."""
-        if self.opening.cloud_draft is None or self.opening.cloud_k is None:
+        if self.draft is None or self.opening.cloud_k is None:
             return 0
         left = self.spec.max_new - self.generated - 1
         return max(0, min(self.opening.cloud_k, left, MAX_CLOUD_K))
@@ -116,9 +116,7 @@ class HostStream:
 
     def row(self) -> StreamRow:
         prior = PRIOR_ACCEPT if self.spec.alpha is None else self.spec.alpha
-        return StreamRow(
-            self.opening.cloud_draft, self.spec.task_type, self.cap, prior, self.session_id
-        )
+        return StreamRow(self.draft, self.spec.task_type, self.cap, prior, self.session_id)
 
     @property
     def adaptive(self) -> bool:
@@ -138,7 +136,7 @@ class HostStream:
             update={
                 "round": self.round,
                 "context_ids": tuple(self.context),
-                "cloud_draft": self.opening.cloud_draft if window > 0 else None,
+                "cloud_draft": self.draft if window > 0 else None,
                 "cloud_k": window if window > 0 else None,
                 "stream": None,
             }

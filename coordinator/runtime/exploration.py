@@ -1,9 +1,9 @@
 """Host drafters tried once: a drafter the verifier hosts offer that no cloud round has drafted
 with yet gets a stream's rounds up to the policy's next decision (after round 8), so that it is
-rated on what it does. That decision ends the try; the stream runs on where it keeps the
-drafter, and is ended (and the next opened with the choice) where it chooses another: a try cut
-at the decision always ended its stream, and the session's next round waited a bus round trip
-for the next one, a pass behind the others (`bench e2e` at 16: one more pass a wave).
+rated on what it does. That decision ends the try; the stream runs on, with the drafter it
+chooses (a `StreamRedraft` where it chooses another): a try cut at the decision always ended its
+stream, and the session's next round waited a bus round trip for the next one, a pass behind
+the others (`bench e2e` at 16: one more pass a wave).
 
 Before any round of it, a drafter is rated on priors: its acceptance is what the device's other
 drafters see on the task (DraftWants.unseen_alpha), so a drafter that costs more a token than

@@ -330,7 +330,7 @@ class VerifierPool:
                     request_id=request_id,
                     session_id=session_id,
                     cloud_draft=cloud_draft,
-                    cloud_k=cloud_k if cloud_draft is not None else None,
+                    cloud_k=cloud_k,
                     alpha=alpha,
                 )
                 await self._send_work(info.verifier_id, redraft)
