@@ -35,6 +35,15 @@ SHAPE_CLIP = 1.5
 # windows it favoured never timed it.
 PLAIN_REMEASURE_PASSES = 24
 STALE_SHAPE_WEIGHT = 0.5
+# A window's shape that looks dear is never chosen, so never timed again: one slow pass of it
+# (bench e2e at 4 streams: the first pass of 4 rows x 2 positions took 68.6 ms where such passes
+# take 45-48, and stood for the rest of the run, so no window of 1 was chosen there again) would
+# price it for good. Every DOUBT_EVERY passes, a window's shape not timed in FORGET_AFTER passes
+# is forgotten where it is dearer than the shape's other points (or the fit) predict without it;
+# the next pass of that window times it again. A shape that truly costs more is then tried once
+# every FORGET_AFTER passes or so, a fraction of a pass in ~100.
+DOUBT_EVERY = 32
+FORGET_AFTER = 4 * PLAIN_REMEASURE_PASSES
 # Forgetting of acceptance: per window position, per (drafter, task).
 ACCEPT_HALF_LIFE = 200.0
 # A stream's own rounds are its best guide (acceptance varies by prompt more than by task: in
@@ -144,6 +153,24 @@ class PassCost:
             # Negative terms fit noise; a pass never costs less for more rows or positions.
             a, b, c = solved
             self._coefficients = (max(0.0, a), max(0.0, b), max(1e-3, c))
+        if self.samples % DOUBT_EVERY == 0:
+            self._forget_dear_shapes()
+
+    def _forget_dear_shapes(self) -> None:
+        """Forget each window's shape (more than one position) not timed lately that is dearer
+        than what the rest predicts for it (see FORGET_AFTER)."""
+        stale = [
+            shape
+            for shape, last in self._seen_at.items()
+            if shape[1] > 1 and self.samples - last > FORGET_AFTER
+        ]
+        for rows, positions in stale:
+            by_positions = self._seen[rows]
+            kept = by_positions.pop(positions)
+            if kept > self.predict(rows, positions):
+                del self._seen_at[(rows, positions)]
+            else:
+                by_positions[positions] = kept
 
     def measured(self, rows: int, positions: int, within: int | None = None) -> bool:
         """Whether a pass of this shape has been timed here (the profile's passes count), in

@@ -7,6 +7,8 @@ import pytest
 from broker.client import BrokerAddress
 from broker.messages import PassChoice, StreamSpec, VerifyRequest
 from verifier.goodput import (
+    DOUBT_EVERY,
+    FORGET_AFTER,
     LONE_SPECULATION_MARGIN,
     PLAIN_REMEASURE_PASSES,
     SHAPE_CLIP,
@@ -285,6 +287,32 @@ def test_a_batch_size_never_timed_plain_runs_one_plain_pass_first() -> None:
     # Device rows set the pass's width whatever the streams do: nothing to measure there.
     with_device = control.choose(streams[:15], [4])
     assert "not timed in the last" not in with_device.reason
+
+
+def test_a_window_timed_once_on_a_slow_pass_is_tried_again() -> None:
+    """bench e2e at 4 streams: the first pass of 4 rows x 2 positions took 68.6 ms where such
+    passes take 45-48, and no window of 1 was chosen there for the rest of the run. A window's
+    shape not timed in FORGET_AFTER passes that is dearer than its neighbours predict is
+    forgotten, and the window is chosen (and so timed) again; a shape as cheap as they predict
+    is kept."""
+    control = GoodputControl()
+    for rows, positions, ms in ((4, 1, 45.3), (4, 3, 51.4), (8, 1, 47.5), (8, 5, 130.5)):
+        control.observe_pass(rows, positions, ms)  # the verifier's profile at its start
+    learned(control, "hybrid", [0, 1])  # half the first tokens accepted
+    streams = [StreamRow("hybrid", "chat", 1, 0.5)] * 4  # windows of at most 1
+    assert control.choose(streams, []).k == 1
+    control.observe_pass(4, 2, 68.6)
+    assert control.choose(streams, []).k == 0
+    for _ in range(FORGET_AFTER):
+        control.observe_pass(4, 1, 40.0)
+    assert control.cost.predict(4, 2) == 68.6  # not forgotten before FORGET_AFTER passes
+    for _ in range(DOUBT_EVERY):
+        control.observe_pass(4, 1, 40.0)
+    assert control.cost.predict(4, 2) < 50.0  # between its neighbours (4, 1) and (4, 3)
+    assert control.choose(streams, []).k == 1
+    # A shape no dearer than its neighbours predict stays, however long it goes untimed.
+    assert control.cost.predict(4, 3) == 51.4
+    assert control.cost.measured(4, 3)
 
 
 def test_a_plain_pass_not_timed_lately_is_timed_again_and_weighs_more() -> None:
