@@ -396,6 +396,9 @@ class SessionOpen(_Message):
     # The device lacks `draft_model` (drafts on demand): it drafts with its copying tiers
     # meanwhile, and the coordinator sends it the draft's signed release when it has one.
     draft_missing: bool = False
+    # The agent waits for a host stream the coordinator starts at the open (SessionState's
+    # `streaming`) rather than asking for it: an agent that predates it sends none, and asks.
+    awaits_stream: bool = False
 
     @model_validator(mode="after")
     def _mode_is_chosen_online(self) -> SessionOpen:
@@ -424,6 +427,9 @@ class SessionState(_Message):
     next_round: int = Field(ge=0)
     status: str = Field(max_length=32)  # active, finished, cancelled, failed
     policy: Policy | None = None
+    # The coordinator runs the session's host stream from `next_round` on, started at the open
+    # of an agent that `awaits_stream`: the agent asks for no round and waits for its verdicts.
+    streaming: bool = False
 
     @property
     def committed_len(self) -> int:

@@ -98,6 +98,7 @@ class SessionSpec:
             # This agent streams host rounds too: cloud (the host drafts) and plain (no drafter).
             modes=(m.Mode.DISTRIBUTED, m.Mode.CLOUD, m.Mode.PLAIN),
             vocab=self.vocab,
+            awaits_stream=True,
         )
 
 

@@ -714,6 +714,17 @@ class AgentSession:
         if self.drafter.finished:
             return
         if outcome.in_sync and window is not None and not self.drafter.tail_unsent:
+            if state.streaming and self.drafter.mode in m.HOST_MODES and not window.provisional:
+                # The coordinator runs the session's host stream: started at the open (this
+                # agent awaits it), or running when a request went again. Its verdicts are on
+                # their way; a request would only be answered with this state again.
+                if self._first_window_for_the_host(window):
+                    await self._drafting(self.drafter.draft)  # a host window for the empty one
+                self._refusals = 0
+                self._sent_at = time.perf_counter()
+                self._published = True
+                self._journal()
+                return
             if self._first_window_for_the_host(window):
                 # The state opens the session on the verifier host: a request in place of the
                 # empty window starts its host stream at this round, the prompt's prefill in

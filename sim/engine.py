@@ -677,9 +677,10 @@ class Coordinator:
             if best is not None:
                 session.policy = m.Policy(mode=best.mode, draft_model=best.draft_model, k=best.k)
         if session.policy.mode in m.HOST_MODES:
-            # The session state goes down; its agent asks for the stream (a cloud window, as
-            # the agent drafts in a host mode), which the coordinator hands to the verifier.
-            fleet.send_down(session, fleet.ask_stream, session)
+            # The session state goes down saying the stream runs (its agent awaits it), and the
+            # coordinator hands the stream to the verifier now (`SessionBook.on_session_open`).
+            session.sent_at = fleet.loop.now
+            fleet.start_stream(session)
             return
         # The session state goes down; the device drafts its first window (an adaptive
         # session's first is empty: it has no drafter yet).
@@ -940,15 +941,8 @@ class Fleet:
             return
         self.device_drafts(session)
 
-    def ask_stream(self, session: Session) -> None:
-        """A device in a host mode asks for its stream: up its link to the coordinator, which
-        opens it on the session's verifier (`RoundPipeline._host_stream`)."""
-        if session.ended_at is not None or session.policy.mode not in m.HOST_MODES:
-            return
-        session.sent_at = self.loop.now
-        self.send_up(session, self._stream_asked, session)
-
-    def _stream_asked(self, session: Session) -> None:
+    def start_stream(self, session: Session) -> None:
+        """The coordinator opens the session's stream on the least loaded verifier."""
         # The pool picks the least loaded verifier as the stream opens (VerifierPool.stream),
         # not at the session's open: a wave of opens would all pick the one that was least
         # loaded before any of their streams had started.

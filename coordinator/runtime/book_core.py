@@ -171,10 +171,11 @@ class BookCore:
         stamped = verdict.model_copy(update={"sent_at": time.time()})
         await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(stamped))
 
-    async def _send_state(self, live: LiveSession) -> None:
-        await self._publish(
-            device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(live.state())
-        )
+    async def _send_state(self, live: LiveSession, *, streaming: bool = False) -> None:
+        state = live.state()
+        if streaming:
+            state = state.model_copy(update={"streaming": True})
+        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(state))
 
     async def _error(
         self,

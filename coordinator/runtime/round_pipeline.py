@@ -73,8 +73,9 @@ class RoundPipeline(DirectRounds):
                     await self._send_state(live)  # out of step: the state resynchronises it
                 return
             if draft.cloud and live.streaming:
-                # Re-sent while its stream runs (the agent timed out): the state catches it up.
-                await self._send_state(live)
+                # Re-sent while its stream runs (the agent timed out): the state catches it up,
+                # and says the stream runs, so that the agent waits rather than sends again.
+                await self._send_state(live, streaming=True)
                 return
             plain = live.policy.mode is m.Mode.PLAIN
             if draft.cloud and not plain and not self.can_draft(draft.draft_model):
@@ -103,12 +104,18 @@ class RoundPipeline(DirectRounds):
                     goes_on = await self._verify_and_commit(live, draft, received_at)
             finally:
                 live.in_flight_round = None
-        if goes_on and not live.streaming:
-            live.streaming = True
-            try:
-                await self._host_stream(live)
-            finally:
-                live.streaming = False
+        if goes_on:
+            await self._run_stream(live)
+
+    async def _run_stream(self, live: LiveSession) -> None:
+        """The session's host stream, unless one runs already."""
+        if live.streaming:
+            return
+        live.streaming = True
+        try:
+            await self._host_stream(live)
+        finally:
+            live.streaming = False
 
     async def _verify_and_commit(
         self, live: LiveSession, draft: m.Draft, received_at: float

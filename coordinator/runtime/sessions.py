@@ -138,6 +138,7 @@ class SessionBook(RoundPipeline):
             await self._error(device_id, m.Refused.SESSION_OPEN, request.session_id, None, reason)
             return
         live = await self.get(request.session_id)
+        opened = live is None
         if live is None:
             if not await self._admit(device_id):
                 await self._error(
@@ -212,6 +213,12 @@ class SessionBook(RoundPipeline):
             log.info("session %s: %s", live.id, self.fetches.want(device_id, request.draft_model))
         if await self._leased_here(live, send_state=True):
             return  # the holder tells the device where the session stands
+        if opened and request.awaits_stream and self._hosted(live):
+            # Opened on the host for an agent that waits for its stream: the state says it runs,
+            # and it starts now, the agent's request for it (a bus round trip) spared.
+            await self._send_state(live, streaming=True)
+            await self._run_stream(live)
+            return
         await self._send_state(live)
 
     async def on_session_close(self, device_id: str, request: m.SessionClose) -> None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
+import pytest
 from sqlalchemy.engine import Engine
 
 from broker import messages as m
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.registry import DeviceRegistry
+from coordinator.runtime import verifiers
 from coordinator.runtime.quotas import Quotas
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from coordinator.runtime.sessions import SessionBook
@@ -54,3 +57,47 @@ def test_a_stream_trying_a_drafter_runs_past_the_decision_that_ends_the_try(
     assert request.context_ids == tuple(PROMPT_IDS)
     assert request.stream.rounds == CLOUD_STREAM_ROUNDS
     assert request.stream.adaptive and request.stream.eos_id == TARGET.eos_id
+
+
+@pytest.mark.parametrize("awaits", [True, False])
+def test_a_session_opened_on_the_host_streams_from_the_open_where_its_agent_awaits_it(
+    sqlite_engine: Engine, awaits: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that awaits its stream (`SessionOpen.awaits_stream`) asks for none: the state
+    says the stream runs (`SessionState.streaming`) and the coordinator starts it at the open,
+    a bus round trip sooner. Here no verifier is up, so the stream breaks off at once and the
+    state that follows says so (not streaming), after which the agent asks for it as an agent
+    that predates the field always does; to such an agent the state says nothing of a stream."""
+    monkeypatch.setattr(verifiers, "NO_VERIFIER_WAIT_S", 0.2)  # the pool's wait for one
+    sessions = make_sessionmaker(sqlite_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    session_id = str(uuid.uuid4())
+    request = m.SessionOpen(
+        session_id=session_id,
+        prompt="hello",
+        prompt_ids=tuple(PROMPT_IDS),
+        draft_model="hybrid",
+        k=0,
+        mode=m.Mode.PLAIN,
+        modes=(m.Mode.DISTRIBUTED, m.Mode.CLOUD, m.Mode.PLAIN),
+        awaits_stream=awaits,
+    )
+
+    async def scenario() -> list[m.Message]:
+        published = Published()
+        book = SessionBook(sessions, VerifierPool(published), published, admit=_admit,
+                           quotas=Quotas.from_settings(Settings()), idle_timeout_s=600,
+                           target=TARGET)  # fmt: skip
+        await book.on_session_open(DEVICE, request)
+        return [message for _, message in published.messages]
+
+    replies = asyncio.run(scenario())
+    states = [reply for reply in replies if isinstance(reply, m.SessionState)]
+    errors = [reply for reply in replies if isinstance(reply, m.ErrorReply)]
+    assert all(state.session_id == session_id and state.next_round == 0 for state in states)
+    if awaits:
+        assert [state.streaming for state in states] == [True, False]
+        assert [error.reason for error in errors] == ["the host stream broke off"]
+        assert replies.index(errors[0]) < replies.index(states[1])
+    else:
+        assert [state.streaming for state in states] == [False] and not errors

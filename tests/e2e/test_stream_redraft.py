@@ -112,5 +112,5 @@ def test_a_stream_takes_the_drafter_the_policy_chose_within_it(tmp_path: Path) -
         if row.startswith(answer["session_id"][:8])
     )
     assert sorted(ran.values()) == [1] * len(rounds), ran
-    # The device asked once, for the first stream.
-    assert drafts[answer["session_id"]] == 1
+    # The device asked for nothing: the coordinator started the stream at the open.
+    assert drafts[answer["session_id"]] == 0
