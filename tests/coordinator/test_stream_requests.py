@@ -101,3 +101,31 @@ def test_a_session_opened_on_the_host_streams_from_the_open_where_its_agent_awai
         assert replies.index(errors[0]) < replies.index(states[1])
     else:
         assert [state.streaming for state in states] == [False] and not errors
+
+
+def test_a_request_sent_again_while_its_stream_runs_is_told_the_stream_runs(
+    sqlite_engine: Engine,
+) -> None:
+    """An agent that timed out sends its host window again while the stream runs: the answer is
+    the state with `streaming`, on which the agent waits for the verdicts (a state without it
+    had the agent send the window again at once, and so on, until the stream's next verdict)."""
+    sessions = make_sessionmaker(sqlite_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    session_id = open_session(sessions)
+
+    async def scenario() -> list[m.Message]:
+        published = Published()
+        book = SessionBook(sessions, VerifierPool(published), published, admit=_admit,
+                           quotas=Quotas.from_settings(Settings()), idle_timeout_s=600,
+                           target=TARGET)  # fmt: skip
+        live = await book.get(str(session_id))
+        assert live is not None
+        live.policy = live.policy.model_copy(update={"mode": m.Mode.PLAIN, "k": 0})
+        live.streaming = True  # its stream runs
+        again = m.Draft(session_id=live.id, round=0, base_len=len(PROMPT_IDS), tokens=(),
+                        draft_model="hybrid", cloud_k=4)  # fmt: skip
+        await book.on_draft(DEVICE, again)
+        return [message for _, message in published.messages]
+
+    (reply,) = asyncio.run(scenario())
+    assert isinstance(reply, m.SessionState) and reply.streaming and reply.next_round == 0

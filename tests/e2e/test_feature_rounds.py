@@ -140,12 +140,13 @@ def test_feature_rounds_over_the_bus(tmp_path: Path) -> None:
         messages = seen[answer["session_id"]]
         drafts = [d for d in messages if isinstance(d, m.Draft)]
         verdicts = [v for v in messages if isinstance(v, m.Verdict)]
-        assert drafts and verdicts
+        assert verdicts
         if answer["draft"] == "lookup" or answer.get("mode") == "cloud":
+            # (A cloud session's stream starts at its open: its device sends no draft at all.)
             assert all(d.want_features is None for d in drafts)
             assert all(v.features is None for v in verdicts)
             continue
-        assert all(d.want_features for d in drafts)
+        assert drafts and all(d.want_features for d in drafts)
         sequence = [*prompt_ids, *expected]
         ((_, hidden),) = target.forward_batch_hidden([(sequence, target.new_cache())])
         for verdict in verdicts:
