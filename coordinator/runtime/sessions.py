@@ -219,7 +219,9 @@ class SessionBook(RoundPipeline):
             await self._send_state(live, streaming=True)
             await self._run_stream(live)
             return
-        await self._send_state(live)
+        # Opened again while its stream runs (the agent reconnected): the state says so, and the
+        # agent waits for the stream's verdicts rather than asking for it.
+        await self._send_state(live, streaming=live.streaming)
 
     async def on_session_close(self, device_id: str, request: m.SessionClose) -> None:
         live = await self.get(request.session_id)

@@ -103,12 +103,13 @@ def test_a_session_opened_on_the_host_streams_from_the_open_where_its_agent_awai
         assert [state.streaming for state in states] == [False] and not errors
 
 
-def test_a_request_sent_again_while_its_stream_runs_is_told_the_stream_runs(
+def test_a_request_or_an_open_sent_again_while_its_stream_runs_is_told_the_stream_runs(
     sqlite_engine: Engine,
 ) -> None:
-    """An agent that timed out sends its host window again while the stream runs: the answer is
-    the state with `streaming`, on which the agent waits for the verdicts (a state without it
-    had the agent send the window again at once, and so on, until the stream's next verdict)."""
+    """An agent that timed out sends its host window again while the stream runs, or opens the
+    session again as it reconnects: the answer is the state with `streaming`, on which the agent
+    waits for the verdicts (a state without it had the agent send the window again at once, and
+    so on, until the stream's next verdict)."""
     sessions = make_sessionmaker(sqlite_engine)
     DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
     session_id = open_session(sessions)
@@ -125,7 +126,16 @@ def test_a_request_sent_again_while_its_stream_runs_is_told_the_stream_runs(
         again = m.Draft(session_id=live.id, round=0, base_len=len(PROMPT_IDS), tokens=(),
                         draft_model="hybrid", cloud_k=4)  # fmt: skip
         await book.on_draft(DEVICE, again)
+        # And the agent that reconnects opens the session again: told the same.
+        reopen = m.SessionOpen(session_id=live.id, prompt="hello", prompt_ids=tuple(PROMPT_IDS),
+                               draft_model="hybrid", resume=m.ResumeReason.RECONNECT,
+                               awaits_stream=True)  # fmt: skip
+        await book.on_session_open(DEVICE, reopen)
+        live.streaming = False  # its stream ended: a state from now on says nothing of one
+        await book.on_session_open(DEVICE, reopen)
         return [message for _, message in published.messages]
 
-    (reply,) = asyncio.run(scenario())
-    assert isinstance(reply, m.SessionState) and reply.streaming and reply.next_round == 0
+    replies = asyncio.run(scenario())
+    states = [reply for reply in replies if isinstance(reply, m.SessionState)]
+    assert len(states) == len(replies) and all(state.next_round == 0 for state in states)
+    assert [state.streaming for state in states] == [True, True, False]
