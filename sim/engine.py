@@ -346,6 +346,10 @@ class Session:
     in_mode_rounds: int = 0
     shard: int = -1  # the coordinator that owns it, once asked
     prompt: str | None = None  # the benchmark prompt a replayed session answers
+    # A replayed session's measured rounds, (drafted, accepted) in order: a greedy session with
+    # a fixed window drafts and has accepted the same tokens whatever the load, so its rounds
+    # are replayed as they were, not drawn (drawn past the trace's end, or where it is empty).
+    trace: Sequence[tuple[int, int]] = ()
     # Its stream's acceptance prior, as the stream's request carries it (the coordinator's
     # estimate for an adaptive cloud stream, StreamSpec.alpha; else the verifier's own).
     stream_prior: float = PRIOR_ACCEPT
@@ -362,6 +366,15 @@ class Session:
             if tokens:
                 gaps += [(at - before) / tokens] * tokens
         return gaps
+
+    def replayed(self, window: int) -> tuple[int, int] | None:
+        """This round's (drafted, accepted) from its trace, cut to `window`; None past the
+        trace's end (or with no window), where the round is drawn."""
+        if self.round >= len(self.trace) or window <= 0:
+            return None
+        drafted, accepted = self.trace[self.round]
+        drafted = drafted if drafted < window else window
+        return drafted, (accepted if accepted < drafted else drafted)
 
     def commit(self, accepted: int) -> int:
         kept = min(accepted + 1, self.length - self.generated)
@@ -528,8 +541,11 @@ class Verifier:
         for session, cap in zip(turn, caps, strict=True):
             window = (cap if cap < k else k) if session.adaptive else cap  # min(k, cap)
             drafter = session.policy.draft_model
-            drafted, accepted = self.fleet.acceptance.draw(
-                drafter, session.task, window, session.prompt
+            replayed = session.replayed(window)
+            drafted, accepted = (
+                self.fleet.acceptance.draw(drafter, session.task, window, session.prompt)
+                if replayed is None
+                else replayed
             )
             batch.append(_Row(session, window, drafted, accepted, loop.now, stream=True))
         positions = max([row.drafted for row in batch]) + 1
@@ -888,8 +904,11 @@ class Fleet:
             return
         drafter = session.policy.draft_model
         window = 0 if empty else min(session.policy.k, session.length - session.generated - 1)
-        drafted, accepted = self.acceptance.draw(
-            drafter, session.task, max(0, window), session.prompt
+        replayed = session.replayed(window)
+        drafted, accepted = (
+            self.acceptance.draw(drafter, session.task, max(0, window), session.prompt)
+            if replayed is None
+            else replayed
         )
         work = self.calibration.agent_turn_ms + session.device.draft_ms(drafter, drafted)
         sent = session.device.cpu.serve(self.loop.now, work)

@@ -98,6 +98,9 @@ class _Work:
     prompt_tokens: int
     tokens: int
     prompt: str | None = None  # its prompt's id: acceptance is drawn from that prompt's rates
+    # Its rounds as measured, (drafted, accepted), replayed as they were (`Session.trace`): a
+    # fixed window's session only, whose rounds the load does not change.
+    trace: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -117,11 +120,14 @@ class _Outcome:
 
 
 def _waves(
-    sessions: list[dict[str, Any]], size: int, prompt_lens: dict[str, int] | None = None
+    sessions: list[dict[str, Any]],
+    size: int,
+    prompt_lens: dict[str, int] | None = None,
+    traced: bool = False,
 ) -> list[list[_Work]]:
     """A run's sessions in its waves of `size`. A session's prompt length is its own, else its
     prompt's in another arm (plain serving recorded none before bench e2e timed its prefills),
-    else 32."""
+    else 32. `traced`: each session's rounds are replayed as measured (`_trace`)."""
     lens = prompt_lens or {}
     work = [
         _Work(
@@ -129,10 +135,19 @@ def _waves(
             int(s.get("prompt_len") or lens.get(str(s.get("prompt_id"))) or 32),
             max(1, int(s["tokens"])),
             _prompt(s),
+            _trace(s) if traced else (),
         )
         for s in sessions
     ]
     return [work[i : i + size] for i in range(0, len(work), size)]
+
+
+def _trace(session: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """A measured session's rounds, (drafted, accepted) each, where its JSON has them."""
+    drafted, accepted = session.get("drafted"), session.get("accepted")
+    if not isinstance(drafted, list) or not isinstance(accepted, list):
+        return ()
+    return tuple((int(d), int(a)) for d, a in zip(drafted, accepted, strict=False))
 
 
 def _prompt(session: dict[str, Any]) -> str | None:
@@ -182,6 +197,7 @@ def _wave(
             opened_at=start,
             on_end=on_end,
             prompt=item.prompt,
+            trace=item.trace,
         )
         sessions.append(session)
         fleet.open_session(session)
@@ -250,7 +266,15 @@ def replay_e2e(
     for level in levels:
         labels = [label for label, r in runs.items() if int(r["sessions"]) == level]
         outcomes = {label: _Outcome() for label in labels}
-        waves = {label: _waves(by_run.get(label, []), level, prompt_lens) for label in labels}
+        # The fixed drafter's sessions replay their measured rounds: greedy, with the same
+        # window at every level, a prompt's session drafts and is accepted alike each time
+        # (the adaptive arm's windows follow the policy, and are drawn).
+        waves = {
+            label: _waves(
+                by_run.get(label, []), level, prompt_lens, traced=runs[label]["arm"] == "fixed"
+            )
+            for label in labels
+        }
         for w in range(max((len(v) for v in waves.values()), default=0)):
             order = labels if w % 2 == 0 else list(reversed(labels))
             for label in order:
@@ -329,8 +353,13 @@ def replay_adaptive(
         work: dict[tuple[str, str], list[_Work]] = {}
         for s in document["sessions"]:
             key = (str(s["phase"]), str(s["config"]))
+            fixed = str(s["config"]) != ADAPTIVE  # a fixed window: its rounds replayed as run
             item = _Work(
-                str(s["task"]), int(s.get("prompt_len") or 32), max(1, int(s["tokens"])), _prompt(s)
+                str(s["task"]),
+                int(s.get("prompt_len") or 32),
+                max(1, int(s["tokens"])),
+                _prompt(s),
+                _trace(s) if fixed else (),
             )
             work.setdefault(key, []).append(item)
     except (KeyError, TypeError, ValueError) as exc:

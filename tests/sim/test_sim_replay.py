@@ -18,9 +18,9 @@ from sim.calibrate import (
     plain_prefill_speed,
     run_keys,
 )
-from sim.engine import Broker, Link, padded_prefill_ms
-from sim.inputs import LinkSpec, SimInputError
-from sim.validate import Comparison, mean_of, replay_adaptive, replay_e2e
+from sim.engine import Broker, Device, Fleet, Link, Server, padded_prefill_ms
+from sim.inputs import LinkSpec, PositionRates, SimInputError
+from sim.validate import Comparison, _bus_wave, _Work, mean_of, replay_adaptive, replay_e2e
 from tests.sim.conftest import PASS_MS, flat_profile, make_calibration
 
 
@@ -288,3 +288,31 @@ def test_the_emulated_links_cost_is_what_rounds_waited_beyond_their_parts() -> N
     }
     assert fit_emulated_link(rounds, [document], service_ms=10.0) == pytest.approx(35.0)
     assert fit_emulated_link(rounds[:5], [document], service_ms=10.0) is None
+
+
+@pytest.mark.parametrize(
+    ("trace", "rounds"),
+    [
+        (((4, 4), (4, 4)), 2),  # 5 tokens a round: 10 in 2
+        (((4, 0),) * 10, 10),  # none accepted: a token a round
+        (((2, 1),), 3),  # 2 tokens, then drawn (all accepted here): 5, and 3 to the end
+    ],
+)
+def test_a_fixed_windows_session_replays_its_measured_rounds(
+    trace: tuple[tuple[int, int], ...], rounds: int
+) -> None:
+    """A greedy session with a fixed window drafts and is accepted alike at any load, so a
+    replayed one follows its measured rounds (`Session.trace`) rather than drawing them: drawn,
+    the slowest of a wave of 32 took more rounds than any measured one (bench e2e's fixed
+    drafter at 32 sessions replayed 11-14% slow)."""
+    calibration = make_calibration()
+    # Drawn rounds here accept everything they draft, so the round past the trace makes 5.
+    calibration.acceptance["hybrid"]["*"] = PositionRates(fill=[1.0], accept=[1.0])
+    host_cpu = Server()
+    fleet = Fleet(calibration, ["cpu"], seed=0, host_cpu=host_cpu)
+    device = Device(
+        "bench-agent-0", "bench", Link(LinkSpec(profile="loopback"), fleet.rng), {}, host_cpu
+    )
+    work = [_Work("chat", 30, 10, None, trace)]
+    _, waits = _bus_wave(fleet, [device], "fixed", "hybrid", 4, work)
+    assert len(waits) == rounds  # a wait per round at the agent
