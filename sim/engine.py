@@ -541,7 +541,7 @@ class Verifier:
         for session, cap in zip(turn, caps, strict=True):
             window = (cap if cap < k else k) if session.adaptive else cap  # min(k, cap)
             drafter = session.policy.draft_model
-            replayed = session.replayed(window)
+            replayed = session.replayed(window) if session.trace else None
             drafted, accepted = (
                 self.fleet.acceptance.draw(drafter, session.task, window, session.prompt)
                 if replayed is None
@@ -904,7 +904,7 @@ class Fleet:
             return
         drafter = session.policy.draft_model
         window = 0 if empty else min(session.policy.k, session.length - session.generated - 1)
-        replayed = session.replayed(window)
+        replayed = session.replayed(window) if session.trace else None
         drafted, accepted = (
             self.acceptance.draw(drafter, session.task, max(0, window), session.prompt)
             if replayed is None

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
 
 from broker import messages as m
 from coordinator.db.engine import make_sessionmaker
@@ -25,6 +26,15 @@ TRIED = "hybrid+eagle-h1"
 TARGET = TargetIdentity("target", "1" * 64, "2" * 64, 1000, 7)
 
 
+def _book(sessions: sessionmaker[Session]) -> tuple[SessionBook, Published]:
+    """A book whose only way out is `Published`, with no verifier up."""
+    published = Published()
+    book = SessionBook(sessions, VerifierPool(published), published, admit=_admit,
+                       quotas=Quotas.from_settings(Settings()), idle_timeout_s=600,
+                       target=TARGET)  # fmt: skip
+    return book, published
+
+
 def test_a_stream_trying_a_drafter_runs_past_the_decision_that_ends_the_try(
     sqlite_engine: Engine,
 ) -> None:
@@ -38,10 +48,7 @@ def test_a_stream_trying_a_drafter_runs_past_the_decision_that_ends_the_try(
     session_id = open_session(sessions)
 
     async def scenario() -> m.VerifyRequest:
-        published = Published()
-        book = SessionBook(sessions, VerifierPool(published), published, admit=_admit,
-                           quotas=Quotas.from_settings(Settings()), idle_timeout_s=600,
-                           target=TARGET)  # fmt: skip
+        book, _ = _book(sessions)
         live = await book.get(str(session_id))
         assert live is not None
         live.policy_task = "chat"
@@ -84,10 +91,7 @@ def test_a_session_opened_on_the_host_streams_from_the_open_where_its_agent_awai
     )
 
     async def scenario() -> list[m.Message]:
-        published = Published()
-        book = SessionBook(sessions, VerifierPool(published), published, admit=_admit,
-                           quotas=Quotas.from_settings(Settings()), idle_timeout_s=600,
-                           target=TARGET)  # fmt: skip
+        book, published = _book(sessions)
         await book.on_session_open(DEVICE, request)
         return [message for _, message in published.messages]
 
@@ -115,10 +119,7 @@ def test_a_request_or_an_open_sent_again_while_its_stream_runs_is_told_the_strea
     session_id = open_session(sessions)
 
     async def scenario() -> list[m.Message]:
-        published = Published()
-        book = SessionBook(sessions, VerifierPool(published), published, admit=_admit,
-                           quotas=Quotas.from_settings(Settings()), idle_timeout_s=600,
-                           target=TARGET)  # fmt: skip
+        book, published = _book(sessions)
         live = await book.get(str(session_id))
         assert live is not None
         live.policy = live.policy.model_copy(update={"mode": m.Mode.PLAIN, "k": 0})
