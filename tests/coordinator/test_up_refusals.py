@@ -90,7 +90,10 @@ def test_a_second_stack_on_one_home_is_refused_and_sigterm_stops_the_first(
     again = up(tmp_path)
     try:
         assert again.stdout is not None
-        assert any(line.startswith("coordinator  connected") for line in again.stdout)
+        if not any(line.startswith("coordinator  connected") for line in again.stdout):
+            # Its output ended first: what it said on the way out is the failure's reason.
+            _, err = again.communicate(timeout=30)
+            raise AssertionError(f"the new stack stopped (exit {again.returncode}): {err}")
     finally:
         # SIGTERM, so that the stack stops the private broker it may have started.
         again.send_signal(signal.SIGTERM)
