@@ -108,7 +108,6 @@ AGENT_NICENESS = 10  # the device processes yield the shared CPUs to the cloud s
 NEURAL_PROACTIVE_DRAFTER = "hybrid+draft-l1"
 SESSIONS_PER_AGENT = 8  # concurrent sessions one agent is asked to run at most
 SESSION_TIMEOUT_S = 600.0
-LOCAL_HOST = "127.0.0.1"  # the agents' local APIs
 WARMUP_TOKENS = 8
 # Goals of the issue, all against plain serving: adaptive never slower at any level, and faster
 # where the verifier has compute to spare for drafted tokens; the overhead budget per round.
@@ -808,10 +807,10 @@ async def ask_one(
     generator, which reads every token's event of every session (768 a wave of 16), and through
     httpx sent a wave's 16 requests 17-30 ms into it, holding the opens back. On a device the
     client is the device's app, on the device's own CPU."""
-    from device_agent.local_api import ApiError, stream_session
+    from device_agent.local_api import HOST, ApiError, stream_session
 
     async def answer() -> dict[str, Any]:
-        async for event in stream_session(LOCAL_HOST, port, request):
+        async for event in stream_session(HOST, port, request):
             if event.event == "done":
                 return event.data
             if event.event == "error":

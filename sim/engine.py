@@ -961,11 +961,10 @@ class Fleet:
         self.device_drafts(session)
 
     def start_stream(self, session: Session) -> None:
-        """The coordinator opens the session's stream on the least loaded verifier."""
-        # The pool picks the least loaded verifier as the stream opens (VerifierPool.stream),
-        # not at the session's open: a wave of opens would all pick the one that was least
-        # loaded before any of their streams had started.
-        verifier = session.verifier = min(self.verifiers, key=_LOAD)
+        """The coordinator opens the session's stream, at its open, on the verifier the open
+        picked (the least loaded then, as `VerifierPool.stream` picks it as the stream starts)."""
+        verifier = session.verifier
+        assert verifier is not None  # picked by `Coordinator._opened`
         done = self.coordinator.cpu(session).serve(
             self.loop.now, self.calibration.coordinator_round_ms
         )

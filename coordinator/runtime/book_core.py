@@ -172,10 +172,8 @@ class BookCore:
         await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(stamped))
 
     async def _send_state(self, live: LiveSession, *, streaming: bool = False) -> None:
-        state = live.state()
-        if streaming:
-            state = state.model_copy(update={"streaming": True})
-        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), m.encode(state))
+        state = m.encode(live.state(streaming=streaming))
+        await self._publish(device_topic(live.device_id, DeviceChannel.VERDICT), state)
 
     async def _error(
         self,

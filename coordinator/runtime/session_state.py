@@ -61,7 +61,8 @@ class LiveSession:
     def committed_len(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
 
-    def state(self) -> m.SessionState:
+    def state(self, *, streaming: bool = False) -> m.SessionState:
+        """What the device is told; `streaming`: that its host stream runs (SessionState)."""
         return m.SessionState(
             session_id=self.id,
             prompt_len=len(self.prompt_ids),
@@ -69,6 +70,7 @@ class LiveSession:
             next_round=self.next_round,
             status=self.status.value,
             policy=self.policy,
+            streaming=streaming,
         )
 
     @classmethod
