@@ -246,6 +246,9 @@ class PhaseRun:
     config: str
     wall_s: float
     sessions: list[dict[str, Any]]  # the agent's summaries, with prompt_id and round modes
+    # A blip's: from the cut until the agent's connection through the link was accepted again
+    # (None: no blip, or no connection came back within the run).
+    link_back_s: float | None = None
 
     @property
     def tokens(self) -> int:
@@ -274,6 +277,7 @@ class PhaseRun:
             "rounds": self.rounds,
             "tokens_per_s": self.tokens_per_s,
             "round_modes": dict(self.modes()),
+            "link_back_s": self.link_back_s,
         }
 
 
@@ -322,8 +326,12 @@ async def run_phase(
         modes = await asyncio.to_thread(_round_modes, fleet, summary["session_id"])
         return {**summary, "prompt_id": prompt.id, "task": prompt.task, "round_modes": modes}
 
+    cut_at: float | None = None
+
     async def blip() -> None:
+        nonlocal cut_at
         await asyncio.sleep(args.blip_after_s)
+        cut_at = time.monotonic()  # the emulator's clock
         link.cut(args.blip_s)
 
     started = time.perf_counter()
@@ -334,9 +342,14 @@ async def run_phase(
         if blipping is not None:
             blipping.cancel()
     wall_s = time.perf_counter() - started
+    back_s = None
     if phase == BLIP:
         link.restore()  # a blip that outlasted the run ends with it
-    return PhaseRun(phase, config.name, wall_s, list(sessions))
+        # When the agent got through again: its client's back-off draw, which `sim validate`
+        # replays (one draw moved a blip run's tokens/s by half).
+        back = None if cut_at is None else link.connected_since(cut_at)
+        back_s = None if back is None or cut_at is None else back - cut_at
+    return PhaseRun(phase, config.name, wall_s, list(sessions), back_s)
 
 
 def _start_agent(fleet: LocalFleet, config: Config, broker_url: str, runtime: str) -> None:

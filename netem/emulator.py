@@ -8,6 +8,7 @@ import logging
 import random
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -17,6 +18,7 @@ from netem.profiles import LinkShape, Profile, get_profile
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 * 1024
+ACCEPTS_KEPT = 64  # client connections whose acceptance time is kept (`connected_since`)
 UP = "up"
 DOWN = "down"
 
@@ -75,6 +77,8 @@ class NetworkEmulator:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._reopening: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[object]] = set()
+        # When the latest client connections were accepted (monotonic), the oldest dropped.
+        self._accepted: deque[float] = deque(maxlen=ACCEPTS_KEPT)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -161,6 +165,12 @@ class NetworkEmulator:
     def bytes_carried(self, direction: str) -> int:
         return self._directions[direction].bytes
 
+    def connected_since(self, since: float) -> float | None:
+        """When the first client connection accepted at or after `since` (time.monotonic) was
+        accepted: after a cut, when the client got through again. None if none was (or it is
+        older than the last ACCEPTS_KEPT)."""
+        return next((at for at in self._accepted if at >= since), None)
+
     def _schedule(self, name: str, seconds: float | None, end: Callable[[], None]) -> None:
         old = self._timers.pop(name, None)
         if old is not None:
@@ -219,6 +229,7 @@ class NetworkEmulator:
     # --- the proxy ---------------------------------------------------------------------------
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._accepted.append(time.monotonic())
         handler = asyncio.current_task()
         assert handler is not None
         self._handlers.add(handler)

@@ -335,6 +335,22 @@ def _probe_rtt(fleet: Fleet, devices: Sequence[Device]) -> None:
     fleet.loop.after(TELEMETRY_INTERVAL_MS, _probe_rtt, fleet, devices)
 
 
+def _cut(
+    link: Link, now: float, run: dict[str, Any], after_s: float, for_s: float, resume_ms: float
+) -> None:
+    """A blip on a replayed run's link. Where the run says when its agent's connection came back
+    (`link_back_s`, from the cut), the link is out that long: one draw of the client's back-off
+    set each measured blip's figure (a reconnect 0.2 s after the cut ended against 1.6 s moved
+    a run's tokens/s by half), and the replay takes the same draw. Otherwise the back-off is
+    drawn, as the client draws it."""
+    back_s = run.get("link_back_s")
+    at = now + after_s * 1e3
+    if isinstance(back_s, int | float) and math.isfinite(back_s) and back_s >= for_s:
+        link.cut(at, back_s * 1e3, None, resume_ms)
+    else:
+        link.cut(at, for_s * 1e3, (RECONNECT_MIN_S, RECONNECT_MAX_S), resume_ms)
+
+
 def replay_adaptive(
     calibration: Calibration, document: dict[str, Any], seed: int = 0
 ) -> list[Comparison]:
@@ -395,12 +411,7 @@ def replay_adaptive(
         speed = calibration.host_speed.get(f"adaptive {phase} {config}", 1.0)
         fleet.verifiers[0].speed = speed
         if phase == "blip":
-            device.link.cut(
-                fleet.loop.now + blip_after_s * 1e3,
-                blip_s * 1e3,
-                (RECONNECT_MIN_S, RECONNECT_MAX_S),
-                calibration.reconnect_ms,
-            )
+            _cut(device.link, fleet.loop.now, run, blip_after_s, blip_s, calibration.reconnect_ms)
         adaptive, policy = _config_policy(config)
         items = work.get((phase, config), [])
         wall, waits = _wave(fleet, [(device, item, adaptive, policy) for item in items])

@@ -75,3 +75,9 @@ def test_quick_trace_measures_every_configuration_in_every_phase(tmp_path: Path)
     assert document["identity"]["differing"] == []  # greedy: every configuration says the same
     assert document["identity"]["checked"] == len(PHASES) * len(configs)
     assert {g["goal"].split(" ")[2] for g in document["goals"]} == {"best", "oracle"}
+    # Each blip run says when its agent got through again (what `sim validate` replays): not
+    # before the cut ended; the other phases' runs were never cut.
+    blip_s = document["settings"]["blip_s"]
+    for run in document["runs"]:
+        back = run["link_back_s"]
+        assert back is None if run["phase"] != "blip" else back >= blip_s

@@ -136,7 +136,7 @@ def test_cut_drops_connections_and_clients_reconnect_after(
     monkeypatch.setattr(bus, "RECONNECT_MAX_S", 0.2)
     topic = f"test/netem/{secrets.token_hex(4)}"
 
-    async def scenario() -> tuple[list[float], list[float], float]:
+    async def scenario() -> tuple[list[float], list[float], float, float | None]:
         connected: list[float] = []
         dropped: list[float] = []
         got_after_cut = asyncio.get_running_loop().create_future()
@@ -169,12 +169,15 @@ def test_cut_drops_connections_and_clients_reconnect_after(
                 await publisher.publish(topic, b"after", qos=0)
             await asyncio.wait_for(got_after_cut, 5.0)
             await asyncio.wait_for(runner, 5.0)
-            return connected, dropped, cut_at
+            return connected, dropped, cut_at, em.connected_since(cut_at)
 
-    connected, dropped, cut_at = asyncio.run(scenario())
+    connected, dropped, cut_at, back = asyncio.run(scenario())
     assert dropped[0] - cut_at < 0.5  # the client noticed at once
     assert len(dropped) >= 2  # and tried again during the cut, and was refused
     assert 1.0 <= connected[1] - cut_at <= 2.0  # back within the backoff after the cut ended
+    # The emulator says when the client got through again: after the cut, before it subscribed.
+    assert back is not None
+    assert cut_at + 1.0 <= back <= connected[1]
 
 
 def test_offline_profile_refuses_until_a_profile_restores_the_link(

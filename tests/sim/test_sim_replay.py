@@ -270,6 +270,22 @@ def test_an_adaptive_replay_compares_every_configuration_in_every_phase() -> Non
     assert by["4g distributed:hybrid:4"] < by["lan distributed:hybrid:4"]
     assert by["blip distributed:hybrid:4"] < by["4g distributed:hybrid:4"]
     assert by["blip distributed:hybrid:4"] < 24 / 1.5
+    # Where the run says when its agent got through again, the replay's link is out that long,
+    # with no back-off of its own drawn: no session of the phase ends before it, and a stream's
+    # tokens (computed meanwhile) all arrive soon after.
+    for run in runs:
+        if run["phase"] == "blip":
+            run["link_back_s"] = 4.0
+    back = {
+        seed: {
+            c.label: c.simulated_tokens_per_s for c in replay_adaptive(calibration, document, seed)
+        }
+        for seed in (0, 1)
+    }
+    assert back[0]["lan cloud:hybrid:4"] == by["lan cloud:hybrid:4"]  # the phases before, as before
+    for rates in back.values():
+        for config in configs:
+            assert 24 / 6.0 < rates[f"blip {config}"] <= 24 / 4.0
 
 
 def test_the_emulated_links_cost_is_what_rounds_waited_beyond_their_parts() -> None:
