@@ -335,7 +335,8 @@ class Session:
     policy: m.Policy
     opened_at: float
     on_end: Callable[[Session], None]
-    generated: int = 0
+    generated: int = 0  # committed (where the round was verified)
+    delivered: int = 0  # at the device (its verdicts arrived): it ends with the last
     round: int = 0
     ended_at: float | None = None
     verifier: Verifier | None = None
@@ -944,7 +945,11 @@ class Fleet:
         now = self.loop.now
         session.waits_ms.append(now - session.sent_at)
         session.commits.append((now, kept))
-        if session.generated >= session.length:  # finished
+        session.delivered += kept
+        # Finished once its last verdict is in, not the first to arrive after the last commit:
+        # a stream's verdicts sent into a cut link all arrive when it is back, and the session
+        # ended with the first of them, its other verdicts (and their waits) never heard.
+        if session.delivered >= session.length:
             if session.ended_at is None:
                 session.ended_at = now + self.calibration.close_ms
                 if session.verifier is not None:

@@ -125,6 +125,32 @@ def test_an_outage_holds_what_is_sent_into_it_whatever_was_asked_before() -> Non
     assert any(back > t for back, t in zip(in_order, times, strict=True))
 
 
+def test_a_stream_cut_off_its_device_ends_with_its_last_verdict(calibration: Calibration) -> None:
+    """The verifier streams on through a cut (40 plain passes of PASS_MS, done by 0.8 s); the
+    verdicts sent into the cut reach the device when the link is back, and the session ends
+    with the last of them, each one's wait counted (the first to arrive had ended it)."""
+    fleet = Fleet(calibration, ["cpu"], seed=0)
+    link = Link(LOOPBACK, fleet.rng)
+    link.cut(at_ms=100.0, for_ms=2000.0)
+    ended: list[Session] = []
+    session = Session(
+        id="s0", device=Device("d0", "bench", link, {"hybrid": 0.0}), task="chat",
+        prompt_tokens=30, length=40, adaptive=False,
+        policy=m.Policy(mode=m.Mode.PLAIN, draft_model="hybrid", k=0), opened_at=0.0,
+        on_end=ended.append,
+    )  # fmt: skip
+    fleet.open_session(session)
+    fleet.loop.run()
+    assert ended == [session]
+    assert session.delivered == session.generated == 40
+    assert len(session.waits_ms) == len(session.commits) == 40
+    assert session.ended_at == pytest.approx(max(at for at, _ in session.commits))
+    assert session.ended_at >= 2100.0
+    held = [wait for wait in session.waits_ms if wait > 10 * PASS_MS]
+    assert len(held) == 1 and held[0] > 1000.0  # the wait across the cut; the rest came at once
+    assert statistics.median(session.waits_ms) < 1.0
+
+
 def _cloud_run(terms: dict[str, tuple[float, float]]) -> tuple[Session, Fleet]:
     calibration = make_calibration(host_draft_terms=terms)
     fleet = Fleet(calibration, ["cpu"], seed=3)
