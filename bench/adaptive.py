@@ -342,13 +342,15 @@ async def run_phase(
         if blipping is not None:
             blipping.cancel()
     wall_s = time.perf_counter() - started
+    ended = time.monotonic()
     back_s = None
     if phase == BLIP:
         link.restore()  # a blip that outlasted the run ends with it
-        # When the agent got through again: its client's back-off draw, which `sim validate`
-        # replays (one draw moved a blip run's tokens/s by half).
+        # When the agent got through again within the run: its client's back-off draw, which
+        # `sim validate` replays (one draw moved a blip run's tokens/s by half).
         back = None if cut_at is None else link.connected_since(cut_at)
-        back_s = None if back is None or cut_at is None else back - cut_at
+        if back is not None and cut_at is not None and back <= ended:
+            back_s = back - cut_at
     return PhaseRun(phase, config.name, wall_s, list(sessions), back_s)
 
 
