@@ -347,7 +347,7 @@ async def run_phase(
     if phase == BLIP:
         link.restore()  # a blip that outlasted the run ends with it
         # When the agent got through again within the run: its client's back-off draw, which
-        # `sim validate` replays (one draw moved a blip run's tokens/s by half).
+        # `sim validate` replays (replays drawing their own missed by up to 53%).
         back = None if cut_at is None else link.connected_since(cut_at)
         if back is not None and cut_at is not None and back <= ended:
             back_s = back - cut_at

@@ -898,8 +898,8 @@ class Fleet:
 
     def device_drafts(self, session: Session, empty: bool = False) -> None:
         """The device's turn: draft a window and send it to the session's verifier."""
-        if session.ended_at is not None:
-            return
+        if session.ended_at is not None or session.finished:
+            return  # ended, or its answer is committed and its last verdicts are on their way
         if session.policy.mode in m.HOST_MODES:
             session.sent_at = self.loop.now  # the stream comes by itself
             return
