@@ -518,9 +518,9 @@ def fit_prefill_scale(
     the benchmark's runs, as the simulator prices such a pass (the pass's own shape at the run's
     speed, plus each new session's prefill at the run's speed): the median over bench e2e's
     passes that held a session's first round, of (ms / speed - pass) / the pass's prefills, each
-    padded to the longest (`padded_prefill_ms`, as the simulator prices them): a wave's sessions
-    are prefilled together in one padded pass."""
-    from sim.engine import ProfileCost, padded_prefill_ms
+    prompt's own, summed (`prefills_ms`, as the simulator prices them): the verifier prefills
+    a wave's new sessions one after another within the pass."""
+    from sim.engine import ProfileCost, prefills_ms
 
     keys = {sid: key for document in documents for sid, key in run_keys(document).items()}
     prompt = {s.session_id.replace("-", ""): s.prompt_tokens for s in sessions}
@@ -538,7 +538,7 @@ def fit_prefill_scale(
         tokens = [prompt.get(r.session_id.replace("-", "")) for r in first]
         if any(t is None for t in tokens):
             continue
-        prefills = padded_prefill_ms(profile, [int(t or 0) for t in tokens])
+        prefills = prefills_ms(profile, [int(t or 0) for t in tokens])
         positions = max(r.drafted for r in members) + 1
         rest = cost.predict(len(members), positions)
         factors.append((ms / host_speed[key] - rest) / prefills)

@@ -399,13 +399,16 @@ class _Row:
     draft_ms: float = 0.0
 
 
-def padded_prefill_ms(profile: VerifierProfile, contexts: Sequence[int]) -> float:
-    """What prefilling `contexts` (positions each) in one pass costs: every row padded to the
-    longest, each at the profile's prefill of that length. bench e2e's passes that prefilled a
-    wave of 15 or 31 prompts (38-79 positions) cost 1.29-1.34 times the sum of their prompts'
-    own prefills, and a lone prompt's 0.8-0.9 times its own; padded, the wave's are priced
-    within a few percent of the lone ones."""
-    return len(contexts) * profile.prefill_ms(max(contexts)) if contexts else 0.0
+def prefills_ms(profile: VerifierProfile, contexts: Sequence[int]) -> float:
+    """What prefilling `contexts` (positions each) in one pass costs: each prompt by itself, one
+    after another, as the verifier runs them (`VerifierCore._prefill_scored`: a context it lacks
+    by more than a few positions is prefilled alone, its first round scored from it). Measured
+    in bench e2e's pass traces on 2026-12-06: the passes that prefilled a wave of 16 prompts
+    (782 positions) took 2,712-2,783 ms where plain serving's, one prompt at a time, took
+    2,768-2,843; of 32, 5,792-6,067 against 5,549-5,840. They had been priced as rows padded to
+    the longest (the earlier runs' such passes cost 1.29-1.34 times the sum), which priced the
+    adaptive arm at 16 and 32 sessions 6-8% slow."""
+    return sum([profile.prefill_ms(c) for c in contexts])
 
 
 class Verifier:
@@ -588,15 +591,15 @@ class Verifier:
         return max(0, min(window, session.length - session.generated - 1, m.MAX_CLOUD_K))
 
     def _prefill_ms(self, batch: list[_Row]) -> float:
-        """The prefills of the pass's sessions new to this verifier: padded to the longest
-        context among them, as the pass runs them (`padded_prefill_ms`)."""
+        """The prefills of the pass's sessions new to this verifier, each its own context's, as
+        the pass runs them (`prefills_ms`)."""
         contexts = []
         for row in batch:
             session = row.session
             if session.id not in self.cached:
                 self.cached.add(session.id)
                 contexts.append(session.prompt_tokens + session.generated)
-        return padded_prefill_ms(self.profile, contexts)
+        return prefills_ms(self.profile, contexts)
 
     def _end_pass(
         self, batch: list[_Row], positions: int, verify_ms: float, prefill: float

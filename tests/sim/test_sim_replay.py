@@ -18,7 +18,7 @@ from sim.calibrate import (
     plain_prefill_speed,
     run_keys,
 )
-from sim.engine import Broker, Device, Fleet, Link, Server, padded_prefill_ms
+from sim.engine import Broker, Device, Fleet, Link, Server, prefills_ms
 from sim.inputs import LinkSpec, PositionRates, SimInputError
 from sim.validate import Comparison, _bus_wave, _Work, mean_of, replay_adaptive, replay_e2e
 from tests.sim.conftest import PASS_MS, flat_profile, make_calibration
@@ -108,19 +108,20 @@ def test_prefills_are_priced_as_the_runs_passes_that_prefilled_paid_them() -> No
     assert fit_prefill_scale(rounds, sessions, [document], profile, {}) is None
 
 
-def test_a_pass_that_prefills_several_prompts_pads_them_to_the_longest() -> None:
-    """Prompts prefilled in one pass run as rows padded to the longest: 20 and 40 positions
-    cost two prefills of 40. The calibration scales the profile against the same padding: a
-    pass that paid 1.5 times that, at speed 1, gives 1.5."""
+def test_a_pass_that_prefills_several_prompts_pays_each_ones_own_prefill() -> None:
+    """Prompts prefilled in one pass run one after another, each its own length: 20 and 40
+    positions cost a prefill of 20 and one of 40 (padded to the longest, as once priced, they
+    would cost two of 40). The calibration scales the profile against the same sum: a pass that
+    paid 1.5 times it, at speed 1, gives 1.5."""
     profile = flat_profile().model_copy(
         update={"prefill_fixed_ms": 10.0, "prefill_ms_per_token": 1.0}
     )
-    assert padded_prefill_ms(profile, [20, 40]) == 2 * (10.0 + 40.0)
-    assert padded_prefill_ms(profile, []) == 0.0
+    assert prefills_ms(profile, [20, 40]) == (10.0 + 20.0) + (10.0 + 40.0)
+    assert prefills_ms(profile, []) == 0.0
     sessions = [RecordedSession(f"s{i}", "chat", 20 + 20 * (i % 2), 10, 10, True) for i in range(6)]
     rounds = []
     for wave in range(3):
-        ms = PASS_MS + 1.5 * 2 * (10.0 + 40.0) + wave * 1e-3
+        ms = PASS_MS + 1.5 * ((10.0 + 20.0) + (10.0 + 40.0)) + wave * 1e-3
         rounds += [_round(f"s{2 * wave + i}", 0, ms, drafted=4) for i in range(2)]
     document = {"sessions": [{"session_id": f"s{i}", "run": "adaptive x4"} for i in range(6)]}
     speed = {"e2e adaptive x4": 1.0}
