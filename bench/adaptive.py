@@ -348,9 +348,10 @@ async def run_phase(
         link.restore()  # a blip that outlasted the run ends with it
         # When the agent got through again within the run: its client's back-off draw, which
         # `sim validate` replays (replays drawing their own missed by up to 53%).
-        back = None if cut_at is None else link.connected_since(cut_at)
-        if back is not None and cut_at is not None and back <= ended:
-            back_s = back - cut_at
+        if cut_at is not None:  # None: the sessions ended before the cut came
+            back = link.connected_since(cut_at)
+            if back is not None and back <= ended:
+                back_s = back - cut_at
     return PhaseRun(phase, config.name, wall_s, list(sessions), back_s)
 
 
