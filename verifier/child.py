@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -446,10 +446,14 @@ class InferenceChild:
         return message
 
     async def verify(
-        self, requests: Sequence[VerifyRequest] | Steps, timeout_s: float
+        self,
+        requests: Sequence[VerifyRequest] | Steps,
+        timeout_s: float,
+        sent: Callable[[], None] | None = None,
     ) -> ChildReply:
         """Send one batch (or a `Steps` call) and wait for its reply (a `Steps` call's first
-        pass; `steps` gives the rest); raise ChildDied if the process is lost."""
+        pass; `steps` gives the rest); raise ChildDied if the process is lost. `sent` is called
+        once the process has the batch."""
         if self._conn is None or not self.alive:
             raise ChildDied("the inference process is not running")
         try:
@@ -460,6 +464,8 @@ class InferenceChild:
                 self._conn.send(list(requests))
         except (BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise ChildDied(f"pipe to the inference process broke: {exc}") from exc
+        if sent is not None:
+            sent()
         message = await self._receive(timeout_s)
         if not isinstance(message, ChildReply):
             raise ChildDied(f"unexpected reply {type(message).__name__}")

@@ -132,12 +132,16 @@ class LeaseBook:
         verify: VerifyFn,
         to_device: ToDevice,
         to_coordinator: ToCoordinator,
+        report: ToCoordinator | None = None,
     ) -> None:
+        """`report` sends a round's RoundDone (by default as `to_coordinator` does): the round
+        is persisted and answered by then, so it may wait for a quieter moment."""
         self.verifier_id = verifier_id
         self.writer = writer
         self._verify = verify
         self._to_device = to_device
         self._to_coordinator = to_coordinator
+        self._report = report or to_coordinator
         self.sessions: dict[str, LeasedSession] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -379,7 +383,7 @@ class LeaseBook:
         payload = m.encode(verdict.model_copy(update={"sent_at": time.time()}))
         self._to_device(held.device_id, payload)
         queued = time.perf_counter()
-        self._to_coordinator(
+        self._report(
             m.RoundDone(
                 lease_id=held.lease_id,
                 session_id=held.session_id,

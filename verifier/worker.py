@@ -230,7 +230,12 @@ class VerifierWorker:
         if database_url is not None:
             self._writer = RoundWriter(make_engine(database_url))
             self.leases = LeaseBook(
-                vid, self._writer, self._verify_leased, self._to_device, self._to_coordinator
+                vid,
+                self._writer,
+                self._verify_leased,
+                self._to_device,
+                self._to_coordinator,
+                report=self._report,
             )
 
     # -- state, for the heartbeat and for tests --------------------------------------------
@@ -414,6 +419,10 @@ class VerifierWorker:
     def _to_coordinator(self, message: Message) -> None:
         self._outbox.put(self.result_topic, message)
 
+    def _report(self, message: Message) -> None:
+        """A round's report to the coordinator, sent once the next pass is under way."""
+        self._outbox.report(self.result_topic, message)
+
     async def _heartbeat(self, client: BusClient) -> None:
         def status() -> bytes:
             return encode(self.status(DeviceState.ONLINE))
@@ -534,7 +543,9 @@ class VerifierWorker:
         steps = self._steps(batch, turn, requests, choice)
         try:
             reply = await self.child.verify(
-                steps or requests, timeout_s=self.config.batch_timeout_s
+                steps or requests,
+                timeout_s=self.config.batch_timeout_s,
+                sent=self._outbox.release_reports,
             )
         except ChildDied as exc:
             log.error("inference process lost with %d requests in flight: %s", len(requests), exc)
@@ -583,6 +594,7 @@ class VerifierWorker:
                     reason = f"{choice.reason}; pass {number} run on in the inference process"
                     ran = choice.model_copy(update={"rows": len(step.rows), "reason": reason[:256]})
                 self._emit_step(turn, step, ran)
+                self._outbox.release_reports()  # the child runs its next pass meanwhile
         except ChildDied as exc:
             # The streams stand at their last round published, and go on from there.
             log.error("inference process lost running stream rounds on: %s", exc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from test_worker import run_with_worker
@@ -17,6 +18,7 @@ from broker.topics import DeviceChannel, device_topic
 from coordinator.db.engine import make_sessionmaker
 from coordinator.db.models import DecodingSession, Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
+from verifier import outbox as outbox_module
 from verifier.worker import VerifierWorker
 
 PROMPT = 5
@@ -149,6 +151,59 @@ def test_a_leased_session_is_answered_by_its_verifier(
         await asyncio.sleep(1.0)
         assert not any(_verdict(1)(t, msg) for t, msg in listener.others)
         assert len(await asyncio.to_thread(stored)) == 1
+
+    run_with_worker(
+        mosquitto,
+        body,
+        database_url=url,
+        subscriptions=(device_topic(DEVICE, DeviceChannel.VERDICT),),
+    )
+
+
+def test_a_round_report_waits_for_the_next_pass(
+    mosquitto: PrivateMosquitto, pg_clean_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct round's RoundDone leaves once the next pass is handed to the inference process,
+    not between the verdict and the device's next draft (with no pass it would wait 30 s here)."""
+    monkeypatch.setattr(outbox_module, "REPORT_HOLD_S", 30.0)
+    session_id = _open(pg_clean_engine)
+    reference = greedy_reference(PROMPT, 8)
+    url = pg_clean_engine.url.render_as_string(hide_password=False)
+    base_len = len(prompt_ids(PROMPT))
+    draft_topic = device_topic(DEVICE, DeviceChannel.DRAFT)
+
+    def done(round_index: int) -> object:
+        return lambda _t, msg: isinstance(msg, m.RoundDone) and msg.round == round_index
+
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        await listener.client.publish(worker.work_topic, m.encode(_lease(session_id)))
+        await listener.other(_ack("lease-1", True))
+        first = m.Draft(
+            session_id=session_id,
+            round=0,
+            base_len=base_len,
+            tokens=(reference[0], (reference[1] + 1) % 49152),
+            draft_model="lookup",
+        )
+        await listener.client.publish(draft_topic, m.encode(first))
+        verdict = await listener.other(_verdict(0))
+        assert isinstance(verdict, m.Verdict) and verdict.n_accepted == 1
+        await asyncio.sleep(0.5)
+        assert not any(done(0)(t, msg) for t, msg in listener.others)
+        assert worker.leases is not None and worker.leases.sessions[session_id].next_round == 1
+
+        second = m.Draft(
+            session_id=session_id,
+            round=1,
+            base_len=base_len + 2,
+            tokens=(reference[2],),
+            draft_model="lookup",
+        )
+        await listener.client.publish(draft_topic, m.encode(second))
+        report = await listener.other(done(0), timeout_s=10.0)
+        assert isinstance(report, m.RoundDone)
+        assert report.committed == tuple(reference[:2])
+        await listener.other(_verdict(1))
 
     run_with_worker(
         mosquitto,
