@@ -174,6 +174,7 @@ class ReplayVerifier:
         await client.subscribe(self.work_topic)
         if self.leases is not None:
             await client.subscribe(device_subscription(DeviceChannel.DRAFT))
+            await client.subscribe(device_subscription(DeviceChannel.DIRECT))
         online = m.encode(self.status(m.DeviceState.ONLINE))
         await client.publish(self.status_topic, online, retain=True)
         async with task_group() as tasks:

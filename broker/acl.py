@@ -132,6 +132,7 @@ def service_rules(role: ServiceRole) -> tuple[AclRule, ...]:
         return (
             AclRule(Access.READWRITE, f"{VERIFIER_ROOT}/#"),
             AclRule(Access.READ, device_subscription(DeviceChannel.DRAFT)),
+            AclRule(Access.READ, device_subscription(DeviceChannel.DIRECT)),
             AclRule(Access.WRITE, device_subscription(DeviceChannel.VERDICT)),
         )
     if role is ServiceRole.BRIDGE:

@@ -307,6 +307,9 @@ class Verdict(_Message):
     # Cloud mode: the coordinator runs round + 1 itself; the agent waits for its verdict rather
     # than drafting it.
     continues: bool = False
+    # From the verifier holding the session's lease (a direct round): the agent sends its next
+    # window on its `direct` topic, which only verifiers read (protocol.md, "Direct rounds").
+    direct: bool = False
     # Asked for by the draft (`want_features`): the target's last-layer hidden state, after the
     # final norm, at the position of the second-to-last committed token (whose logits chose
     # next_token), as base64 of little-endian fp16 # [hidden_size]. See `feature_bytes`.

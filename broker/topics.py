@@ -19,6 +19,9 @@ class DeviceChannel(str, Enum):
     TELEMETRY = "telemetry"
     SESSION = "session"  # open (or resume) and close a decoding session
     DRAFT = "draft"
+    # A leased session's next window after a direct verdict: read by the verifiers only, so the
+    # coordinator does not wake for every direct round. Resends go on `draft`, which both read.
+    DIRECT = "direct"
     ACK = "ack"  # command acknowledgements
     VERDICT = "verdict"  # verdicts, session states and error replies
     COMMAND = "cmd"

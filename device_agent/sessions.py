@@ -245,6 +245,10 @@ class AgentSession:
         self._task: asyncio.Task[None] | None = None
         self._speculating: asyncio.Future[bool] | None = None
         self._published = False  # whether the window in flight went out
+        # The last verdict came from the verifier holding the session (a direct round): the next
+        # window goes to it alone, on the direct topic; whether the one in flight went there.
+        self._direct = False
+        self._sent_direct = False
         self._sent_at = 0.0  # perf_counter when the window in flight went out
         self._downlink: tuple[int, float] | None = None  # (round, ms) of the last verdict applied
         self.wait_ms: list[float] = []
@@ -465,7 +469,9 @@ class AgentSession:
             except Exception as exc:
                 log.warning("session %s: proactive drafting failed: %s", self.session_id, exc)
 
-    async def _send_window(self) -> None:
+    async def _send_window(self, *, direct: bool = False) -> None:
+        """Publish the window in flight: on the direct topic when `direct` (a new window after a
+        direct verdict), else on the draft topic (resends too, which the coordinator hears)."""
         await self._settle()
         window = self.drafter.in_flight
         assert window is not None
@@ -477,7 +483,9 @@ class AgentSession:
         note = self._drafter_note(window.draft_model)
         if note:
             message = message.model_copy(update={"drafter_note": note[:256]})
-        self._published = await self.book.publish(DeviceChannel.DRAFT, message)
+        self._sent_direct = direct and self.book.direct and not message.cloud
+        channel = DeviceChannel.DIRECT if self._sent_direct else DeviceChannel.DRAFT
+        self._published = await self.book.publish(channel, message)
         # A window sent again keeps the next one already drafted for it.
         if (
             not self._published
@@ -502,7 +510,7 @@ class AgentSession:
     async def _next_round(self) -> None:
         await self._drafting(self.drafter.draft)
         self._refusals = 0
-        await self._send_window()
+        await self._send_window(direct=self._direct)
 
     async def _open(self, reason: m.ResumeReason | None = None) -> None:
         """Publish the session's open; a reason says why it is sent again, and a spell of local
@@ -644,6 +652,8 @@ class AgentSession:
                         await self._open(m.ResumeReason.RETRY)
                     else:
                         log.info("session %s: no verdict yet; sending again", self.session_id)
+                        if self._sent_direct:
+                            self.book.direct_unanswered()
                         await self._send_window()
                     continue
                 arrived, message = received
@@ -699,6 +709,7 @@ class AgentSession:
             self.book._ended(self)
 
     async def _on_state(self, state: m.SessionState) -> None:
+        self._direct = False  # the coordinator speaks for the session again
         await self._settle()
         window = self.drafter.in_flight
         outcome = self.drafter.resync(state)
@@ -766,6 +777,7 @@ class AgentSession:
         if new_tokens is None:
             log.debug("session %s: stale verdict of round %d", self.session_id, verdict.round)
             return True
+        self._direct = verdict.direct
         if verdict.sent_at:
             arrived_at = time.time() - (time.perf_counter() - arrived)  # on the unix clock
             self._downlink = (verdict.round, max(0.0, (arrived_at - verdict.sent_at) * 1e3))
@@ -781,6 +793,7 @@ class AgentSession:
         return True
 
     def _on_error(self, error: m.ErrorReply) -> None:
+        self._direct = False
         if error.refused_type is m.Refused.SESSION_OPEN:
             raise SessionError(f"the coordinator refused the session: {error.reason}")
         window = self.drafter.in_flight
@@ -822,6 +835,18 @@ class SessionBook:
         # Whether a session may name a draft this device lacks (drafts on demand: signed
         # releases can be installed here); the agent sets it.
         self.on_demand = False
+        # Whether windows after a direct verdict go on the direct topic: until one goes
+        # unanswered (a broker whose ACL predates that topic drops it), then never again here.
+        self.direct = True
+
+    def direct_unanswered(self) -> None:
+        if self.direct:
+            log.warning(
+                "a window sent on the direct topic went unanswered: this agent sends its drafts "
+                "on the draft topic from now on (does the broker's ACL let it write %s?)",
+                DeviceChannel.DIRECT.value,
+            )
+        self.direct = False
 
     @property
     def bus_up(self) -> bool:

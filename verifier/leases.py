@@ -30,6 +30,10 @@ from coordinator.db.models import Round, SessionStatus
 from coordinator.db.round_writer import RoundWriter
 from inference.speculative import apply_stop_rules
 
+# Where devices send drafts: `direct` (a leased session's next window, read by verifiers only)
+# and `draft` (every other window, and every resend), which the coordinator reads too.
+DRAFT_CHANNELS = (DeviceChannel.DIRECT, DeviceChannel.DRAFT)
+
 log = logging.getLogger(__name__)
 
 
@@ -158,17 +162,29 @@ class LeaseBook:
         coordinator hears a malformed one too, and refuses it with the reason)."""
         received = time.perf_counter()
         parsed = parse_device_topic(topic)
-        if parsed is None or parsed.channel is not DeviceChannel.DRAFT:
+        if parsed is None or parsed.channel not in DRAFT_CHANNELS:
             log.debug("ignoring a message on %s", topic)
             return
         arrived = time.time()
         try:
             draft = m.decode_as(payload, m.Draft)
-        except m.BusError:
+        except m.BusError as exc:
+            if parsed.channel is DeviceChannel.DIRECT:
+                self._refuse_direct(parsed.device_id, exc.reason)
             return
         if self.holds(parsed.device_id, draft):
             name = f"draft-{draft.session_id}-{draft.round}"
             self._spawn(self.on_draft(parsed.device_id, draft, arrived, received), name)
+
+    def _refuse_direct(self, device_id: str, reason: str) -> None:
+        """A malformed draft on the direct topic, which the coordinator does not read: refused
+        here with the reason when this verifier holds a session of the device (a device whose
+        sessions no verifier holds hears nothing, and sends again on the draft topic)."""
+        if not any(held.device_id == device_id for held in self.sessions.values()):
+            return
+        log.warning("refused a draft from %s: %s", device_id, reason)
+        error = m.ErrorReply(refused_type=m.Refused.DRAFT, reason=reason[:1024])
+        self._to_device(device_id, error)
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(work, name=f"verifier-{self.verifier_id}-{name}")
@@ -378,6 +394,7 @@ class LeaseBook:
             verifier_id=self.verifier_id,
             # The features belong to next_token's position: only when the stop rules kept it.
             features=None if finished else result.features,
+            direct=True,
         )
         held.last_verdict = verdict
         payload = m.encode(verdict.model_copy(update={"sent_at": time.time()}))

@@ -316,6 +316,7 @@ class VerifierWorker:
         if self.leases is not None:
             # Every device's drafts: those of the sessions it holds are its to answer.
             await client.subscribe(device_subscription(DeviceChannel.DRAFT))
+            await client.subscribe(device_subscription(DeviceChannel.DIRECT))
         await client.publish(
             self.status_topic, encode(self.status(DeviceState.ONLINE)), retain=True
         )

@@ -316,22 +316,28 @@ def test_a_device_cannot_read_other_devices_uplinks(fleet: Fleet, probes: list[P
 def test_a_verifier_reads_drafts_and_answers_verdicts_and_nothing_more(
     fleet: Fleet, probes: list[Probe]
 ) -> None:
-    """Direct rounds: a verifier reads every device's drafts and writes their verdicts; it
-    cannot speak for a device, send it commands, or read its sessions and telemetry."""
+    """Direct rounds: a verifier reads every device's drafts (on both its draft topics) and
+    writes their verdicts; it cannot speak for a device, send it commands, or read its sessions
+    and telemetry."""
     verifier = _connected(fleet, probes, fleet.verifier)
     coordinator = _connected(fleet, probes, fleet.coordinator)
     device_a = _connected(fleet, probes, fleet.a)
-    verifier.subscribe("specfleet/v1/dev/+/draft", "specfleet/v1/dev/+/session")
+    verifier.subscribe(
+        "specfleet/v1/dev/+/draft", "specfleet/v1/dev/+/direct", "specfleet/v1/dev/+/session"
+    )
     coordinator.subscribe("specfleet/v1/dev/#")
     device_a.subscribe(device_topic(fleet.a, DeviceChannel.VERDICT))
 
     device_a.publish(device_topic(fleet.a, DeviceChannel.SESSION), b"a session")
     device_a.publish(device_topic(fleet.a, DeviceChannel.DRAFT), b"a draft")
-    assert verifier.receive_until(b"a draft") == [
-        (device_topic(fleet.a, DeviceChannel.DRAFT), b"a draft")
+    device_a.publish(device_topic(fleet.a, DeviceChannel.DIRECT), b"a direct draft")
+    assert verifier.receive_until(b"a direct draft") == [
+        (device_topic(fleet.a, DeviceChannel.DRAFT), b"a draft"),
+        (device_topic(fleet.a, DeviceChannel.DIRECT), b"a direct draft"),
     ]
     forbidden = [
         device_topic(fleet.a, DeviceChannel.DRAFT),
+        device_topic(fleet.a, DeviceChannel.DIRECT),
         device_topic(fleet.a, DeviceChannel.SESSION),
         device_topic(fleet.a, DeviceChannel.COMMAND),
     ]
@@ -447,6 +453,7 @@ def test_generated_acl_gives_each_account_exactly_its_rules() -> None:
         "verifier-0": [
             "topic readwrite specfleet/v1/verifier/#",
             "topic read specfleet/v1/dev/+/draft",
+            "topic read specfleet/v1/dev/+/direct",
             "topic write specfleet/v1/dev/+/verdict",
         ],
         "dashboard": ["topic read specfleet/v1/#"],
@@ -455,6 +462,7 @@ def test_generated_acl_gives_each_account_exactly_its_rules() -> None:
             "topic write specfleet/v1/dev/pi-1/telemetry",
             "topic write specfleet/v1/dev/pi-1/session",
             "topic write specfleet/v1/dev/pi-1/draft",
+            "topic write specfleet/v1/dev/pi-1/direct",
             "topic write specfleet/v1/dev/pi-1/ack",
             "topic read specfleet/v1/dev/pi-1/verdict",
             "topic read specfleet/v1/dev/pi-1/cmd",

@@ -76,13 +76,18 @@ def test_verdicts_leave_persisted_and_the_next_draft_records_their_downlink(
         )
         async with connect(BrokerAddress.from_url(fleet.broker_url), options) as client:
             await client.subscribe(device_topic(AGENT.device_id, DeviceChannel.VERDICT))
+            for channel in (DeviceChannel.DRAFT, DeviceChannel.DIRECT):
+                await client.subscribe(device_topic(AGENT.device_id, channel))
             watching.set()
             async for incoming in client.messages():
                 message = m.decode(incoming.payload)
+                if isinstance(message, m.Draft):
+                    drafts[incoming.topic.rsplit("/", 1)[-1]] += 1
                 if isinstance(message, m.Verdict):
                     await asyncio.to_thread(check, fleet.coordinator.sessions, message)
 
     watching = asyncio.Event()
+    drafts = {DeviceChannel.DRAFT.value: 0, DeviceChannel.DIRECT.value: 0}  # by topic
 
     async def main() -> list[dict[str, Any]]:
         settings = Settings(home=tmp_path / "home", coordinator_id=f"legs-{uuid.uuid4().hex[:8]}")
@@ -114,6 +119,10 @@ def test_verdicts_leave_persisted_and_the_next_draft_records_their_downlink(
     # Direct rounds: the verifier answered every one, one bus round trip each.
     assert not relayed
     assert all(verdict.sent_at > 0 for verdict in published)
+    # Each session's first window went where the coordinator hears it; every window after a
+    # direct verdict went on the direct topic, which the coordinator does not read.
+    assert all(verdict.direct for verdict in published)
+    assert drafts == {"draft": len(PROMPTS), "direct": len(published) - len(PROMPTS)}, drafts
     for answer in answers:
         rounds: list[Round] = answer["rounds_stored"]
         assert answer["status"] == "finished" and len(rounds) >= 2

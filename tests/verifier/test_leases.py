@@ -164,13 +164,15 @@ def test_a_round_report_waits_for_the_next_pass(
     mosquitto: PrivateMosquitto, pg_clean_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A direct round's RoundDone leaves once the next pass is handed to the inference process,
-    not between the verdict and the device's next draft (with no pass it would wait 30 s here)."""
+    not between the verdict and the device's next draft (with no pass it would wait 30 s here);
+    the next draft comes on the direct topic, where a malformed one is refused by the holder."""
     monkeypatch.setattr(outbox_module, "REPORT_HOLD_S", 30.0)
     session_id = _open(pg_clean_engine)
     reference = greedy_reference(PROMPT, 8)
     url = pg_clean_engine.url.render_as_string(hide_password=False)
     base_len = len(prompt_ids(PROMPT))
     draft_topic = device_topic(DEVICE, DeviceChannel.DRAFT)
+    direct_topic = device_topic(DEVICE, DeviceChannel.DIRECT)
 
     def done(round_index: int) -> object:
         return lambda _t, msg: isinstance(msg, m.RoundDone) and msg.round == round_index
@@ -199,11 +201,20 @@ def test_a_round_report_waits_for_the_next_pass(
             tokens=(reference[2],),
             draft_model="lookup",
         )
-        await listener.client.publish(draft_topic, m.encode(second))
+        # On the direct topic, as an agent sends the window after a direct verdict.
+        assert verdict.direct
+        await listener.client.publish(direct_topic, m.encode(second))
         report = await listener.other(done(0), timeout_s=10.0)
         assert isinstance(report, m.RoundDone)
         assert report.committed == tuple(reference[:2])
-        await listener.other(_verdict(1))
+        answered = await listener.other(_verdict(1))
+        assert isinstance(answered, m.Verdict) and answered.direct
+
+        # The coordinator does not read that topic: a malformed draft there is refused here.
+        await listener.client.publish(direct_topic, b'{"type": "draft", "round": -1}')
+        error = await listener.other(lambda _t, msg: isinstance(msg, m.ErrorReply))
+        assert isinstance(error, m.ErrorReply) and error.refused_type is m.Refused.DRAFT
+        assert error.reason
 
     run_with_worker(
         mosquitto,
