@@ -158,8 +158,9 @@ class LeaseBook:
             self._spawn(self.on_lease_end(message), f"lease-end-{message.session_id}")
 
     def on_device_message(self, topic: str, payload: bytes) -> None:
-        """A device's draft: answered here when its session is leased to this verifier (the
-        coordinator hears a malformed one too, and refuses it with the reason)."""
+        """A device's draft: answered here when its session is leased to this verifier. A
+        malformed one on `draft` the coordinator hears too, and refuses with the reason; one on
+        `direct`, which it does not read, is refused here (`_refuse_direct`)."""
         received = time.perf_counter()
         parsed = parse_device_topic(topic)
         if parsed is None or parsed.channel not in DRAFT_CHANNELS:

@@ -29,8 +29,8 @@ class Outbox:
     REPORT_HOLD_S. Between a pass and the next is when a round's path runs: the verdict to the
     device, its next draft back, the pass to the target. On a host whose control plane shares a
     core with the verifier's bus side, the coordinator handling the report at once took that
-    core from the path (`bench e2e`, fixed drafter at one session: the draft's way back, beyond
-    compute, 1.9 ms p50 with reports held against 2.45-2.7 sent at once). A message put for a
+    core from the path (`bench e2e`, fixed drafter at one session: the bus and the agent's share
+    of a round, 1.8-2.1 ms p50 with reports held against 2.45-2.8 sent at once). A message put for a
     report's topic lets the reports waiting for it go first, so that each topic keeps its order;
     one for another topic (a device's verdict) goes past them."""
 
