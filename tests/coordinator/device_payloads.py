@@ -83,6 +83,8 @@ def valid_documents() -> dict[DeviceChannel, list[dict[str, Any]]]:
         DeviceChannel.ACK: [m.CommandAck(command_id="c1", device_id=DEVICE, ok=True)],
         DeviceChannel.SESSION: [open_, m.SessionClose(session_id=SESSION)],
         DeviceChannel.DRAFT: [draft, draft.model_copy(update={"tokens": (), "cloud_k": 4})],
+        # A leased session's next window (read by verifiers, which refuse a malformed one).
+        DeviceChannel.DIRECT: [draft],
     }
     assert set(messages) == set(UPLINK_CHANNELS), "a device channel has no fuzz cases"
     return {

@@ -24,7 +24,8 @@ from coordinator.runtime import verifiers
 
 DECODE_CASES = 10_000
 BUS_CASES = 1_000
-# Channels where a refused payload is answered (status, acks and telemetry have nowhere to).
+# Channels where the coordinator answers a refused payload (status, acks and telemetry have
+# nowhere to; `direct` it does not read: a verifier holding the device's session refuses there).
 ANSWERED = {DeviceChannel.SESSION, DeviceChannel.DRAFT}
 MAX_REASON = 1024  # an ErrorReply's reason
 
