@@ -6,11 +6,12 @@ import asyncio
 
 import pytest
 
+from broker.topics import DeviceChannel, VerifierChannel, device_topic, verifier_topic
 from verifier import outbox as outbox_module
 from verifier.outbox import Outbox
 
-COORDINATOR = "specfleet/v1/coordinator/results"
-DEVICE = "specfleet/v1/dev/pi/verdict"
+COORDINATOR = verifier_topic("v-1", VerifierChannel.RESULT)  # where its reports go
+DEVICE = device_topic("pi", DeviceChannel.VERDICT)
 
 
 async def _put_so_far(box: Outbox) -> list[tuple[str, bytes | object]]:
