@@ -46,6 +46,7 @@ from broker.client import (
     run_with_reconnect,
 )
 from broker.topics import (
+    DRAFT_CHANNELS,
     DeviceChannel,
     VerifierChannel,
     device_subscription,
@@ -173,8 +174,8 @@ class ReplayVerifier:
     async def serve(self, client: BusClient) -> None:
         await client.subscribe(self.work_topic)
         if self.leases is not None:
-            await client.subscribe(device_subscription(DeviceChannel.DRAFT))
-            await client.subscribe(device_subscription(DeviceChannel.DIRECT))
+            for channel in DRAFT_CHANNELS:
+                await client.subscribe(device_subscription(channel))
         online = m.encode(self.status(m.DeviceState.ONLINE))
         await client.publish(self.status_topic, online, retain=True)
         async with task_group() as tasks:

@@ -14,6 +14,7 @@ from typing import Protocol
 from broker.passwords import check_credential_hash
 from broker.topics import (
     DOWNLINK_CHANNELS,
+    DRAFT_CHANNELS,
     ROOT,
     UPLINK_CHANNELS,
     VERIFIER_ROOT,
@@ -131,8 +132,7 @@ def service_rules(role: ServiceRole) -> tuple[AclRule, ...]:
     if role is ServiceRole.VERIFIER:
         return (
             AclRule(Access.READWRITE, f"{VERIFIER_ROOT}/#"),
-            AclRule(Access.READ, device_subscription(DeviceChannel.DRAFT)),
-            AclRule(Access.READ, device_subscription(DeviceChannel.DIRECT)),
+            *(AclRule(Access.READ, device_subscription(c)) for c in DRAFT_CHANNELS),
             AclRule(Access.WRITE, device_subscription(DeviceChannel.VERDICT)),
         )
     if role is ServiceRole.BRIDGE:

@@ -33,6 +33,9 @@ class DeviceChannel(str, Enum):
 
 
 UPLINK_CHANNELS = tuple(c for c in DeviceChannel if c.uplink)
+# Where a device sends drafts: `draft` (read by the coordinator and the verifiers) and `direct`
+# (a leased session's next window after a direct verdict, read by the verifiers only).
+DRAFT_CHANNELS = (DeviceChannel.DRAFT, DeviceChannel.DIRECT)
 DOWNLINK_CHANNELS = tuple(c for c in DeviceChannel if not c.uplink)
 
 

@@ -25,14 +25,10 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError
 
 from broker import messages as m
-from broker.topics import DeviceChannel, parse_device_topic
+from broker.topics import DRAFT_CHANNELS, DeviceChannel, parse_device_topic
 from coordinator.db.models import Round, SessionStatus
 from coordinator.db.round_writer import RoundWriter
 from inference.speculative import apply_stop_rules
-
-# Where devices send drafts: `direct` (a leased session's next window, read by verifiers only)
-# and `draft` (every other window, and every resend), which the coordinator reads too.
-DRAFT_CHANNELS = (DeviceChannel.DIRECT, DeviceChannel.DRAFT)
 
 log = logging.getLogger(__name__)
 

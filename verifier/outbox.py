@@ -39,10 +39,11 @@ class Outbox:
         self._next = 0  # the number of the next item put
         self._ready = asyncio.Event()
         self._reports: list[tuple[str, bytes | Message]] = []
+        self._report_topics: set[str] = set()  # the topics of the reports held
         self._report_timer: asyncio.TimerHandle | None = None
 
     def put(self, topic: str, payload: bytes | Message) -> None:
-        if self._reports and any(held == topic for held, _ in self._reports):
+        if topic in self._report_topics:
             self.release_reports()
         self._put(topic, payload)
 
@@ -54,16 +55,20 @@ class Outbox:
     def report(self, topic: str, payload: bytes | Message) -> None:
         """Put `payload` once the next pass is under way, or REPORT_HOLD_S from now."""
         self._reports.append((topic, payload))
+        self._report_topics.add(topic)
         if self._report_timer is None:
             loop = asyncio.get_running_loop()
             self._report_timer = loop.call_later(REPORT_HOLD_S, self.release_reports)
 
     def release_reports(self) -> None:
         """The reports held, put now (in the order they came)."""
+        if not self._reports:  # after every pass: most often none (the timer comes with one)
+            return
         if self._report_timer is not None:
             self._report_timer.cancel()
             self._report_timer = None
         reports, self._reports = self._reports, []
+        self._report_topics.clear()
         for topic, payload in reports:
             self._put(topic, payload)
 

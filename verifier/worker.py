@@ -43,6 +43,7 @@ from broker.messages import (
     encode,
 )
 from broker.topics import (
+    DRAFT_CHANNELS,
     DeviceChannel,
     VerifierChannel,
     device_subscription,
@@ -315,8 +316,8 @@ class VerifierWorker:
         await client.subscribe(self.work_topic)
         if self.leases is not None:
             # Every device's drafts: those of the sessions it holds are its to answer.
-            await client.subscribe(device_subscription(DeviceChannel.DRAFT))
-            await client.subscribe(device_subscription(DeviceChannel.DIRECT))
+            for channel in DRAFT_CHANNELS:
+                await client.subscribe(device_subscription(channel))
         await client.publish(
             self.status_topic, encode(self.status(DeviceState.ONLINE)), retain=True
         )

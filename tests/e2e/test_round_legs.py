@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from broker import messages as m
 from broker.client import BrokerAddress, ConnectOptions, connect
-from broker.topics import DeviceChannel, device_topic
+from broker.topics import DeviceChannel, device_topic, parse_device_topic
 from coordinator.db.models import DecodingSession, Round
 from coordinator.runtime.service import Coordinator
 from core.settings import Settings
@@ -82,7 +82,9 @@ def test_verdicts_leave_persisted_and_the_next_draft_records_their_downlink(
             async for incoming in client.messages():
                 message = m.decode(incoming.payload)
                 if isinstance(message, m.Draft):
-                    drafts[incoming.topic.rsplit("/", 1)[-1]] += 1
+                    parsed = parse_device_topic(incoming.topic)
+                    assert parsed is not None
+                    drafts[parsed.channel.value] += 1
                 if isinstance(message, m.Verdict):
                     await asyncio.to_thread(check, fleet.coordinator.sessions, message)
 
