@@ -44,7 +44,6 @@ from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierP
 from verifier.child import PROFILE_SHAPES
 from verifier.goodput import PRIOR_ACCEPT, GoodputControl, StreamRow
 from verifier.streams import pass_turn
-from verifier.wave import REFILL_MIN_GENERATED, Refills
 from verifier.worker import BATCH_WINDOW_MS, HEARTBEAT_S, STEPS_PER_CALL
 
 # A mode's name, as rounds are counted by it (Enum's .value is a descriptor call, every round).
@@ -423,7 +422,6 @@ class Verifier:
         self.speed = 1.0  # its host's slowdown now: every pass and prefill costs this times more
         # Seeded as the real worker seeds it, with the passes its child times at start.
         self.control = GoodputControl()
-        self.refills = Refills()
         for rows, positions in PROFILE_SHAPES:
             self.control.observe_pass(rows, positions, self.truth.predict(rows, positions))
         self.queue: list[_Row] = []
@@ -465,11 +463,6 @@ class Verifier:
 
     def open_stream(self, session: Session) -> None:
         if session.id not in self.streams:
-            # As the worker: a new session's first round beside a stream under way refills.
-            under_way = session.round == 0 and any(
-                s.generated >= REFILL_MIN_GENERATED for s in self.streams.values()
-            )
-            self.refills.opened(self.passes, under_way)
             self.streams[session.id] = session
             self.run_on = 0
             policy = session.policy
@@ -536,15 +529,13 @@ class Verifier:
         elif turn:
             self.run_on = 0
             rows = [
-                StreamRow(
-                    s.policy.draft_model, s.task, cap, s.stream_prior, s.id, s.length - s.generated
-                )
+                StreamRow(s.policy.draft_model, s.task, cap, s.stream_prior, s.id)
                 for s, cap in zip(turn, caps, strict=True)
                 if s.adaptive
             ]
             fixed = [row.drafted for row in batch]
             fixed += [cap for s, cap in zip(turn, caps, strict=True) if not s.adaptive]
-            choice = self.control.choose(rows, fixed, wave=self.refills.closed(self.passes))
+            choice = self.control.choose(rows, fixed)
             k = choice.k
             if k == 0 and whole and not any(fixed) and not self.control.retimes_plain(choice):
                 # A plain choice for every stream: a `Steps` call (VerifierWorker._steps), as

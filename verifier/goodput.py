@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from broker.messages import PassChoice
-from verifier.wave import wave_goodput
 
 # The windows a pass considers (beyond its streams' caps they are cut to the cap).
 WINDOWS = (0, 1, 2, 3, 4, 6, 8)
@@ -409,8 +408,6 @@ class StreamRow(NamedTuple):
     # The stream (its session), whose own rounds then weigh in; None: the (drafter, task)
     # rate alone, and rows alike are scored as one kind.
     stream: str | None = None
-    # The tokens its session may still generate (0: not known), for the rest of a closed wave.
-    left: int = 0
 
 
 class GoodputControl:
@@ -533,13 +530,9 @@ class GoodputControl:
 
     # -- the rule ---------------------------------------------------------------------------
 
-    def choose(
-        self, streams: Sequence[StreamRow], fixed: Iterable[int], wave: bool = False
-    ) -> PassChoice:
+    def choose(self, streams: Sequence[StreamRow], fixed: Iterable[int]) -> PassChoice:
         """The window of this pass's streams. `fixed`: the windows (drafted tokens) of the
-        device-drafted rows that share the pass, which the pass must score whatever it picks.
-        `wave`: no session refilled the batch lately (`wave.Refills`), so that a pass of streams
-        alone whose tokens left are known is scored on the rest of its wave (`wave_goodput`)."""
+        device-drafted rows that share the pass, which the pass must score whatever it picks."""
         fixed = list(fixed)
         rows = len(streams) + len(fixed)
         widest_fixed = max(fixed, default=0)
@@ -548,7 +541,7 @@ class GoodputControl:
         # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
         # once per window (this runs between two passes, while the target waits).
         kinds = Counter(streams)
-        top_cap = max([cap for draft, _, cap, _, _, _ in kinds if draft is not None], default=0)
+        top_cap = max([cap for draft, _, cap, _, _ in kinds if draft is not None], default=0)
         windows = [k for k in self.windows if k <= top_cap or k <= 0]
         widest = windows[-1] if windows else 0  # self.windows ascends
         # Per kind: its count, the most E(j) it reaches (a plain stream's are all 1, and so
@@ -559,11 +552,9 @@ class GoodputControl:
         # `a if a > b else b` is max(a, b) (and `<` min), written out: a pass runs this rule
         # on every window.
         scored: list[tuple[int, int, list[float]]] = []
-        lefts: list[int] = []
         drafting_ms: list[tuple[float, int]] = []
         step_ms: dict[str, tuple[float, int]] = {}
-        for (draft, task, cap, prior, stream, left), count in kinds.items():
-            lefts.append(left)
+        for (draft, task, cap, prior, stream), count in kinds.items():
             if draft is None:
                 scored.append((count, 0, [1.0]))
             else:
@@ -592,12 +583,6 @@ class GoodputControl:
             ms = predict(rows, (widest_fixed if widest_fixed > k else k) + 1) + drafting
             cost_at[k] = ms
             goodput[names[k]] = tokens / ms * 1000.0 if ms > 0 else math.inf
-        closed = wave and not fixed and rows > 1 and min(lefts, default=0) > 0
-        if closed:
-            row_ms = cost_at[0] - predict(rows - 1, 1)
-            kinds_left = [(c, n, e, r) for (c, r, e), n in zip(scored, lefts, strict=True)]
-            for k, rate in wave_goodput(kinds_left, windows, cost_at, row_ms).items():
-                goodput[names[k]] = rate
         plain = goodput["0"]
         # The best window by its goodput, discounted by the certainty it needs: the more it
         # adds to the pass, the more a wrong estimate costs (a lone row's window adds ~2%).
@@ -617,8 +602,6 @@ class GoodputControl:
         reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
             "" if best == 0 else f" (plain {plain:.1f})"
         )
-        if closed:
-            reason += " over the rest of the wave"
         if best > 0 and widest_fixed == 0 and self._plain_stale(rows):
             # Plain decoding at this batch size was not timed here lately: its cost is the
             # fit's or an old sample's, and a fit of speculative passes alone prices it wrongly

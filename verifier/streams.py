@@ -116,8 +116,7 @@ class HostStream:
 
     def row(self) -> StreamRow:
         prior = PRIOR_ACCEPT if self.spec.alpha is None else self.spec.alpha
-        left = self.spec.max_new - self.generated
-        return StreamRow(self.draft, self.spec.task_type, self.cap, prior, self.session_id, left)
+        return StreamRow(self.draft, self.spec.task_type, self.cap, prior, self.session_id)
 
     @property
     def adaptive(self) -> bool:

@@ -68,7 +68,6 @@ from verifier.goodput import GoodputControl
 from verifier.leases import LeaseBook, Verified, no_lease
 from verifier.outbox import Outbox, heartbeat
 from verifier.streams import HostStream, HostStreams
-from verifier.wave import REFILL_MIN_GENERATED, Refills
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +220,6 @@ class VerifierWorker:
         self._returns = ReturnTimes()
         self.streams = HostStreams()
         self.goodput = GoodputControl()
-        self._refills = Refills()
         self._work_ready = asyncio.Event()
         self._passes = 0
         self._sessions_cached = 0
@@ -379,11 +377,6 @@ class VerifierWorker:
                 continue
             received_at = time.perf_counter()
             if request.stream is not None:
-                # A new session's first round beside a stream under way refills the batch.
-                under_way = request.round == 0 and any(
-                    s.generated >= REFILL_MIN_GENERATED for s in self.streams.by_session.values()
-                )
-                self._refills.opened(self._passes, under_way)
                 self.streams.open(HostStream.open(request, received_at))
                 self._wake()
                 continue
@@ -534,7 +527,7 @@ class VerifierWorker:
         that fails must not stop the verifier)."""
         rows = [stream.row() for stream in turn if stream.adaptive]
         try:
-            return self.goodput.choose(rows, fixed, wave=self._refills.closed(self._passes))
+            return self.goodput.choose(rows, fixed)
         except Exception as exc:
             log.exception("goodput control failed; this pass runs plain")
             return PassChoice(
