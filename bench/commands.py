@@ -42,6 +42,11 @@ BENCHMARKS = (
         "batched target passes with rows kept in the last pass against stacking every pass",
     ),
     (
+        "co-runner",
+        "bench.co_runner",
+        "the target's passes on its CPU alone and beside a load on another (what neighbours cost)",
+    ),
+    (
         "host-drafting",
         "bench.host_drafting",
         "a pass's cloud drafts drafted together (one feature-head call a step) against one by one",

@@ -191,6 +191,10 @@ EXAMPLES: dict[str, str] = {
         specfleet bench target-passes --json
         specfleet bench target-passes --rows 8,32 --k 0,2 --passes 20 --turns 3
     """,
+    "specfleet bench co-runner": """
+        specfleet bench co-runner --json
+        specfleet bench co-runner --rows 4 --loads objects --passes 30 --turns 4
+    """,
     "specfleet bench draft-boundary": """
         specfleet bench draft-boundary --json
         specfleet bench draft-boundary --drafts draft-l1,draft-l1-tflite --k 2 --rounds 500
