@@ -468,6 +468,42 @@ def _coalesce_writes(client: aiomqtt.Client) -> CoalescedSend | None:
     return coalesced
 
 
+# The most packets one readable socket gives in one event-loop turn.
+READ_BURST = 64
+
+
+def _read_bursts(client: aiomqtt.Client) -> None:
+    """Read every packet the socket holds when it is readable (READ_BURST at most), instead of one.
+
+    aiomqtt calls paho's `loop_read` once a readable turn, and paho reads one packet then where
+    none of its own is in flight: the 16 results of one verifier pass reached the coordinator
+    one a loop turn, each persisted and answered in a turn of its own (a commit and a send
+    apiece). Read together, they are handled in one turn: their rounds commit together and their
+    verdicts, queued together, leave together (`CoalescedSend`). Order is kept: the packets are
+    read and handed on as paho reads them, only more of them a turn. paho's names are private:
+    where they are missing, reads stay a packet a turn."""
+    paho = getattr(client, "_client", None)
+    packet_read = getattr(paho, "_packet_read", None)
+    rc_handle = getattr(paho, "_loop_rc_handle", None)
+    if paho is None or packet_read is None or rc_handle is None:
+        log.debug("reads stay a packet a turn: no paho packet reader found")
+        return
+    from paho.mqtt.enums import MQTTErrorCode
+
+    def loop_read(max_packets: int = 1) -> MQTTErrorCode:
+        for _ in range(max(READ_BURST, max_packets)):
+            if paho._sock is None:
+                return MQTTErrorCode.MQTT_ERR_NO_CONN
+            rc = packet_read()
+            if rc > 0:
+                return cast(MQTTErrorCode, rc_handle(rc))
+            if rc == MQTTErrorCode.MQTT_ERR_AGAIN:
+                break
+        return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    paho.loop_read = loop_read
+
+
 def _is_auth_refusal(exc: aiomqtt.MqttError) -> bool:
     rc = getattr(exc, "rc", None)
     # 3.1.1: 4 bad credentials, 5 not authorised; MQTT 5: 0x86 bad credentials, 0x87 not authorised.
@@ -491,6 +527,7 @@ async def connect(address: BrokerAddress, options: ConnectOptions) -> AsyncItera
         client = _make_client(address, options, protocol)
         _write_at_once(client)
         _coalesce_writes(client)
+        _read_bursts(client)
         # A verifier's pass or a coordinator's group commit answers dozens of sessions at once;
         # that many publishes in flight is the design, not a backlog worth a warning each.
         client.pending_calls_threshold = PENDING_PUBLISHES_WARNING
