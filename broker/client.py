@@ -404,106 +404,6 @@ def _write_at_once(client: aiomqtt.Client) -> None:
     paho.on_socket_register_write = write_or_register
 
 
-# The most bytes of queued packets one send carries (a socket takes ~2.5 MB on loopback).
-COALESCE_MAX_BYTES = 64 * 1024
-
-
-class CoalescedSend:
-    """paho's `_sock_send` for a packet, with the packets queued behind it in the same send.
-
-    paho writes its queue a packet a send (`_packet_write`): the verdicts of a pass's 16 rounds,
-    persisted together, went out in 15 sends after the turn's first, each waking the broker (and
-    the device behind it) on a shared CPU. This sends the packet asked for and those queued behind
-    it, up to COALESCE_MAX_BYTES, at once, and answers paho for the first; the bytes the socket
-    took beyond it are owed to the packets after, in order, and answered from that credit without
-    a send as paho writes them in turn (a packet the credit covers in part goes on from there).
-    The credit belongs to its socket: a new connection, whose queue paho rebuilt, starts without.
-    """
-
-    def __init__(self, paho: Any) -> None:
-        self._paho = paho
-        self._send = paho._sock_send
-        self._queue = paho._out_packet
-        self._credit = 0
-        self._socket: object | None = None
-        self.sends = 0  # syscalls made, for the tests
-
-    def __call__(self, buf: bytes | bytearray) -> int:
-        sock = self._paho._sock
-        if self._credit:
-            if sock is self._socket:
-                taken = min(self._credit, len(buf))
-                self._credit -= taken
-                return taken
-            self._credit = 0
-        data = buf
-        if self._queue and len(buf) < COALESCE_MAX_BYTES:
-            parts = [buf]
-            size = len(buf)
-            for packet in self._queue:
-                part = packet["packet"][packet["pos"] :]
-                if size + len(part) > COALESCE_MAX_BYTES:
-                    break
-                parts.append(part)
-                size += len(part)
-            if len(parts) > 1:
-                data = b"".join(parts)
-        self.sends += 1
-        written = int(self._send(data))
-        if written <= len(buf):
-            return written
-        self._credit, self._socket = written - len(buf), sock
-        return len(buf)
-
-
-def _coalesce_writes(client: aiomqtt.Client) -> CoalescedSend | None:
-    """Queued packets go out together (`CoalescedSend`); None where paho's names are missing
-    (private to paho 2: writes then go a packet a send, as before)."""
-    paho = getattr(client, "_client", None)
-    if paho is None or not hasattr(paho, "_out_packet") or not hasattr(paho, "_sock_send"):
-        log.debug("packets written one a send: no paho queue found")
-        return None
-    coalesced = CoalescedSend(paho)
-    paho._sock_send = coalesced
-    return coalesced
-
-
-# The most packets one readable socket gives in one event-loop turn.
-READ_BURST = 64
-
-
-def _read_bursts(client: aiomqtt.Client) -> None:
-    """Read every packet the socket holds when it is readable (READ_BURST at most), instead of one.
-
-    aiomqtt calls paho's `loop_read` once a readable turn, and paho reads one packet then where
-    none of its own is in flight: the 16 results of one verifier pass reached the coordinator
-    one a loop turn, each persisted and answered in a turn of its own (a commit and a send
-    apiece). Read together, they are handled in one turn: their rounds commit together and their
-    verdicts, queued together, leave together (`CoalescedSend`). Order is kept: the packets are
-    read and handed on as paho reads them, only more of them a turn. paho's names are private:
-    where they are missing, reads stay a packet a turn."""
-    paho = getattr(client, "_client", None)
-    packet_read = getattr(paho, "_packet_read", None)
-    rc_handle = getattr(paho, "_loop_rc_handle", None)
-    if paho is None or packet_read is None or rc_handle is None:
-        log.debug("reads stay a packet a turn: no paho packet reader found")
-        return
-    from paho.mqtt.enums import MQTTErrorCode
-
-    def loop_read(max_packets: int = 1) -> MQTTErrorCode:
-        for _ in range(max(READ_BURST, max_packets)):
-            if paho._sock is None:
-                return MQTTErrorCode.MQTT_ERR_NO_CONN
-            rc = packet_read()
-            if rc > 0:
-                return cast(MQTTErrorCode, rc_handle(rc))
-            if rc == MQTTErrorCode.MQTT_ERR_AGAIN:
-                break
-        return MQTTErrorCode.MQTT_ERR_SUCCESS
-
-    paho.loop_read = loop_read
-
-
 def _is_auth_refusal(exc: aiomqtt.MqttError) -> bool:
     rc = getattr(exc, "rc", None)
     # 3.1.1: 4 bad credentials, 5 not authorised; MQTT 5: 0x86 bad credentials, 0x87 not authorised.
@@ -526,8 +426,6 @@ async def connect(address: BrokerAddress, options: ConnectOptions) -> AsyncItera
     for protocol in attempts:
         client = _make_client(address, options, protocol)
         _write_at_once(client)
-        _coalesce_writes(client)
-        _read_bursts(client)
         # A verifier's pass or a coordinator's group commit answers dozens of sessions at once;
         # that many publishes in flight is the design, not a backlog worth a warning each.
         client.pending_calls_threshold = PENDING_PUBLISHES_WARNING
