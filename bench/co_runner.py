@@ -2,7 +2,7 @@
 
 `bench e2e` gives the target a core to itself and puts the broker, the coordinator and the agents
 on the other (`bench.cpus`), yet on this 2-vCPU host the verifier's plain passes at 16 sessions
-came out 3-5% slower than plain serving's same passes, whose other core sat idle: the cores share
+came out 1-5% slower than plain serving's same passes, whose other core sat idle: the cores share
 more than their time (caches, memory bandwidth, or one physical core under two vCPUs). This
 measures it: the target's decode passes of `--rows` rows on one CPU, alone and beside a process
 spinning on another CPU, in turns (each load's passes against the passes alone of the same
@@ -19,10 +19,12 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import cpus
+from bench.target_passes import PROMPT_TOKENS, TOKEN_IDS
 from core.report import add_json_argument, format_table, median, write_json
 
 DEFAULT_JSON = Path("bench-results/co-runner.json")
@@ -41,12 +43,13 @@ LOADS = {
 def load_program(name: str) -> str:
     """Load `name` as a Python program whose first argument is the parent's pid."""
     setup, step = LOADS[name]
-    return f"import os, sys\n{setup}\nwhile os.getppid() == int(sys.argv[1]):\n    {step}\n"
+    return (
+        f"import os, sys\nparent = int(sys.argv[1])\n{setup}\n"
+        f"while os.getppid() == parent:\n    {step}\n"
+    )
 
 
 WARM_S = 0.5  # a load runs this long before the passes beside it are timed
-PROMPT_TOKENS = (60, 140)  # each row's prompt length is drawn from this range
-TOKEN_IDS = (1000, 5000)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,8 +79,6 @@ def _loads(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from core.errors import CommandError
     from modelbuild.target_build import load_target
 
@@ -89,40 +90,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"needs two CPUs, one for the target and one beside; has {allowed}")
     target_cpu, other_cpu = allowed[-1], allowed[0]
     os.sched_setaffinity(0, {target_cpu})
-    runtime, _ = load_target(args.models_dir, threads=args.threads)
-    rng = random.Random(0)
-    caches = []
-    for _ in range(args.rows):
-        cache = runtime.new_cache()
-        length = rng.randrange(*PROMPT_TOKENS)
-        runtime.forward([rng.randrange(*TOKEN_IDS) for _ in range(length)], cache)
-        caches.append(cache)
-
-    lengths = [cache.length for cache in caches]
-
-    def passes() -> float:
-        times = []
-        for index in range(args.passes + 1):
-            requests = [([rng.randrange(*TOKEN_IDS)], cache) for cache in caches]
-            t0 = time.perf_counter()
-            runtime.forward_batch(requests)
-            if index:  # the first after a change of neighbour is left out
-                times.append((time.perf_counter() - t0) * 1e3)
-        for cache, length in zip(caches, lengths, strict=True):
-            cache.trim(length)  # every load's passes on the same contexts
-        return median(times)
-
-    by_turn: list[dict[str, float]] = []
-    with tqdm(total=args.turns * (len(loads) + 1), desc="co-runner", unit="load",
-              file=sys.stderr) as bar:  # fmt: skip
-        for _ in range(args.turns):
-            turn = {"none": passes()}
-            bar.update()
-            for name in loads:
-                turn[name] = _beside(name, other_cpu, passes)
-                bar.update()
-            by_turn.append(turn)
-
+    try:
+        by_turn = _turns(
+            args, loads, other_cpu, load_target(args.models_dir, threads=args.threads)[0]
+        )
+    finally:
+        os.sched_setaffinity(0, allowed)  # a caller in-process keeps its CPUs
     results: list[dict[str, Any]] = []
     for name in ["none", *loads]:
         ratios = [turn[name] / turn["none"] for turn in by_turn]
@@ -166,7 +139,48 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _beside(name: str, cpu: int, passes: Any) -> float:
+def _turns(
+    args: argparse.Namespace, loads: list[str], other_cpu: int, runtime: Any
+) -> list[dict[str, float]]:
+    """Per turn, the median pass alone ("none") and beside each load."""
+    from tqdm import tqdm
+
+    rng = random.Random(0)
+    caches = []
+    for _ in range(args.rows):
+        cache = runtime.new_cache()
+        length = rng.randrange(*PROMPT_TOKENS)
+        runtime.forward([rng.randrange(*TOKEN_IDS) for _ in range(length)], cache)
+        caches.append(cache)
+
+    lengths = [cache.length for cache in caches]
+
+    def passes() -> float:
+        times = []
+        for index in range(args.passes + 1):
+            requests = [([rng.randrange(*TOKEN_IDS)], cache) for cache in caches]
+            t0 = time.perf_counter()
+            runtime.forward_batch(requests)
+            if index:  # the first after a change of neighbour is left out
+                times.append((time.perf_counter() - t0) * 1e3)
+        for cache, length in zip(caches, lengths, strict=True):
+            cache.trim(length)  # every load's passes on the same contexts
+        return median(times)
+
+    by_turn: list[dict[str, float]] = []
+    with tqdm(total=args.turns * (len(loads) + 1), desc="co-runner", unit="load",
+              file=sys.stderr) as bar:  # fmt: skip
+        for _ in range(args.turns):
+            turn = {"none": passes()}
+            bar.update()
+            for name in loads:
+                turn[name] = _beside(name, other_cpu, passes)
+                bar.update()
+            by_turn.append(turn)
+    return by_turn
+
+
+def _beside(name: str, cpu: int, passes: Callable[[], float]) -> float:
     """`passes()` timed while load `name` spins on `cpu`; the load is ended whatever happens."""
     load = subprocess.Popen(
         [sys.executable, "-c", load_program(name), str(os.getpid())],
@@ -178,7 +192,7 @@ def _beside(name: str, cpu: int, passes: Any) -> float:
             from core.errors import CommandError
 
             raise CommandError(f"the {name} load ended at once (exit {load.returncode})")
-        return float(passes())
+        return passes()
     finally:
         load.kill()
         load.wait()

@@ -32,7 +32,9 @@ def test_a_short_run_times_the_passes_alone_and_beside_each_load(
     out = tmp_path / "co-runner.json"
     argv = ["bench", "co-runner", "--rows", "2", "--passes", "2", "--turns", "1", "--loads",
             "alu,memory", "--models-dir", str(models_dir), "--json", str(out)]  # fmt: skip
+    cpus_before = cpus.available()
     assert main(argv) == 0
+    assert cpus.available() == cpus_before  # the caller's CPUs given back
     assert "/ alone, median" in capsys.readouterr().out
     document = json.loads(out.read_text())
     assert (document["rows"], document["passes"], document["turns"]) == (2, 2, 1)
