@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from signal import SIGKILL
 from typing import Any
 
 from bench import cpus
@@ -28,10 +29,9 @@ from bench.target_passes import PROMPT_TOKENS, TOKEN_IDS
 from core.report import add_json_argument, format_table, median, write_json
 
 DEFAULT_JSON = Path("bench-results/co-runner.json")
-# Each load: (its set-up, one step of its loop, ~1-10 ms). It spins until it is killed, or its
-# parent is gone (a benchmark killed outright leaves no load behind).
+# Each load: (its set-up, one step of its loop). It spins until it is killed (`start_load`).
 LOADS = {
-    "alu": ("", "for _ in range(100000):\n        pass"),
+    "alu": ("", "pass"),
     "objects": (
         "import random",
         "rows = [{'id': random.random(), 'ids': [i] * 8} for i in range(20000)]",
@@ -41,12 +41,20 @@ LOADS = {
 
 
 def load_program(name: str) -> str:
-    """Load `name` as a Python program whose first argument is the parent's pid."""
+    """Load `name` as a Python program."""
     setup, step = LOADS[name]
-    return (
-        f"import os, sys\nparent = int(sys.argv[1])\n{setup}\n"
-        f"while os.getppid() == parent:\n    {step}\n"
-    )
+    return f"{setup}\nwhile True:\n    {step}\n"
+
+
+def start_load(name: str, cpu: int) -> subprocess.Popen[bytes]:
+    """Load `name` spinning on `cpu`, killed when this process ends however it ends (a benchmark
+    killed outright leaves no load behind: `popen_tied`)."""
+    from broker.mosquitto import popen_tied
+
+    with open(os.devnull, "wb") as devnull:
+        load = popen_tied([sys.executable, "-c", load_program(name)], log=devnull, sig=SIGKILL)
+    cpus.pin_tree(load.pid, {cpu})
+    return load
 
 
 WARM_S = 0.5  # a load runs this long before the passes beside it are timed
@@ -182,10 +190,7 @@ def _turns(
 
 def _beside(name: str, cpu: int, passes: Callable[[], float]) -> float:
     """`passes()` timed while load `name` spins on `cpu`; the load is ended whatever happens."""
-    load = subprocess.Popen(
-        [sys.executable, "-c", load_program(name), str(os.getpid())],
-        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
-    )
+    load = start_load(name, cpu)
     try:
         time.sleep(WARM_S)
         if load.poll() is not None:
