@@ -317,6 +317,23 @@ def _run_rows(results: list[Any]) -> list[list[Any]]:
     ]
 
 
+def _limited_line(result: Any) -> str | None:
+    """What the devices' batteries and heat did in a run, where its fleet has them."""
+    counts = result.devices_limited
+    if not counts:
+        return None
+    drained = counts.get("battery drafting percent")
+    return (
+        f"{result.verifiers} {result.verifier_kind}: of {counts['reporting']:.0f} devices "
+        f"reporting a battery or heat, spared the drafting at the end: "
+        f"{counts['battery low']:.0f} battery low, {counts['too hot']:.0f} too hot; "
+        f"{counts['throttled']:.0f} throttled by heat"
+        + ("" if drained is None else f"; the fleet's work took {drained:.3f}% of a battery")
+        + "; rounds "
+        + ", ".join(f"{mode} {n}" for mode, n in sorted(result.rounds_by_mode.items()))
+    )
+
+
 RUN_HEADERS = ["kind", "verifiers", "offered tok/s", "served tok/s", "TBT p50/p95 ms",
                "session p50/p95 s", "utilisation", "bottleneck"]  # fmt: skip
 
@@ -346,6 +363,9 @@ def _run(args: argparse.Namespace) -> int:
             raise CommandError(str(exc)) from None
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     print(format_table(RUN_HEADERS, _run_rows([result])))
+    limited = _limited_line(result)
+    if limited is not None:
+        print(limited)
     devices = sum(d.count for d in fleet.devices)
     rounds = sum(result.rounds_by_mode.values())
     print(
@@ -384,6 +404,9 @@ def _plan(args: argparse.Namespace) -> int:
             f"{answer.tbt_ms[1]:.1f} ms against {slo.tbt_p95_ms:.0f} ms, {verdict}; "
             f"bottleneck: {answer.bottleneck}"
         )
+        limited = _limited_line(answer)
+        if limited is not None:
+            print(limited)
     if args.json is not None:
         write_json(args.json, {
             "benchmark": "sim-plan",

@@ -40,6 +40,7 @@ from coordinator.runtime.decisions import opening_candidate
 from coordinator.runtime.policy import STREAM_DECISION_EVERY, AdaptivePolicy, RoundObservation
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from netem.profiles import PROFILES, LinkShape
+from sim.devices import Conditions
 from sim.inputs import LOOPBACK, Calibration, LinkSpec, PositionRates, VerifierProfile
 from verifier.child import PROFILE_SHAPES
 from verifier.goodput import PRIOR_ACCEPT, GoodputControl, StreamRow
@@ -315,13 +316,25 @@ class Device:
     cpu: Server = field(default_factory=Server)
     throttle_after_ms: float = math.inf
     throttle_factor: float = 1.0
+    conditions: Conditions | None = None  # its battery and heat, where its class has them
 
     def draft_ms(self, drafter: str, tokens: int) -> float:
         per_token = self.draft_ms_per_token.get(drafter)
         if per_token is None:
             per_token = self.draft_ms_per_token.get(drafter.split("+")[-1], 1.0)
         factor = self.throttle_factor if self.cpu.busy_ms > self.throttle_after_ms else 1.0
+        conditions = self.conditions
+        if conditions is not None and conditions.heat is not None:
+            factor *= conditions.heat.factor
         return tokens * per_token * factor
+
+    def telemetry(self, now: float) -> m.Telemetry | None:
+        """Its agent's reading of its battery and heat, when a tick has passed since the last
+        one read (`sim.devices`)."""
+        conditions = self.conditions
+        if conditions is None:
+            return None
+        return conditions.reading(self.id, now, self.cpu.busy_ms)
 
 
 @dataclass(slots=True)  # read and written on every round
@@ -673,6 +686,12 @@ class Coordinator:
     def _host_drafts(self) -> tuple[str, ...]:
         return tuple(self.fleet.calibration.host_draft_ms_per_token) or ("hybrid",)
 
+    def _telemetry(self, device: Device) -> None:
+        """The device's latest telemetry to the policy before it decides (`sim.devices`)."""
+        reading = device.telemetry(self.fleet.loop.now)
+        if reading is not None:
+            self.policy.observe_telemetry(device.id, reading)
+
     def open(self, session: Session) -> None:
         done = self.cpu(session).serve(self.fleet.loop.now, self.fleet.calibration.open_ms)
         self.fleet.loop.at(done, self._opened, session)
@@ -682,6 +701,7 @@ class Coordinator:
         session.verifier = min(fleet.verifiers, key=_LOAD)
         if session.adaptive:
             self._report_costs()
+            self._telemetry(session.device)
             decision = self.policy.decide(
                 session.id,
                 session.device.id,
@@ -777,6 +797,7 @@ class Coordinator:
 
     def _decide(self, session: Session) -> None:
         self._report_costs()
+        self._telemetry(session.device)
         decision = self.policy.decide(
             session.id,
             session.device.id,
@@ -907,6 +928,8 @@ class Fleet:
             session.sent_at = self.loop.now  # the stream comes by itself
             return
         drafter = session.policy.draft_model
+        if session.device.conditions is not None:  # its heat as of now: a throttle slows this
+            session.device.conditions.advance(self.loop.now, session.device.cpu.busy_ms)
         window = 0 if empty else min(session.policy.k, session.length - session.generated - 1)
         replayed = session.replayed(window) if session.trace else None
         drafted, accepted = (

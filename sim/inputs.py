@@ -154,6 +154,46 @@ class LinkSpec(_Strict):
         return profile
 
 
+Percent = Annotated[float, Field(ge=0.0, le=100.0)]
+
+
+class BatterySpec(_Strict):
+    """A device class on battery: where its charge starts, what drains it, and the floor below
+    which its agent asks to be spared the drafting (`Telemetry.battery_floor_percent`). The
+    rates are assumptions to give per class: a phone of ~17 Wh drafting at ~2 W loses ~0.2% a
+    minute to the drafting, and ~0.15% a minute to the rest of it in use."""
+
+    # Each device's charge at the start is drawn evenly between the two (a fleet's batteries
+    # are anywhere between nearly empty and full).
+    start_percent: tuple[Percent, Percent] = (20.0, 100.0)
+    draft_percent_per_min: Ms = 0.2  # per minute of drafting (the device's CPU busy on drafts)
+    idle_percent_per_min: Ms = 0.15  # per minute, drafting or not
+    floor_percent: Percent | None = None  # None: the coordinator's default floor (20%)
+    charging_share: Probability = 0.0  # of the class's devices, plugged in (never drained)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BatterySpec:
+        low, high = self.start_percent
+        if low > high:
+            raise ValueError(f"start_percent: {low:g} is above {high:g}")
+        return self
+
+
+class ThermalSpec(_Strict):
+    """A device class's heat: its temperature follows its drafting duty (the share of time its
+    CPU drafts) towards ambient_c + rise_c x duty, with a time constant; past throttle_c its
+    drafting slows by throttle_factor, and past limit_c (the agent's
+    `Telemetry.thermal_limit_c`) it asks to be spared the drafting."""
+
+    ambient_c: float = Field(default=30.0, ge=-50.0, le=100.0)
+    start_c: float | None = Field(default=None, ge=-50.0, le=150.0)  # None: ambient_c
+    rise_c: Ms = 45.0  # above ambient at full drafting duty, once settled
+    time_constant_s: PositiveMs = 120.0
+    limit_c: float | None = Field(default=None, ge=0.0, le=200.0)  # None: the coordinator's 80
+    throttle_c: float | None = Field(default=None, ge=0.0, le=200.0)  # None: never throttles
+    throttle_factor: Annotated[float, Field(ge=1.0)] = 2.0
+
+
 class DeviceClassSpec(_Strict):
     name: str = Field(min_length=1)
     count: int = Field(ge=1)
@@ -165,6 +205,11 @@ class DeviceClassSpec(_Strict):
     # Thermal limit: after this much drafting, drafting slows by throttle_factor.
     throttle_after_s: Annotated[float, Field(gt=0.0)] | None = None
     throttle_factor: Annotated[float, Field(ge=1.0)] = 1.0
+    # A battery and a temperature, reported to the coordinator's policy every telemetry_s (the
+    # agent's telemetry interval), which spares a device past a limit the drafting.
+    battery: BatterySpec | None = None
+    thermal: ThermalSpec | None = None
+    telemetry_s: PositiveMs = 5.0
 
 
 class VerifierSpec(_Strict):

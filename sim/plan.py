@@ -10,14 +10,16 @@ p50/p95, session time, each component's utilisation, and the bottleneck (the bus
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from broker import messages as m
 from core.report import percentile
+from sim import devices as device_conditions
 from sim.engine import Device, Fleet, Link, Session, without_cycle_collection
 from sim.inputs import Calibration, FleetSpec, SimInputError, SloSpec, WorkloadSpec
 
@@ -43,6 +45,9 @@ class RunResult:
     rounds_by_mode: dict[str, int]
     wall_events: int
     open_sessions: float = 0.0  # sessions open at a time, on average over the measured window
+    # Devices with a battery or a temperature: how many, and how many the policy spared the
+    # drafting at the end (`battery low`, `too hot`) or heat throttled (`_limited`).
+    devices_limited: dict[str, float] = field(default_factory=dict)
 
     @property
     def bottleneck(self) -> str:
@@ -67,12 +72,18 @@ class RunResult:
             "rounds_by_mode": self.rounds_by_mode,
             "events": self.wall_events,
             "open_sessions": self.open_sessions,
+            "devices_limited": self.devices_limited,
         }
 
 
-def _devices(fleet: Fleet, spec: FleetSpec, calibration: Calibration) -> list[Device]:
+def _devices(
+    fleet: Fleet, spec: FleetSpec, calibration: Calibration, seed: int = 0
+) -> list[Device]:
     measured = calibration.device_draft_ms_per_token
     fallback = next(iter(measured.values()), {})
+    # Batteries and telemetry phases from a generator of their own: a fleet without them draws
+    # everything else as it did.
+    rng = random.Random(seed + 2)
     devices = []
     for device_class in spec.devices:
         costs = {**measured.get(device_class.name, fallback), **device_class.draft_ms_per_token}
@@ -88,9 +99,43 @@ def _devices(fleet: Fleet, spec: FleetSpec, calibration: Calibration) -> list[De
                     costs,
                     throttle_after_ms=throttle_after,
                     throttle_factor=device_class.throttle_factor,
+                    conditions=device_conditions.conditions(
+                        device_class.battery,
+                        device_class.thermal,
+                        device_class.telemetry_s,
+                        rng,
+                    ),
                 )
             )
     return devices
+
+
+def _limited(fleet: Fleet, devices: list[Device]) -> dict[str, float]:
+    """The devices that report a battery or a temperature, and of those, the ones the policy
+    spares the drafting at the run's end, by reason (a device may have both), those whose
+    drafting is throttled by heat, and the share of a battery (percent, mean of those on
+    battery) that the device's work for the fleet took in the run."""
+    reporting = [(d, d.conditions) for d in devices if d.conditions is not None]
+    if not reporting:
+        return {}
+    counts: dict[str, float] = {"reporting": len(reporting), "battery low": 0, "too hot": 0}
+    counts["throttled"] = 0
+    drafted: list[float] = []  # percent of a battery the device's work took in the run
+    for device, conditions in reporting:
+        # The agent's last tick, read as if it had come (the policy reads a device's only as
+        # it decides for it, and a device may have had no session since).
+        reading = device.telemetry(fleet.loop.now)
+        if reading is not None:
+            fleet.policy.observe_telemetry(device.id, reading)
+        limit = fleet.policy.device_limit(device.id) or ""
+        counts["battery low"] += "battery low" in limit
+        counts["too hot"] += "too hot" in limit
+        counts["throttled"] += conditions.heat is not None and conditions.heat.throttling
+        if conditions.battery is not None and not conditions.battery.charging:
+            drafted.append(device.cpu.busy_ms * conditions.battery.draft_per_ms)
+    if drafted:
+        counts["battery drafting percent"] = sum(drafted) / len(drafted)
+    return counts
 
 
 def simulate(
@@ -118,7 +163,7 @@ def simulate(
         coordinators=fleet_spec.coordinators,
     )
     rng = random.Random(seed + 1)
-    devices = _devices(fleet, fleet_spec, calibration)
+    devices = _devices(fleet, fleet_spec, calibration, seed)
     drafters = {d.id: spec.drafters[0] for spec, d in _classes(fleet_spec, devices)}
     tasks = workload.task_mix or {task: 1.0 for task in calibration.answer_tokens}
     for task in tasks:
@@ -175,7 +220,9 @@ def simulate(
             fleet.loop.run(until=reached)
             if progress is not None:
                 progress(reached / 1e3)
-    return _result(fleet, workload, verifier_kind, verifiers, sessions, ended, warmup_ms, end_ms)
+    result = _result(fleet, workload, verifier_kind, verifiers, sessions, ended, warmup_ms, end_ms)
+    limited = _limited(fleet, devices)
+    return dataclasses.replace(result, devices_limited=limited) if limited else result
 
 
 def _classes(spec: FleetSpec, devices: list[Device]) -> list[tuple[Any, Device]]:
