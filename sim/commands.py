@@ -328,7 +328,11 @@ def _limited_line(result: Any) -> str | None:
         f"reporting a battery or heat, spared the drafting at the end: "
         f"{counts['battery low']:.0f} battery low, {counts['too hot']:.0f} too hot; "
         f"{counts['throttled']:.0f} throttled by heat"
-        + ("" if drained is None else f"; the fleet's work took {drained:.3f}% of a battery")
+        + (
+            ""
+            if drained is None
+            else f"; a working device's drafting took {drained:.2g}% of its battery"
+        )
         + "; rounds "
         + ", ".join(f"{mode} {n}" for mode, n in sorted(result.rounds_by_mode.items()))
     )

@@ -113,14 +113,14 @@ def _devices(
 def _limited(fleet: Fleet, devices: list[Device]) -> dict[str, float]:
     """The devices that report a battery or a temperature, and of those, the ones the policy
     spares the drafting at the run's end, by reason (a device may have both), those whose
-    drafting is throttled by heat, and the share of a battery (percent, mean of those on
-    battery) that the device's work for the fleet took in the run."""
+    drafting is throttled by heat, and the share of a battery (percent) that a device's work
+    for the fleet took in the run (the mean over those on battery that did some)."""
     reporting = [(d, d.conditions) for d in devices if d.conditions is not None]
     if not reporting:
         return {}
     counts: dict[str, float] = {"reporting": len(reporting), "battery low": 0, "too hot": 0}
     counts["throttled"] = 0
-    drafted: list[float] = []  # percent of a battery the device's work took in the run
+    drafted: list[float] = []  # percent of its battery a device's work took in the run
     for device, conditions in reporting:
         # The agent's last tick, read as if it had come (the policy reads a device's only as
         # it decides for it, and a device may have had no session since).
@@ -131,8 +131,9 @@ def _limited(fleet: Fleet, devices: list[Device]) -> dict[str, float]:
         counts["battery low"] += "battery low" in limit
         counts["too hot"] += "too hot" in limit
         counts["throttled"] += conditions.heat is not None and conditions.heat.throttling
-        if conditions.battery is not None and not conditions.battery.charging:
-            drafted.append(device.cpu.busy_ms * conditions.battery.draft_per_ms)
+        battery = conditions.battery
+        if battery is not None and not battery.charging and device.cpu.busy_ms > 0.0:
+            drafted.append(device.cpu.busy_ms * battery.draft_per_ms)
     if drafted:
         counts["battery drafting percent"] = sum(drafted) / len(drafted)
     return counts
