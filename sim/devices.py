@@ -6,9 +6,10 @@ charge and its temperature; the coordinator's `AdaptivePolicy.observe_telemetry`
 hot, battery low and not charging) moves the drafting off it (`coordinator.runtime.
 device_conditions`). The simulator runs that same code: before the policy decides for a
 session, its device's reading goes in, once per telemetry interval. The policy consults a
-device's condition only when it decides, so a reading taken at the first decision after each
-tick, rather than at the tick itself, gives it the same answers with no event per device and
-tick (10,000 devices at 5 s would be 2,000 events a second of fleet time).
+device's condition only when it decides, so the reading is taken at the first decision after
+each tick rather than at the tick itself: the policy hears a reading per interval, as from the
+agent, up to an interval fresher than the agent's would be, with no event per device and tick
+(10,000 devices at 5 s would be 2,000 events a second of fleet time).
 
 Both models are advanced lazily, from the device's drafting time (its CPU's busy time, every
 draft it ran) between two looks: the charge falls by the drafting's rate and the idle rate; the
