@@ -93,10 +93,14 @@ def run(args: argparse.Namespace) -> int:
     loads = _loads(args.loads)
     if args.rows < 1 or args.passes < 2 or args.turns < 1:
         raise CommandError("--rows must be at least 1, --passes at least 2, --turns at least 1")
-    allowed = sorted(cpus.available())
-    if len(allowed) < 2:
-        raise CommandError(f"needs two CPUs, one for the target and one beside; has {allowed}")
-    target_cpu, other_cpu = allowed[-1], allowed[0]
+    allowed = cpus.available()
+    placement = cpus.split(allowed)
+    if placement is None:
+        raise CommandError(
+            f"needs two CPUs, one for the target and one beside; has {sorted(allowed)}"
+        )
+    (target_cpu,), others = placement
+    other_cpu = min(others)
     os.sched_setaffinity(0, {target_cpu})
     try:
         by_turn = _turns(

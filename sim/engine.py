@@ -686,8 +686,9 @@ class Coordinator:
     def _host_drafts(self) -> tuple[str, ...]:
         return tuple(self.fleet.calibration.host_draft_ms_per_token) or ("hybrid",)
 
-    def _telemetry(self, device: Device) -> None:
-        """The device's latest telemetry to the policy before it decides (`sim.devices`)."""
+    def telemetry(self, device: Device) -> None:
+        """The device's latest telemetry to the policy, when a tick has passed since the last
+        (before the policy decides for it, `sim.devices`)."""
         reading = device.telemetry(self.fleet.loop.now)
         if reading is not None:
             self.policy.observe_telemetry(device.id, reading)
@@ -701,7 +702,7 @@ class Coordinator:
         session.verifier = min(fleet.verifiers, key=_LOAD)
         if session.adaptive:
             self._report_costs()
-            self._telemetry(session.device)
+            self.telemetry(session.device)
             decision = self.policy.decide(
                 session.id,
                 session.device.id,
@@ -797,7 +798,7 @@ class Coordinator:
 
     def _decide(self, session: Session) -> None:
         self._report_costs()
-        self._telemetry(session.device)
+        self.telemetry(session.device)
         decision = self.policy.decide(
             session.id,
             session.device.id,

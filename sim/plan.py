@@ -118,15 +118,17 @@ def _limited(fleet: Fleet, devices: list[Device]) -> dict[str, float]:
     reporting = [(d, d.conditions) for d in devices if d.conditions is not None]
     if not reporting:
         return {}
-    counts: dict[str, float] = {"reporting": len(reporting), "battery low": 0, "too hot": 0}
-    counts["throttled"] = 0
+    counts: dict[str, float] = {
+        "reporting": len(reporting),
+        "battery low": 0,
+        "too hot": 0,
+        "throttled": 0,
+    }
     drafted: list[float] = []  # percent of its battery a device's work took in the run
     for device, conditions in reporting:
         # The agent's last tick, read as if it had come (the policy reads a device's only as
         # it decides for it, and a device may have had no session since).
-        reading = device.telemetry(fleet.loop.now)
-        if reading is not None:
-            fleet.policy.observe_telemetry(device.id, reading)
+        fleet.coordinator.telemetry(device)
         limit = fleet.policy.device_limit(device.id) or ""
         counts["battery low"] += "battery low" in limit
         counts["too hot"] += "too hot" in limit
