@@ -231,8 +231,9 @@ class OnnxRuntime:
             present_name(i, kind) for i in range(self.config.n_layers) for kind in ("key", "value")
         ]
         self.has_hidden = HIDDEN in {output.name for output in self.session.get_outputs()}
-        # Time spent stacking rows' caches into a batch, in all: a pass's cost beyond what its
-        # shape costs in place, paid when its rows change (goodput control leaves it out).
+        # Time spent stacking rows' caches into a batch or taking rows out of an earlier pass,
+        # in all: a pass's cost beyond what its shape costs in place, paid when its rows change
+        # (goodput control leaves it out).
         self.stack_ms = 0.0
         self.hidden_size = self.config.d_model
 
@@ -345,8 +346,15 @@ class OnnxRuntime:
             start = int(used[0]) if used.size else valid.shape[1]
             if valid.shape[1] - start - longest > allowed:
                 return None
+            # A copy of every row kept, each layer: paid because the rows changed (a session
+            # left the batch, or the rows came in another order), whatever the window, as
+            # stacking is; counted with it (bench e2e at 16 streams: the first pass after a
+            # session ended took ~60 ms more than the next, and a cost model that took it for
+            # the shape's priced plain passes up by half for the next ten).
+            started = time.perf_counter()
             index = np.asarray(rows)
             pasts = tuple(present[index, :, start:] for present in source.presents)
+            self.stack_ms += (time.perf_counter() - started) * 1e3
             valid = valid[:, start:]
         for layer in range(c.n_layers):
             feeds[past_name(layer, "key")] = pasts[2 * layer]

@@ -350,6 +350,28 @@ def test_the_time_spent_stacking_rows_is_counted_apart(target: Target) -> None:
     assert runtime.stack_ms == stacked
 
 
+def test_taking_rows_out_of_a_pass_is_counted_with_stacking(target: Target) -> None:
+    """A session that leaves the batch makes the next pass copy the rows kept out of the last
+    one's presents: paid because the rows changed, whatever the window, so counted apart as
+    stacking is; the pass after, on the same rows, runs in place again."""
+    runtime, tokenizer = target
+    caches = [runtime.new_cache() for _ in range(3)]
+    for cache in caches:
+        runtime.forward(tokenizer.encode("Once upon a time"), cache)
+    runtime.forward_batch([([13], cache) for cache in caches])  # stacked: three rows of none
+    stacked = runtime.stack_ms
+    runtime.forward_batch([([13], cache) for cache in caches])  # in place, as they are
+    assert runtime.stack_ms == stacked
+    kept = [caches[0], caches[2]]  # the middle session ended
+    source = kept[0]._pass
+    runtime.forward_batch([([13], cache) for cache in kept])
+    assert kept[0]._pass is not source  # ran on the rows taken out of the last pass
+    taken = runtime.stack_ms
+    assert taken > stacked
+    runtime.forward_batch([([13], cache) for cache in kept])
+    assert runtime.stack_ms == taken
+
+
 def test_a_pass_does_not_keep_a_dropped_cache_alive(target: Target) -> None:
     """The verifier drops an evicted session's cache while its pass's other rows go on: the
     pass holds its rows weakly, so that the cache goes (and is not copied out for nobody)."""
