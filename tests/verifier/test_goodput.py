@@ -265,6 +265,42 @@ def test_a_wide_device_window_gets_a_pass_of_its_own_beside_many_plain_streams()
     assert not worker._apart(device, one, worker._choose(one, [8]))
 
 
+def _cloud_stream(index: int) -> HostStream:
+    """A fresh adaptive stream drafting with `hybrid` (nothing seen of it here yet)."""
+    opening = VerifyRequest(
+        request_id=f"stream-{index}",
+        session_id=f"s-{index}",
+        round=0,
+        context_ids=(1, 2, 3),
+        tokens=(),
+        cloud_draft="hybrid",
+        cloud_k=8,
+        stream=StreamSpec(rounds=8, max_new=32, eos_id=2, alpha=0.5, adaptive=True),
+    )
+    return HostStream.open(opening, 0.0)
+
+
+def test_streams_widened_by_a_device_window_take_the_margin_of_any_window() -> None:
+    """A wave's first session drafting on its device beside 15 fresh streams: alone the streams
+    run plain (a window of theirs does not clear the margin), and widened to the device's
+    window of 2 they promise a little more per second than the two passes apart, a bet on
+    the same estimates. With the margin the device's window gets a pass of its own; beside two
+    streams, whose widened pass costs less than two passes, one pass still serves all."""
+    worker = VerifierWorker(WorkerConfig("apart-test"), BrokerAddress("127.0.0.1", 1))
+    worker.goodput = fitted()
+    device = [_device_round(2)]
+    fifteen = [_cloud_stream(i) for i in range(15)]
+    assert worker.goodput.choose([s.row() for s in fifteen], []).k == 0
+    together = worker._choose(fifteen, [2])
+    assert together.k == 2
+    plain_ms = worker.goodput.cost.predict(15, 1) + worker.goodput.cost.predict(1, 3)
+    tokens_apart = 15 + 1.0 + 0.5 * 2
+    assert together.goodput["2"] > tokens_apart / plain_ms * 1000.0  # ahead without the margin
+    assert worker._apart(device, fifteen, together)
+    two = fifteen[:2]
+    assert not worker._apart(device, two, worker._choose(two, [2]))
+
+
 def test_a_batch_size_never_timed_plain_runs_one_plain_pass_first() -> None:
     """Plain passes of 32 rows never timed (only speculative ones were): their cost is the fit's,
     which speculative passes alone price wrongly, so the pass runs plain once to measure it; a
