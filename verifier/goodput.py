@@ -530,6 +530,35 @@ class GoodputControl:
 
     # -- the rule ---------------------------------------------------------------------------
 
+    def apart(
+        self, streams: Sequence[StreamRow], widths: Sequence[int], together: PassChoice
+    ) -> bool:
+        """Whether device-drafted windows of `widths` tokens and the `streams` commit more tokens
+        per second in two passes (the devices' alone, then the streams' as they would choose it
+        alone) than in the one pass `together` chose for all of them. Every row of a pass is
+        padded to its widest window, so one device window of 8 made a pass of 31 plain streams
+        score 9 positions each (25 s a pass on a loaded host, where plain took 0.6 s).
+
+        The streams' windows in a pass widened for a device's are a bet like any window, and
+        take the same margin as in `choose`: what the one pass costs beyond the two discounts
+        what it promises. Without it, a wave's first session drafting on its device (k = 4)
+        widened the 15 fresh streams beside it to 5 positions, where alone they ran plain:
+        300-350 ms for 31 tokens, against ~100 ms for the streams' plain pass and ~55 for the
+        device's (bench e2e at 16 sessions, two waves of three). The worker's rule
+        (`VerifierWorker._apart`), and the simulator's."""
+        if not widths or together.cost_ms <= 0 or str(together.k) not in together.goodput:
+            return False  # no device window, or a choice that fell back without a prediction
+        alone = self.choose(streams, [])
+        device_ms = self.cost.predict(len(widths), max(widths) + 1)
+        device_tokens = sum([1.0 + 0.5 * k for k in widths])  # as `choose` scores a device row
+        tokens_apart = alone.goodput[str(alone.k)] * alone.cost_ms + device_tokens * 1000.0
+        apart_ms = alone.cost_ms + device_ms
+        if apart_ms <= 0:
+            return False
+        extra = together.cost_ms / apart_ms - 1.0
+        worth = together.goodput[str(together.k)] / (1.0 + SPECULATION_MARGIN * max(0.0, extra))
+        return tokens_apart / apart_ms > worth
+
     def choose(self, streams: Sequence[StreamRow], fixed: Iterable[int]) -> PassChoice:
         """The window of this pass's streams. `fixed`: the windows (drafted tokens) of the
         device-drafted rows that share the pass, which the pass must score whatever it picks."""

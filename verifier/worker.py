@@ -64,7 +64,7 @@ from verifier.child import (
     Steps,
 )
 from verifier.core import Verification
-from verifier.goodput import SPECULATION_MARGIN, GoodputControl
+from verifier.goodput import GoodputControl
 from verifier.leases import LeaseBook, Verified, no_lease
 from verifier.outbox import Outbox, heartbeat
 from verifier.streams import HostStream, HostStreams
@@ -501,36 +501,17 @@ class VerifierWorker:
             self._in_flight = []
 
     def _apart(self, batch: list[_Pending], turn: list[HostStream], together: PassChoice) -> bool:
-        """Whether the device-drafted rows of `batch` and the streams of `turn` commit more
-        tokens per second in two passes than in one. Every row of a pass is padded to its widest
-        window, so one device window of 8 made a pass of 31 plain streams score 9 positions
-        each (25 s a pass on a loaded host, where plain took 0.6 s).
-
-        The streams' windows in a pass widened for a device's are a bet like any window, and
-        take the same margin (`GoodputControl.choose`): what the one pass costs beyond the two
-        discounts what it promises. Without it, a wave's first session drafting on its device
-        (k = 4) widened the 15 fresh streams beside it to 5 positions, where alone they ran
-        plain: 300-350 ms for 31 tokens, against ~100 ms for the streams' plain pass and ~55
-        for the device's (bench e2e at 16 sessions, two waves of three)."""
+        """Whether the device-drafted rows of `batch` go in a pass of their own before the
+        streams of `turn` (`GoodputControl.apart`); never beside a fixed-window stream, as wide
+        as a device's window."""
         if any(not stream.adaptive for stream in turn):
-            return False  # a fixed-window stream is as wide as a device's: keep them together
-        if together.cost_ms <= 0 or str(together.k) not in together.goodput:
-            return False  # the choice fell back to plain without a prediction
+            return False
         widths = [len(p.request.tokens) or (p.request.cloud_k or 0) for p in batch]
         try:
-            alone = self.goodput.choose([stream.row() for stream in turn], [])
-            device_ms = self.goodput.cost.predict(len(batch), max(widths) + 1)
+            return self.goodput.apart([stream.row() for stream in turn], widths, together)
         except Exception:
             log.exception("goodput control failed; the pass stays whole")
             return False
-        device_tokens = sum(1.0 + 0.5 * k for k in widths)  # as `choose` scores a device row
-        tokens_apart = alone.goodput[str(alone.k)] * alone.cost_ms + device_tokens * 1000.0
-        apart_ms = alone.cost_ms + device_ms
-        if apart_ms <= 0:
-            return False
-        extra = together.cost_ms / apart_ms - 1.0
-        worth = together.goodput[str(together.k)] / (1.0 + SPECULATION_MARGIN * max(0.0, extra))
-        return tokens_apart / apart_ms > worth
 
     def _choose(self, turn: list[HostStream], fixed: list[int]) -> PassChoice:
         """The pass's window; plain, with the reason, when the cost model cannot say (a choice

@@ -11,7 +11,7 @@ import pytest
 from broker import messages as m
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from sim.engine import Acceptance, Device, Fleet, Link, Session, _Row
-from sim.inputs import Calibration, LinkSpec, PositionRates
+from sim.inputs import Calibration, LinkSpec, PositionRates, VerifierProfile
 from sim.validate import LOOPBACK
 from tests.sim.conftest import PASS_MS, make_calibration
 from verifier.worker import HEARTBEAT_S
@@ -321,3 +321,72 @@ def test_a_pass_that_opens_a_session_leaves_the_stream_under_way_to_the_next() -
     verifier.open_stream(stream("opened"))
     fleet.loop.run()
     assert rows[:3] == [["under-way"], ["opened"], ["under-way", "opened"]]
+
+
+def _device_beside_streams(streams: int) -> tuple[list[bool], list[list[str]]]:
+    """A device's distributed session (k = 4) joining a verifier with `streams` adaptive cloud
+    streams under way, passes costing 30 + 2 B + 3 B T ms: the worker's rule's decision for
+    each pass that held the device's round (`GoodputControl.apart`), and every pass's rows."""
+    profile = VerifierProfile(
+        passes=[(b, t, 30.0 + 2.0 * b + 3.0 * b * t) for b in (1, 2, 4, 8, 16) for t in (1, 3, 5)],
+        prefill_fixed_ms=0.0,
+        prefill_ms_per_token=0.0,
+        pass_cv=0.0,
+    )
+    fleet = Fleet(make_calibration(verifiers={"cpu": profile}), ["cpu"], seed=0)
+    verifier = fleet.verifiers[0]
+    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
+
+    def session(name: str, mode: m.Mode, adaptive: bool) -> Session:
+        made = Session(
+            id=name, device=device, task="chat", prompt_tokens=30, length=400, adaptive=adaptive,
+            policy=m.Policy(mode=mode, draft_model="hybrid", k=4),
+            opened_at=0.0, on_end=lambda _: None,
+        )  # fmt: skip
+        made.verifier = verifier
+        return made
+
+    passes: list[list[str]] = []
+    end_pass = verifier._end_pass
+
+    def recorded(batch: list[_Row], *args: Any) -> None:
+        passes.append([row.session.id for row in batch])
+        end_pass(batch, *args)
+
+    decided: list[bool] = []
+    apart = verifier.control.apart
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        decided.append(apart(*args, **kwargs))
+        return decided[-1]
+
+    verifier._end_pass = recorded  # type: ignore[method-assign]
+    verifier.control.apart = counted  # type: ignore[method-assign]
+    for i in range(streams):
+        verifier.open_stream(session(f"s{i}", m.Mode.CLOUD, adaptive=True))
+    fleet.loop.run(until=fleet.loop.now + 3000.0)  # under way, their windows learnt
+    owner = session("d", m.Mode.DISTRIBUTED, adaptive=False)
+    verifier.submit(_Row(owner, 4, 4, 1, fleet.loop.now, stream=False))
+    fleet.loop.run(until=fleet.loop.now + 3000.0)  # its rounds go on as the fleet runs them
+    return decided, passes
+
+
+@pytest.mark.parametrize(("streams", "two_passes"), [(15, True), (2, False)])
+def test_a_device_window_beside_streams_gets_a_pass_of_its_own_where_the_worker_gives_one(
+    streams: int, two_passes: bool
+) -> None:
+    """As the worker does (`VerifierWorker._apart`): where one pass widened to a device's
+    window promises less than two (15 streams widened to 5 positions), the device's round goes
+    first in a pass of its own and the streams' round follows in the next; beside two streams
+    one pass holds them all."""
+    decided, passes = _device_beside_streams(streams)
+    held = [i for i, rows in enumerate(passes) if "d" in rows]
+    # One decision for each pass that held the device's round, in order (the last may run on).
+    assert len(held) > 1 and len(decided) - len(held) in (0, 1)
+    assert decided[0] is two_passes
+    for two, at in zip(decided, held, strict=False):
+        if two:
+            assert passes[at] == ["d"]
+            assert sorted(passes[at + 1]) == sorted(f"s{i}" for i in range(streams))
+        else:
+            assert len(passes[at]) == streams + 1

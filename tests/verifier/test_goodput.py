@@ -228,14 +228,17 @@ def test_a_shape_with_one_point_below_a_steep_fit_is_predicted_positive() -> Non
     assert picked.cost_ms > 0 and all(g < float("inf") for g in picked.goodput.values())
 
 
-def _plain_stream(index: int) -> HostStream:
+def _plain_stream(index: int, draft: str | None = None) -> HostStream:
+    """A fresh stream: plain, or adaptive drafting with `draft` (nothing seen of it here yet)."""
     opening = VerifyRequest(
         request_id=f"stream-{index}",
         session_id=f"s-{index}",
         round=0,
         context_ids=(1, 2, 3),
         tokens=(),
-        stream=StreamSpec(rounds=8, max_new=32, eos_id=2),
+        cloud_draft=draft,
+        cloud_k=8 if draft else None,
+        stream=StreamSpec(rounds=8, max_new=32, eos_id=2, alpha=0.5 if draft else None),
     )
     return HostStream.open(opening, 0.0)
 
@@ -265,21 +268,6 @@ def test_a_wide_device_window_gets_a_pass_of_its_own_beside_many_plain_streams()
     assert not worker._apart(device, one, worker._choose(one, [8]))
 
 
-def _cloud_stream(index: int) -> HostStream:
-    """A fresh adaptive stream drafting with `hybrid` (nothing seen of it here yet)."""
-    opening = VerifyRequest(
-        request_id=f"stream-{index}",
-        session_id=f"s-{index}",
-        round=0,
-        context_ids=(1, 2, 3),
-        tokens=(),
-        cloud_draft="hybrid",
-        cloud_k=8,
-        stream=StreamSpec(rounds=8, max_new=32, eos_id=2, alpha=0.5, adaptive=True),
-    )
-    return HostStream.open(opening, 0.0)
-
-
 def test_streams_widened_by_a_device_window_take_the_margin_of_any_window() -> None:
     """A wave's first session drafting on its device beside 15 fresh streams: alone the streams
     run plain (a window of theirs does not clear the margin), and widened to the device's
@@ -289,7 +277,7 @@ def test_streams_widened_by_a_device_window_take_the_margin_of_any_window() -> N
     worker = VerifierWorker(WorkerConfig("apart-test"), BrokerAddress("127.0.0.1", 1))
     worker.goodput = fitted()
     device = [_device_round(2)]
-    fifteen = [_cloud_stream(i) for i in range(15)]
+    fifteen = [_plain_stream(i, "hybrid") for i in range(15)]
     assert worker.goodput.choose([s.row() for s in fifteen], []).k == 0
     together = worker._choose(fifteen, [2])
     assert together.k == 2
