@@ -350,7 +350,7 @@ class OnnxRuntime:
             # left the batch, or the rows came in another order), whatever the window, as
             # stacking is; counted with it (bench e2e at 16 streams: the first pass after a
             # session ended took ~60 ms more than the next, and a cost model that took it for
-            # the shape's priced plain passes up by half for the next ten).
+            # the shape's priced plain passes up to half again as dear for the next ten).
             started = time.perf_counter()
             index = np.asarray(rows)
             pasts = tuple(present[index, :, start:] for present in source.presents)
