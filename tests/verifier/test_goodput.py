@@ -228,7 +228,7 @@ def test_a_shape_with_one_point_below_a_steep_fit_is_predicted_positive() -> Non
     assert picked.cost_ms > 0 and all(g < float("inf") for g in picked.goodput.values())
 
 
-def _plain_stream(index: int, draft: str | None = None) -> HostStream:
+def _fresh_stream(index: int, draft: str | None = None) -> HostStream:
     """A fresh stream: plain, or adaptive drafting with `draft` (nothing seen of it here yet)."""
     opening = VerifyRequest(
         request_id=f"stream-{index}",
@@ -261,7 +261,7 @@ def test_a_wide_device_window_gets_a_pass_of_its_own_beside_many_plain_streams()
     worker = VerifierWorker(WorkerConfig("apart-test"), BrokerAddress("127.0.0.1", 1))
     worker.goodput = fitted()
     device = [_device_round(8)]
-    many = [_plain_stream(i) for i in range(31)]
+    many = [_fresh_stream(i) for i in range(31)]
     together = worker._choose(many, [8])
     assert worker._apart(device, many, together)
     one = many[:1]
@@ -277,7 +277,7 @@ def test_streams_widened_by_a_device_window_take_the_margin_of_any_window() -> N
     worker = VerifierWorker(WorkerConfig("apart-test"), BrokerAddress("127.0.0.1", 1))
     worker.goodput = fitted()
     device = [_device_round(2)]
-    fifteen = [_plain_stream(i, "hybrid") for i in range(15)]
+    fifteen = [_fresh_stream(i, "hybrid") for i in range(15)]
     assert worker.goodput.choose([s.row() for s in fifteen], []).k == 0
     together = worker._choose(fifteen, [2])
     assert together.k == 2
