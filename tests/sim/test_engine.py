@@ -10,7 +10,7 @@ import pytest
 
 from broker import messages as m
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
-from sim.engine import Acceptance, Device, Fleet, Link, Session, _Row
+from sim.engine import Acceptance, Device, Fleet, Link, Session, Verifier, _Row
 from sim.inputs import Calibration, LinkSpec, PositionRates, VerifierProfile
 from sim.validate import LOOPBACK
 from tests.sim.conftest import PASS_MS, make_calibration
@@ -292,30 +292,41 @@ def test_a_stream_that_ran_out_of_rounds_goes_on_without_a_word_to_the_device() 
     assert max(gaps) < PASS_MS + 2 * 8.0 + 5.0
 
 
+def _on(verifier: Verifier, name: str, policy: m.Policy, adaptive: bool, length: int) -> Session:
+    """A session of device d0 that `verifier` serves, as the coordinator would hand it over."""
+    device = Device("d0", "bench", Link(LOOPBACK, verifier.fleet.rng), {"hybrid": 0.0})
+    session = Session(
+        id=name, device=device, task="chat", prompt_tokens=30, length=length, adaptive=adaptive,
+        policy=policy, opened_at=0.0, on_end=lambda _: None,
+    )  # fmt: skip
+    session.verifier = verifier
+    return session
+
+
+def _record_passes(verifier: Verifier) -> list[list[str]]:
+    """Each pass's rows (their sessions' ids), in the order the verifier ends them."""
+    passes: list[list[str]] = []
+    end_pass = verifier._end_pass
+
+    def recorded(batch: list[_Row], *args: Any) -> None:
+        passes.append([row.session.id for row in batch])
+        end_pass(batch, *args)
+
+    verifier._end_pass = recorded  # type: ignore[method-assign]
+    return passes
+
+
 def test_a_pass_that_opens_a_session_leaves_the_stream_under_way_to_the_next() -> None:
     """As the verifier does (`HostStreams.turn`): the pass that prefills a new stream's prompt
     runs without the stream that ran the pass before; that one joins the pass after."""
     fleet = Fleet(make_calibration(), ["cpu"], seed=0)
     verifier = fleet.verifiers[0]
-    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
 
     def stream(name: str) -> Session:
-        session = Session(
-            id=name, device=device, task="chat", prompt_tokens=30, length=20, adaptive=True,
-            policy=m.Policy(mode=m.Mode.PLAIN, draft_model="hybrid", k=0),
-            opened_at=0.0, on_end=lambda _: None,
-        )  # fmt: skip
-        session.verifier = verifier
-        return session
+        plain = m.Policy(mode=m.Mode.PLAIN, draft_model="hybrid", k=0)
+        return _on(verifier, name, plain, adaptive=True, length=20)
 
-    rows: list[list[str]] = []
-    end_pass = verifier._end_pass
-
-    def recorded(batch: list[_Row], *args: Any) -> None:
-        rows.append([row.session.id for row in batch])
-        end_pass(batch, *args)
-
-    verifier._end_pass = recorded  # type: ignore[method-assign]
+    rows = _record_passes(verifier)
     verifier.open_stream(stream("under-way"))
     fleet.loop.run(until=fleet.loop.now + PASS_MS / 2)
     verifier.open_stream(stream("opened"))
@@ -335,24 +346,12 @@ def _device_beside_streams(streams: int) -> tuple[list[bool], list[list[str]]]:
     )
     fleet = Fleet(make_calibration(verifiers={"cpu": profile}), ["cpu"], seed=0)
     verifier = fleet.verifiers[0]
-    device = Device("d0", "bench", Link(LOOPBACK, fleet.rng), {"hybrid": 0.0})
 
     def session(name: str, mode: m.Mode, adaptive: bool) -> Session:
-        made = Session(
-            id=name, device=device, task="chat", prompt_tokens=30, length=400, adaptive=adaptive,
-            policy=m.Policy(mode=mode, draft_model="hybrid", k=4),
-            opened_at=0.0, on_end=lambda _: None,
-        )  # fmt: skip
-        made.verifier = verifier
-        return made
+        policy = m.Policy(mode=mode, draft_model="hybrid", k=4)
+        return _on(verifier, name, policy, adaptive=adaptive, length=400)
 
-    passes: list[list[str]] = []
-    end_pass = verifier._end_pass
-
-    def recorded(batch: list[_Row], *args: Any) -> None:
-        passes.append([row.session.id for row in batch])
-        end_pass(batch, *args)
-
+    passes = _record_passes(verifier)
     decided: list[bool] = []
     apart = verifier.control.apart
 
@@ -360,7 +359,6 @@ def _device_beside_streams(streams: int) -> tuple[list[bool], list[list[str]]]:
         decided.append(apart(*args, **kwargs))
         return decided[-1]
 
-    verifier._end_pass = recorded  # type: ignore[method-assign]
     verifier.control.apart = counted  # type: ignore[method-assign]
     for i in range(streams):
         verifier.open_stream(session(f"s{i}", m.Mode.CLOUD, adaptive=True))
