@@ -516,16 +516,47 @@ class Verifier:
             self._start_pass()
 
     def _start_pass(self) -> None:
-        if self.streams_next:
-            turn, self.streams_next = self.streams_next, []
-            turn = [s for s in turn if s.id in self.streams]  # those still streaming here
-            if turn:  # the streams' pass after their device rows' (VerifierWorker._apart)
-                caps = [self._cap(s) for s in turn]
-                rows, fixed = self._rows(turn, caps)
-                theirs = self.control.choose(rows, fixed)
-                self._steps(turn, theirs, fixed)
-                self._run_pass([], turn, caps, theirs)
-                return
+        # The streams' pass right after their device rows' own (VerifierWorker._apart), those
+        # still streaming here; else the queue's device rounds and the streams' turn.
+        turn = [s for s in self.streams_next if s.id in self.streams]
+        self.streams_next = []
+        batch: list[_Row] = []
+        if not turn:
+            batch, turn = self._next_rows()
+        caps = [self._cap(s) for s in turn]
+        choice: m.PassChoice | None = None
+        whole = not batch and len(turn) == len(self.streams)  # every stream, no device row
+        if turn and self.run_on > 0 and whole:
+            self.run_on -= 1  # the child runs the plain rounds on by itself
+        elif turn:
+            self.run_on = 0
+            rows = [
+                StreamRow(s.policy.draft_model, s.task, cap, s.stream_prior, s.id)
+                for s, cap in zip(turn, caps, strict=True)
+                if s.adaptive
+            ]
+            widths = [row.drafted for row in batch]
+            fixed = widths + [cap for s, cap in zip(turn, caps, strict=True) if not s.adaptive]
+            choice = self.control.choose(rows, fixed)
+            if batch and len(rows) == len(turn) and self.control.apart(rows, widths, choice):
+                # The device windows first, in a pass of their own (VerifierWorker._apart).
+                self.streams_next = turn
+                turn, caps, choice = [], [], None
+            elif (
+                choice.k == 0
+                and whole
+                and not any(fixed)
+                and not self.control.retimes_plain(choice)
+            ):
+                # A plain choice for every stream: a `Steps` call (VerifierWorker._steps), as
+                # many passes as its rows have rounds left, STEPS_PER_CALL at most.
+                left = max(s.length - s.generated for s in turn)
+                self.run_on = min(STEPS_PER_CALL, left) - 1
+        self._run_pass(batch, turn, caps, choice)
+
+    def _next_rows(self) -> tuple[list[_Row], list[Session]]:
+        """A new pass's device rounds (the queue's first, max_batch at most) and the streams
+        that take their turn beside them (`pass_turn`)."""
         batch, self.queue = (
             self.queue[: self.profile.max_batch],
             self.queue[self.profile.max_batch :],
@@ -546,45 +577,7 @@ class Verifier:
         )
         for session in turn:
             self.last_pass[session.id] = self.passes
-        caps = [self._cap(s) for s in turn]
-        choice: m.PassChoice | None = None
-        whole = not batch and len(turn) == len(self.streams)  # every stream, no device row
-        if turn and self.run_on > 0 and whole:
-            self.run_on -= 1  # the child runs the plain rounds on by itself
-        elif turn:
-            self.run_on = 0
-            rows, fixed = self._rows(turn, caps)
-            widths = [row.drafted for row in batch]
-            choice = self.control.choose(rows, widths + fixed)
-            if batch and len(rows) == len(turn) and self.control.apart(rows, widths, choice):
-                # The device windows first, in a pass of their own (VerifierWorker._apart).
-                self.streams_next = turn
-                turn, caps, choice = [], [], None
-            elif whole:
-                self._steps(turn, choice, fixed)
-        self._run_pass(batch, turn, caps, choice)
-
-    @staticmethod
-    def _rows(turn: list[Session], caps: list[int]) -> tuple[list[StreamRow], list[int]]:
-        """What the goodput rule knows of the adaptive streams' next rounds (HostStream.row),
-        and the caps of the fixed-window streams, which it must score whatever it picks."""
-        rows = [
-            StreamRow(s.policy.draft_model, s.task, cap, s.stream_prior, s.id)
-            for s, cap in zip(turn, caps, strict=True)
-            if s.adaptive
-        ]
-        return rows, [cap for s, cap in zip(turn, caps, strict=True) if not s.adaptive]
-
-    def _steps(self, turn: list[Session], choice: m.PassChoice, fixed: list[int]) -> None:
-        """A plain choice for every stream and no device row: a `Steps` call
-        (VerifierWorker._steps), as many passes as its rows have rounds left, STEPS_PER_CALL
-        at most."""
-        if len(turn) < len(self.streams) or choice.k != 0 or any(fixed):
-            return
-        if self.control.retimes_plain(choice):
-            return
-        left = max(s.length - s.generated for s in turn)
-        self.run_on = min(STEPS_PER_CALL, left) - 1
+        return batch, turn
 
     def _run_pass(
         self,

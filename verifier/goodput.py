@@ -329,6 +329,12 @@ class PositionAcceptance:
         return self.expected_by_window(k, prior)[k]
 
 
+def _device_tokens(windows: Iterable[int]) -> float:
+    """What device-drafted rows with these windows commit, as the pass rule scores them: about
+    1 + a window's half each (their acceptance is unknown here)."""
+    return sum([1.0 + 0.5 * k for k in windows])
+
+
 def _expected_by_window(rates: Sequence[float]) -> list[float]:
     """E(j) for j = 0..len(rates): 1 + the chances that tokens 1..i are all accepted, i <= j,
     from each position's rate given the ones before."""
@@ -550,8 +556,7 @@ class GoodputControl:
             return False  # no device window, or a choice that fell back without a prediction
         alone = self.choose(streams, [])
         device_ms = self.cost.predict(len(widths), max(widths) + 1)
-        device_tokens = sum([1.0 + 0.5 * k for k in widths])  # as `choose` scores a device row
-        tokens_apart = alone.goodput[str(alone.k)] * alone.cost_ms + device_tokens * 1000.0
+        tokens_apart = alone.goodput[str(alone.k)] * alone.cost_ms + _device_tokens(widths) * 1000.0
         apart_ms = alone.cost_ms + device_ms
         if apart_ms <= 0:
             return False
@@ -565,8 +570,7 @@ class GoodputControl:
         fixed = list(fixed)
         rows = len(streams) + len(fixed)
         widest_fixed = max(fixed, default=0)
-        # A device-drafted row is worth about 1 + a window's half (its acceptance is unknown here).
-        fixed_tokens = sum([1.0 + 0.5 * k for k in fixed])
+        fixed_tokens = _device_tokens(fixed)
         # The streams of a pass mostly share a drafter, a task and a cap: each kind is scored
         # once per window (this runs between two passes, while the target waits).
         kinds = Counter(streams)
