@@ -364,6 +364,7 @@ class LeaseBook:
                 status,
                 device_id=held.device_id,
                 downlink_ms=draft.timings.downlink_ms,
+                gather=result.batch_size > 1,  # the pass's other rows may be committing too
             )
         except IntegrityError:
             # The round is in the database already: another answerer (the coordinator, or the

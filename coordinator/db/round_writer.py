@@ -33,6 +33,15 @@ INLINE_BUSY_TIMEOUT_MS = 20
 # and syncs it, which can take seconds on a busy disk: the event loop would miss heartbeats);
 # the writer's thread runs a passive checkpoint after this many inline batches instead.
 INLINE_CHECKPOINT_EVERY = 256
+# The rounds of one target pass (its results for many host streams) reach the writer event-loop
+# turns apart: each message is read, decoded and handed on in turns of its own. Committed inline
+# at once, every round was a transaction of its own (`bench e2e`, 32 sessions: 1,405 batches,
+# all of one round). A round whose pass verified other rows too (`write(gather=True)`) lets the
+# loop run a few turns more before the inline commit, and what they queue goes with it: the
+# writer stops after GATHER_QUIET_TURNS turns that queue nothing, or after GATHER_MAX_TURNS. A
+# round that was its pass's only row commits at once, as before.
+GATHER_QUIET_TURNS = 4
+GATHER_MAX_TURNS = 256
 
 
 # Bound by name once, executed for every batch: the round rows, the sessions' committed tokens,
@@ -86,6 +95,7 @@ class _Write:
     device_id: str
     downlink_ms: float | None  # the downlink of round row.round_index - 1, when reported
     done: asyncio.Future[None]
+    gather: bool = False  # its pass verified other rows, whose rounds may follow it
 
 
 class RoundWriter:
@@ -140,12 +150,16 @@ class RoundWriter:
         *,
         device_id: str,
         downlink_ms: float | None = None,
+        gather: bool = False,
     ) -> None:
-        """Return once the round, the session's tokens and the downlink before are committed."""
+        """Return once the round, the session's tokens and the downlink before are committed.
+        `gather`: the round's pass verified other rows too, whose rounds may be on their way:
+        on SQLite the commit waits a few loop turns for them (`GATHER_QUIET_TURNS`)."""
         if row.created_at is None:
             row.created_at = utcnow()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Write(row, generated, status, device_id, downlink_ms, done))
+        write = _Write(row, generated, status, device_id, downlink_ms, done, gather)
+        self._queue.put_nowait(write)
         await done
 
     async def run(self) -> None:
@@ -159,6 +173,8 @@ class RoundWriter:
                 batch = [await self._queue.get()]
                 while not self._queue.empty():
                     batch.append(self._queue.get_nowait())
+                if self.inline and any(item.gather for item in batch):
+                    await self._gather(batch)
                 if self.inline and self._commit_inline(batch):
                     failures: list[Exception | None] = [None] * len(batch)
                     self.inline_batches += 1
@@ -183,6 +199,22 @@ class RoundWriter:
             thread.shutdown(wait=False)
 
     # --- the event loop's thread (SQLite) -----------------------------------------------------
+
+    async def _gather(self, batch: list[_Write]) -> None:
+        """Add to `batch` what the next loop turns queue, until GATHER_QUIET_TURNS turns in a
+        row queue nothing (or GATHER_MAX_TURNS have run). On PostgreSQL the writer's thread
+        gathers without this: what queues while it commits goes together in the next batch."""
+        quiet = 0
+        for _ in range(GATHER_MAX_TURNS):
+            await asyncio.sleep(0)
+            if self._queue.empty():
+                quiet += 1
+                if quiet >= GATHER_QUIET_TURNS:
+                    return
+                continue
+            quiet = 0
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
 
     def _commit_inline(self, batch: list[_Write]) -> bool:
         """Commit the batch here, waiting at most INLINE_BUSY_TIMEOUT_MS for a lock; False (and

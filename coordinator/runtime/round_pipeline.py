@@ -15,11 +15,7 @@ from coordinator.db.models import Round, SessionStatus
 from coordinator.runtime.direct_rounds import DirectRounds
 from coordinator.runtime.round_model import CLOUD_STREAM_ROUNDS
 from coordinator.runtime.session_state import LiveSession
-from coordinator.runtime.verifiers import (
-    NoVerifierError,
-    StreamLost,
-    VerificationFailed,
-)
+from coordinator.runtime.verifiers import NoVerifierError, StreamLost, VerificationFailed
 from inference.speculative import apply_stop_rules
 
 log = logging.getLogger(__name__)
@@ -360,7 +356,8 @@ class RoundPipeline(DirectRounds):
             # the re-sent draft (nothing was stored or published here).
             log.warning("round %d of %s dropped: shard lock lost", row.round_index, live.id)
             return False
-        if not await self._persist(live, row, generated, status, downlink_ms):
+        gather = result.batch_size > 1  # its pass's other rows may be on their way to the writer
+        if not await self._persist(live, row, generated, status, downlink_ms, gather):
             return False
         live.generated = generated
         live.next_round = row.round_index + 1
@@ -412,12 +409,18 @@ class RoundPipeline(DirectRounds):
         generated: list[int],
         status: SessionStatus,
         downlink_ms: float | None,
+        gather: bool = False,
     ) -> bool:
         """The round and the session's committed tokens in one transaction (before anything is
         published); False when the round was stored already, the device then told the state."""
         try:
             await self._writer.write(
-                row, generated, status, device_id=live.device_id, downlink_ms=downlink_ms
+                row,
+                generated,
+                status,
+                device_id=live.device_id,
+                downlink_ms=downlink_ms,
+                gather=gather,
             )
         except sa.exc.IntegrityError:
             # Someone else answered this round (a verifier holding a lease this coordinator

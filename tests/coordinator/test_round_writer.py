@@ -318,3 +318,72 @@ def test_sqlite_commits_inline_and_a_locked_database_goes_to_the_writer_thread(
         assert row is not None and row.committed_ids == [7, 9, 7, 9]
         stored = db.scalars(sa.select(Round.round_index).where(Round.session_id == session_id))
         assert sorted(stored) == [0, 1]
+
+
+def test_sqlite_gathers_the_rounds_of_a_burst_queued_loop_turns_apart(
+    sqlite_engine: Engine,
+) -> None:
+    """A pass's results reach the coordinator as messages read and handed on in loop turns of
+    their own, so their rounds queue turns apart, not together. Inline, the writer lets the loop
+    run on while each few turns queue another round of such a pass (`gather=True`), and commits
+    them as one transaction."""
+    sessions = make_sessionmaker(sqlite_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    session_ids = [open_session(sessions) for _ in range(8)]
+    gap = round_writer.GATHER_QUIET_TURNS - 1  # turns between two rounds, all but quiet
+
+    async def body(writer: RoundWriter) -> None:
+        async def write(turns: int, session_id: uuid.UUID) -> None:
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            row = round_row(session_id, 0, 0)
+            status = SessionStatus.ACTIVE
+            await writer.write(row, [7, 9], status, device_id=DEVICE, gather=True)
+
+        await asyncio.gather(*(write(i * gap, s) for i, s in enumerate(session_ids)))
+
+    _, batches = run_writer(sessions, body)
+    assert batches == 1
+    with sessions() as db:
+        stored = db.scalars(sa.select(Round.session_id).where(Round.round_index == 0)).all()
+        assert sorted(stored) == sorted(session_ids)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_sqlite_commits_a_lone_round_after_the_quiet_turns_or_at_once(
+    sqlite_engine: Engine, gather: bool
+) -> None:
+    """A round of a pass of several rows with none behind it waits GATHER_QUIET_TURNS turns of
+    the loop before its commit; a round that was its pass's only row commits at once (a
+    direct round at one session pays no wait). Rounds that come later go in batches of their
+    own."""
+    sessions = make_sessionmaker(sqlite_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    session_id = open_session(sessions)
+    turns: list[int] = []
+
+    async def body(writer: RoundWriter) -> None:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            for index in range(3):
+                before = ticks
+                row, generated = round_row(session_id, index, 2 * index), [7, 9] * (index + 1)
+                status = SessionStatus.ACTIVE
+                await writer.write(row, generated, status, device_id=DEVICE, gather=gather)
+                turns.append(ticks - before)
+        finally:
+            ticker.cancel()
+
+    _, batches = run_writer(sessions, body)
+    assert batches == 3
+    # Queued, the writer woken, (the quiet turns,) committed, the write woken: 3 turns at once.
+    quiet = round_writer.GATHER_QUIET_TURNS if gather else 0
+    assert all(quiet + 1 <= n <= quiet + 3 for n in turns), turns
