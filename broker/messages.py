@@ -481,6 +481,10 @@ class VerifierStatus(_Message):
 
 
 MAX_STREAM_ROUNDS = 256
+# Results a VerifyResults holds at most. Only results without q' or features go in one (a
+# verifier's choice), so that 64 stay far below MAX_PAYLOAD_BYTES: ~2.6 KB each at most, a
+# window of 64 tokens and a pass choice of 65 windows' goodputs; ~0.3 KB for a plain round.
+MAX_BATCHED_RESULTS = 64
 
 
 class StreamSpec(BaseModel):
@@ -500,6 +504,9 @@ class StreamSpec(BaseModel):
     alpha: Probability | None = None
     # False: the session's window is fixed (opened with k > 0), every round drafts cloud_k.
     adaptive: bool = True
+    # The coordinator takes this stream's rounds in a VerifyResults with the other batched
+    # streams' rounds of the same pass (a verifier that predates it sends them one by one).
+    batched: bool = False
 
 
 class PassChoice(BaseModel):
@@ -714,6 +721,16 @@ class VerifyResult(_Message):
         return self
 
 
+class VerifyResults(_Message):
+    """The rounds of one pass for host streams opened with `StreamSpec.batched`, in one message
+    where each would take a message of its own: on a verifier of many streams, every pass sent
+    as many results, each read, acknowledged and dispatched apart by the coordinator. The
+    coordinator takes each as if it had come alone."""
+
+    type: Literal["verify_results"] = "verify_results"
+    results: tuple[VerifyResult, ...] = Field(min_length=1, max_length=MAX_BATCHED_RESULTS)
+
+
 class CommandName(str, Enum):
     PING = "ping"
     ECHO = "echo"  # the answer to a telemetry probe
@@ -790,6 +807,7 @@ Message: TypeAlias = (
     | VerifierStatus
     | VerifyRequest
     | VerifyResult
+    | VerifyResults
     | StreamStop
     | StreamRedraft
     | SessionLease
@@ -814,6 +832,7 @@ MESSAGE_TYPES: dict[str, type[_Message]] = {
         VerifierStatus,
         VerifyRequest,
         VerifyResult,
+        VerifyResults,
         StreamStop,
         StreamRedraft,
         SessionLease,

@@ -28,6 +28,7 @@ from broker.client import (
     run_with_reconnect,
 )
 from broker.messages import (
+    MAX_BATCHED_RESULTS,
     BusError,
     DeviceState,
     LeaseEnd,
@@ -39,6 +40,7 @@ from broker.messages import (
     VerifierStatus,
     VerifyRequest,
     VerifyResult,
+    VerifyResults,
     decode,
     encode,
 )
@@ -545,8 +547,16 @@ class VerifierWorker:
             error = f"verifier lost its inference process: {exc}"
             for pending in batch:
                 self._emit(pending, None, dispatched, 0.0, error=error)
-            for stream, request in zip(turn, requests[len(batch) :], strict=True):
-                self._emit_stream(stream, _ran_at(request), None, 0.0, 0, choice, error=error)
+            failed = zip(turn, requests[len(batch) :], strict=True)
+            self._put_results(
+                [
+                    (
+                        stream,
+                        self._emit_stream(stream, _ran_at(request), None, 0.0, 0, choice, error),
+                    )
+                    for stream, request in failed
+                ]
+            )
             await self._restart_child()
             return
         roundtrip_ms = (time.perf_counter() - dispatched) * 1e3
@@ -573,8 +583,12 @@ class VerifierWorker:
                 pending, verification, dispatched, verify_ms, prefilled=prefilled, pipe_ms=pipe_ms
             )
         streamed = zip(turn, requests[len(batch) :], verifications[len(batch) :], strict=True)
-        for stream, request, verification in streamed:
-            self._emit_stream(stream, _ran_at(request), verification, verify_ms, prefilled, choice)
+        self._put_results(
+            [
+                (stream, self._emit_stream(stream, _ran_at(r), v, verify_ms, prefilled, choice))
+                for stream, r, v in streamed
+            ]
+        )
         self._observe_drafting(turn, requests[len(batch) :], verifications[len(batch) :])
         if steps is None:
             return
@@ -663,6 +677,7 @@ class VerifierWorker:
         session's next round computes it again)."""
         rows, compute_ms = step.rows, step.compute_ms
         self._count_pass(len(rows), compute_ms, compute_ms, 0.0, (1, compute_ms - step.stack_ms))
+        results: list[tuple[HostStream, VerifyResult]] = []
         for row, verification in zip(rows, step.verifications, strict=True):
             stream = turn[row]
             fits = verification.round == stream.round and verification.base_len == len(
@@ -672,7 +687,10 @@ class VerifierWorker:
                 log.debug("dropped round %d of %s", verification.round, stream.session_id)
                 continue
             at = (verification.round, verification.base_len, 0)
-            self._emit_stream(stream, at, verification, compute_ms, 0, choice)
+            results.append(
+                (stream, self._emit_stream(stream, at, verification, compute_ms, 0, choice))
+            )
+        self._put_results(results)
 
     def _emit_stream(
         self,
@@ -683,9 +701,9 @@ class VerifierWorker:
         prefilled: int,
         choice: PassChoice | None,
         error: str = "",
-    ) -> None:
-        """A stream's round to the coordinator; the stream goes on or ends with it. `at`: the
-        round, its base length and its window, as the pass ran it."""
+    ) -> VerifyResult:
+        """A stream's round for the coordinator (`_put_results`); the stream goes on or ends
+        with it. `at`: the round, its base length and its window, as the pass ran it."""
         round_index, base_len, window = at
         error = error or (verification.error if verification is not None else "")
         drafted: tuple[int, ...] = ()
@@ -735,7 +753,22 @@ class VerifierWorker:
             self.counters.failed += 1
         else:
             self.counters.served += 1
-        self._outbox.put(self.result_topic, result)
+        return result
+
+    def _put_results(self, results: list[tuple[HostStream, VerifyResult]]) -> None:
+        """A pass's stream rounds to the coordinator: those of streams opened `batched`, without
+        q' or features, in one VerifyResults (MAX_BATCHED_RESULTS at most each); the others,
+        and a lone one, each in a message of its own."""
+        together: list[VerifyResult] = []
+        for stream, result in results:
+            if stream.spec.batched and result.q_ids is None and result.features is None:
+                together.append(result)
+            else:
+                self._outbox.put(self.result_topic, result)
+        for start in range(0, len(together), MAX_BATCHED_RESULTS):
+            chunk = tuple(together[start : start + MAX_BATCHED_RESULTS])
+            message = chunk[0] if len(chunk) == 1 else VerifyResults(results=chunk)
+            self._outbox.put(self.result_topic, message)
 
     def _emit(
         self,

@@ -290,6 +290,7 @@ class RoundPipeline(DirectRounds):
                 task_type=live.policy_task or live.task_type or "chat",
                 alpha=alpha,
                 adaptive=live.policy_task is not None,
+                batched=True,  # a pass's rounds in one VerifyResults (VerifierPool.on_results)
             ),
         )
 

@@ -185,6 +185,7 @@ class Coordinator:
         self.verifier_handlers: dict[type[Any], Callable[[str, Any], Awaitable[None]]] = {
             m.VerifierStatus: self.verifiers.on_status,
             m.VerifyResult: self.verifiers.on_result,
+            m.VerifyResults: self.verifiers.on_results,
             m.LeaseAck: self.verifiers.on_lease_ack,
             m.RoundDone: self.book.on_round_done,
         }

@@ -150,6 +150,11 @@ class VerifierPool:
         if not pending.future.done():
             pending.future.set_result(result)
 
+    async def on_results(self, verifier_id: str, results: m.VerifyResults) -> None:
+        """The rounds of one pass for batched streams, each taken as if it had come alone."""
+        for result in results.results:
+            await self.on_result(verifier_id, result)
+
     async def on_lease_ack(self, verifier_id: str, ack: m.LeaseAck) -> None:
         waiter = self._lease_acks.get(ack.lease_id)
         if waiter is not None and not waiter.done() and ack.verifier_id == verifier_id:

@@ -243,6 +243,9 @@ verify_results = st.builds(
     batch_size=st.integers(1, 16),
     error=st.just("") | names,
 )
+batched_results = st.builds(
+    m.VerifyResults, results=st.lists(verify_results, min_size=1, max_size=8).map(tuple)
+)
 any_message = st.one_of(
     drafts(),
     verdicts(),
@@ -258,6 +261,7 @@ any_message = st.one_of(
     verify_requests(),
     verify_results,
     cloud_results(),
+    batched_results,
 )
 
 
@@ -265,6 +269,28 @@ any_message = st.one_of(
 @settings(max_examples=300)
 def test_every_valid_message_round_trips(message: m.Message) -> None:
     assert m.decode(m.encode(message)) == message
+
+
+def test_a_pass_of_results_holds_one_to_max_batched_results_each_checked_as_alone() -> None:
+    """A VerifyResults is refused empty, past MAX_BATCHED_RESULTS, or with one result that
+    alone would be refused (its reason names where); 64 plain rounds stay small."""
+    result = {"type": "verify_result", "v": 1, "request_id": "r", "session_id": "s"}
+    result |= {"round": 3, "base_len": 40, "next_token": 7, "verifier_id": "v"}
+    full = {"v": 1, "type": "verify_results", "results": [result] * m.MAX_BATCHED_RESULTS}
+    payload = json.dumps(full).encode()
+    decoded = m.decode(payload)
+    assert isinstance(decoded, m.VerifyResults)
+    assert len(decoded.results) == m.MAX_BATCHED_RESULTS
+    assert len(m.encode(decoded)) < m.MAX_PAYLOAD_BYTES // 16
+    for results, reason in (
+        ([], "at least 1"),
+        ([result] * (m.MAX_BATCHED_RESULTS + 1), "at most"),
+        ([result, {**result, "n_accepted": 2, "draft_tokens": [1]}], "results.1"),
+    ):
+        document = {"v": 1, "type": "verify_results", "results": results}
+        with pytest.raises(m.SchemaViolation) as caught:
+            m.decode(json.dumps(document).encode())
+        assert reason in caught.value.reason
 
 
 @given(st.binary(max_size=2048))

@@ -30,6 +30,7 @@ def stream_request(
     rounds: int = 64,
     adaptive: bool = True,
     max_new: int = MAX_NEW,
+    batched: bool = False,
 ) -> VerifyRequest:
     _, tokenizer = target_pair()
     return VerifyRequest(
@@ -41,7 +42,11 @@ def stream_request(
         cloud_draft=draft,
         cloud_k=None if draft is None else 4,
         stream=StreamSpec(
-            rounds=rounds, max_new=max_new, eos_id=tokenizer.eos_id, adaptive=adaptive
+            rounds=rounds,
+            max_new=max_new,
+            eos_id=tokenizer.eos_id,
+            adaptive=adaptive,
+            batched=batched,
         ),
     )
 
@@ -110,6 +115,30 @@ def test_streams_share_passes_and_a_stop_ends_one(mosquitto: PrivateMosquitto) -
         assert seen < 200
         await asyncio.sleep(0.5)  # but no round of it runs after
         assert len(listener.streamed.get(stopped.request_id, [])) == seen
+
+    run_with_worker(mosquitto, body)
+
+
+def test_batched_streams_rounds_of_a_pass_come_in_one_message(
+    mosquitto: PrivateMosquitto,
+) -> None:
+    """Streams opened `batched` get each pass's rounds in one VerifyResults, in the same
+    rounds and tokens as alone; a stream that is not batched beside them gets its own."""
+
+    async def body(worker: VerifierWorker, listener: BusListener) -> None:
+        together = [stream_request(p, None, batched=True) for p in (1, 2, 3)]
+        alone = stream_request(4, None)
+        for request in (*together, alone):
+            await listener.client.publish(worker.work_topic, encode(request))
+        for request, prompt in zip((*together, alone), (1, 2, 3, 4), strict=True):
+            rounds = await listener.stream_end(request.request_id)
+            assert [r.round for r in rounds] == list(range(MAX_NEW))
+            assert committed(rounds) == list(greedy_reference(prompt, MAX_NEW))
+        # A pass of the three batched streams: one message of three (the first passes may
+        # have held fewer of them, as the sessions' prefills came).
+        assert listener.envelopes and max(listener.envelopes) == 3
+        assert sum(listener.envelopes) <= 3 * MAX_NEW
+        assert listener.deliveries[alone.request_id] == MAX_NEW
 
     run_with_worker(mosquitto, body)
 

@@ -17,6 +17,7 @@ from broker.messages import (
     VerifierStatus,
     VerifyRequest,
     VerifyResult,
+    VerifyResults,
     decode,
 )
 from core.aio import timeout
@@ -108,6 +109,13 @@ def cloud_request(
     )
 
 
+def _results(message: Message) -> tuple[VerifyResult, ...]:
+    """The results a message carries: itself, a pass's batched results, or none."""
+    if isinstance(message, VerifyResult):
+        return (message,)
+    return message.results if isinstance(message, VerifyResults) else ()
+
+
 class BusListener:
     """The coordinator's side of a test: collects results and statuses of one verifier."""
 
@@ -118,16 +126,22 @@ class BusListener:
         self.others: list[tuple[str, Message]] = []  # any other message, with its topic
         self.deliveries: Counter[str] = Counter()  # results received, by request id
         self.statuses: list[tuple[VerifierStatus, bool]] = []  # with the retain flag
+        self.envelopes: list[int] = []  # the results of each VerifyResults received
         self._changed = asyncio.Condition()
 
     async def listen(self) -> None:
         async for incoming in self.client.messages():
             message = decode(incoming.payload)
             async with self._changed:
-                if isinstance(message, VerifyResult):
-                    self.results[message.request_id] = message
-                    self.streamed.setdefault(message.request_id, []).append(message)
-                    self.deliveries[message.request_id] += 1
+                results = _results(message)
+                if isinstance(message, VerifyResults):
+                    self.envelopes.append(len(results))
+                for result in results:
+                    self.results[result.request_id] = result
+                    self.streamed.setdefault(result.request_id, []).append(result)
+                    self.deliveries[result.request_id] += 1
+                if results:
+                    pass
                 elif isinstance(message, VerifierStatus):
                     self.statuses.append((message, incoming.retain))
                 else:
