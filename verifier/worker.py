@@ -547,16 +547,11 @@ class VerifierWorker:
             error = f"verifier lost its inference process: {exc}"
             for pending in batch:
                 self._emit(pending, None, dispatched, 0.0, error=error)
-            failed = zip(turn, requests[len(batch) :], strict=True)
-            self._put_results(
-                [
-                    (
-                        stream,
-                        self._emit_stream(stream, _ran_at(request), None, 0.0, 0, choice, error),
-                    )
-                    for stream, request in failed
-                ]
-            )
+            failed = [
+                (stream, self._emit_stream(stream, _ran_at(r), None, 0.0, 0, choice, error))
+                for stream, r in zip(turn, requests[len(batch) :], strict=True)
+            ]
+            self._put_results(failed)
             await self._restart_child()
             return
         roundtrip_ms = (time.perf_counter() - dispatched) * 1e3
@@ -583,12 +578,11 @@ class VerifierWorker:
                 pending, verification, dispatched, verify_ms, prefilled=prefilled, pipe_ms=pipe_ms
             )
         streamed = zip(turn, requests[len(batch) :], verifications[len(batch) :], strict=True)
-        self._put_results(
-            [
-                (stream, self._emit_stream(stream, _ran_at(r), v, verify_ms, prefilled, choice))
-                for stream, r, v in streamed
-            ]
-        )
+        results = [
+            (stream, self._emit_stream(stream, _ran_at(r), v, verify_ms, prefilled, choice))
+            for stream, r, v in streamed
+        ]
+        self._put_results(results)
         self._observe_drafting(turn, requests[len(batch) :], verifications[len(batch) :])
         if steps is None:
             return
