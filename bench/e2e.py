@@ -59,6 +59,13 @@ lowest level run (the unit tests check that plain serving equals the target deco
    little for drafting ahead to hide anything) run there with proactive drafting on and off (the
    local API's per-session switch).
 5. The modes the adaptive arm's rounds ran in, per level, counted from the database's rounds.
+6. The target's use: its share of the run's wall time, and its passes' shape.
+7. The CPU time of the benchmark's processes over each configuration's waves, by role, per
+   committed token (/proc, user and system): this process (the coordinator, and the load
+   generator reading every token's event), the verifier's bus side, the agents, the broker and
+   the rest, and the target's own process. On one host all but the target share the other CPUs,
+   and a busy neighbour slows the target's passes (`bench co-runner`): what the stack burns
+   beside the target is what the bus arms pay that plain serving does not.
 
 The default run (10 prompts, 48 tokens, levels 1/4/16/32) takes several minutes on a busy 2-core
 machine.
@@ -665,6 +672,19 @@ class RunResult:
     pass_ms: list[float] = field(default_factory=list)  # plain serving: each decode pass's time
     # Bus arms: the verifier's target over the run's waves (TargetUse); plain serving: its passes.
     target: TargetUse = field(default_factory=lambda: TargetUse())
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds over its waves, by role
+
+    def add_cpu(self, before: dict[str, float], after: dict[str, float]) -> None:
+        for role, seconds in after.items():
+            self.cpu_s[role] = self.cpu_s.get(role, 0.0) + seconds - before.get(role, 0.0)
+
+    @property
+    def cpu_ms_per_token(self) -> dict[str, float]:
+        """CPU_ROLES' CPU time per committed token, and `beside` (all but the target's)."""
+        if not self.tokens:
+            return {}
+        per = {role: 1e3 * self.cpu_s.get(role, 0.0) / self.tokens for role in CPU_ROLES}
+        return per | {"beside": sum(v for role, v in per.items() if role != "target")}
 
     @property
     def tokens(self) -> int:
@@ -724,6 +744,7 @@ class RunResult:
             "tokens_per_round": self.tokens / self.rounds if self.rounds else float("nan"),
             "mean_batch": self.mean_batch,
             "target": self.target.document(self.wall_s),
+            "cpu_ms_per_token": self.cpu_ms_per_token,
         }
         if self.config.on_bus:
             document |= self._bus_summary()
@@ -906,6 +927,25 @@ class WaveRunner:
         with (directory / "waves.jsonl").open("a", encoding="utf-8") as out:
             out.write(json.dumps(line) + "\n")
 
+    def cpu_by_role(self) -> dict[str, float]:
+        """The CPU seconds the benchmark's processes have used so far, by role (CPU_ROLES):
+        the targets are the verifiers' inference processes and plain serving's process."""
+        from bench.cpus import cpu_seconds, descendants
+
+        verifiers = [child.pid for child in self.fleet.verifiers.values()]
+        targets = [pid for parent in verifiers for pid in descendants(parent)[1:]]
+        if self.plain.server.pid is not None:
+            targets += descendants(self.plain.server.pid)
+        agents = [pid for agent in self.fleet.agents.values() for pid in descendants(agent.pid)]
+        known = {os.getpid(), *verifiers, *targets, *agents}
+        return {
+            "coordinator": cpu_seconds([os.getpid()]),
+            "verifier": cpu_seconds(verifiers),
+            "agents": cpu_seconds(agents),
+            "other": cpu_seconds(p for p in descendants(os.getpid()) if p not in known),
+            "target": cpu_seconds(targets),
+        }
+
     async def bus_wave(
         self,
         config: RunConfig,
@@ -961,6 +1001,7 @@ async def run_level(
         for number, wave in enumerate(waves):
             for config in configs if number % 2 == 0 else configs[::-1]:
                 result = results[config]
+                cpu_before = runner.cpu_by_role()
                 if config.on_bus:
                     before = await target_counters(runner.probes.pool, time.time())
                     started = time.perf_counter()
@@ -999,6 +1040,7 @@ async def run_level(
                     result.target.rows += sum(batch_sizes)
                     result.target.positions += sum(batch_sizes)
                     bar.update(len(wave))
+                result.add_cpu(cpu_before, runner.cpu_by_role())
     for result in results.values():
         if result.config.on_bus:
             _with_probes(result, runner.probes)
@@ -1428,6 +1470,26 @@ def target_use(results: Sequence[RunResult]) -> Table:
     return columns, rows
 
 
+# Processes by role, for part 7: this one (the coordinator and the load generator), the
+# verifiers' bus sides, the agents, the rest below this process (the broker), the targets.
+CPU_ROLES = ("coordinator", "verifier", "agents", "other", "target")
+CPU_HEADERS = (
+    *("run", "coordinator+clients", "verifier bus side", "agents", "broker, other"),
+    *("beside the target", "target"),
+)
+
+
+def cpu_use(results: Sequence[RunResult]) -> Table:
+    """Part 7: each run's CPU time by role, ms per committed token."""
+    rows = []
+    for r in results:
+        per = r.cpu_ms_per_token
+        if per:
+            roles = (*CPU_ROLES[:-1], "beside", "target")
+            rows.append([r.config.label, *(f"{per[role]:.2f}" for role in roles)])
+    return CPU_HEADERS, rows
+
+
 @dataclass(frozen=True)
 class Identity:
     """Every answer against plain serving's answer to the same prompt."""
@@ -1536,6 +1598,12 @@ def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
         "6. the target's use: busy = its compute / the run's wall time (plain serving: decode "
         "passes, prefills left out); positions per row include each pass's padding",
         target_use(results),
+    )
+    _print_table(
+        "7. CPU time by process, ms per committed token (user + system); beside the target: "
+        "every process but the target's, on the other CPUs (the coordinator with this load "
+        "generator, the verifier's bus side, the agents, the broker)",
+        cpu_use(results),
     )
 
     identity = identity_check(results)

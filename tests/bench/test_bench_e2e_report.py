@@ -16,6 +16,7 @@ from bench.e2e import (
     RunConfig,
     RunResult,
     adaptive_modes,
+    cpu_use,
     identity_check,
     level_work,
     plan,
@@ -166,6 +167,30 @@ def test_the_report_holds_every_goal_even_when_no_round_could_be_matched(
     plain_run = document["runs"][0]
     assert plain_run["arm"] == "plain" and "ms" not in plain_run
     assert document["runs"][2]["unmatched_rounds"] == 4
+
+
+def test_cpu_time_by_role_is_summed_over_waves_and_given_per_committed_token() -> None:
+    """Part 7: a run's CPU seconds by role add up over its waves, and come out in ms per
+    committed token, with everything but the target's summed as `beside`."""
+    plain, _, adaptive = level_results(1, 1.0, 1.0, 1.0)  # 6 tokens each
+    start = {"coordinator": 10.0, "verifier": 1.0, "agents": 2.0, "other": 0.5, "target": 20.0}
+    after = {"coordinator": 10.03, "verifier": 1.006, "agents": 2.012, "other": 0.5, "target": 20.3}
+    adaptive.add_cpu(start, after)
+    adaptive.add_cpu(after, after | {"coordinator": 10.06, "target": 20.36})
+    plain.add_cpu(start, start | {"target": 20.3})
+    per = adaptive.cpu_ms_per_token
+    assert per["coordinator"] == pytest.approx(10.0)  # 60 ms over 6 tokens
+    assert per["verifier"] == pytest.approx(1.0) and per["agents"] == pytest.approx(2.0)
+    assert per["other"] == 0.0 and per["target"] == pytest.approx(60.0)
+    assert per["beside"] == pytest.approx(13.0)
+    headers, rows = cpu_use([plain, adaptive])
+    assert headers[-2:] == ("beside the target", "target")
+    assert rows == [
+        ["plain serving x1", "0.00", "0.00", "0.00", "0.00", "0.00", "50.00"],
+        ["adaptive x1", "10.00", "1.00", "2.00", "0.00", "13.00", "60.00"],
+    ]
+    document = json.loads(json.dumps(adaptive.summary()))
+    assert document["cpu_ms_per_token"]["beside"] == pytest.approx(13.0)
 
 
 def test_a_goal_says_which_way_it_is_judged() -> None:

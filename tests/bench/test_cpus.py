@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench.cpus import available, descendants, pin_tree, split
+from bench.cpus import available, cpu_seconds, descendants, pin_tree, split
 
 
 def test_a_process_tree_is_found_and_pinned() -> None:
@@ -45,3 +45,24 @@ def test_the_target_gets_the_last_cpu(
     cpus: set[int], expected: tuple[set[int], set[int]] | None
 ) -> None:
     assert split(cpus) == expected
+
+
+def test_cpu_seconds_counts_what_a_process_burned_and_nothing_for_one_gone() -> None:
+    """A child that spins for a while shows that CPU time (user and system) from /proc; a
+    process that has exited, or a pid that never was, counts 0."""
+    spin = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin + "time.sleep(30)"])
+    try:
+        burned = 0.0
+        for _ in range(200):
+            burned = cpu_seconds([child.pid])
+            if burned >= 0.4:
+                break
+            time.sleep(0.05)
+        assert 0.4 <= burned < 5.0
+        assert cpu_seconds([child.pid, child.pid]) == 2 * cpu_seconds([child.pid])
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_seconds([child.pid]) == 0.0
+    assert cpu_seconds([]) == 0.0
