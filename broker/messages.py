@@ -723,9 +723,8 @@ class VerifyResult(_Message):
 
 class VerifyResults(_Message):
     """The rounds of one pass for host streams opened with `StreamSpec.batched`, in one message
-    where each would take a message of its own: on a verifier of many streams, every pass sent
-    as many results, each read, acknowledged and dispatched apart by the coordinator. The
-    coordinator takes each as if it had come alone."""
+    instead of one each (a pass of 32 streams sent 32, each read, acknowledged and dispatched
+    apart by the coordinator). The coordinator takes each as if it had come alone."""
 
     type: Literal["verify_results"] = "verify_results"
     results: tuple[VerifyResult, ...] = Field(min_length=1, max_length=MAX_BATCHED_RESULTS)

@@ -35,11 +35,11 @@ INLINE_BUSY_TIMEOUT_MS = 20
 INLINE_CHECKPOINT_EVERY = 256
 # The rounds of one target pass (its results for many host streams) reach the writer event-loop
 # turns apart: each message is read, decoded and handed on in turns of its own. Committed inline
-# at once, every round was a transaction of its own (`bench e2e`, 32 sessions: 1,405 batches,
-# all of one round). A round whose pass verified other rows too (`write(gather=True)`) lets the
-# loop run a few turns more before the inline commit, and what they queue goes with it: the
-# writer stops after GATHER_QUIET_TURNS turns that queue nothing, or after GATHER_MAX_TURNS. A
-# round that was its pass's only row commits at once, as before.
+# at once, every round was a transaction of its own (`bench e2e` at 32 sessions: not one batch
+# of two rounds in a run). A round whose pass verified other rows too (`write(gather=True)`)
+# lets the loop run a few turns more before the inline commit, and what they queue goes with
+# it: the writer stops after GATHER_QUIET_TURNS turns that queue nothing, or after
+# GATHER_MAX_TURNS. A round that was its pass's only row commits at once, as before.
 GATHER_QUIET_TURNS = 4
 GATHER_MAX_TURNS = 256
 
