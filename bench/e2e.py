@@ -1001,22 +1001,25 @@ async def run_level(
         for number, wave in enumerate(waves):
             for config in configs if number % 2 == 0 else configs[::-1]:
                 result = results[config]
-                cpu_before = runner.cpu_by_role()
                 if config.on_bus:
                     before = await target_counters(runner.probes.pool, time.time())
+                    cpu_before = runner.cpu_by_role()  # the wave's own, not the counters' wait
                     started = time.perf_counter()
                     result.sessions += await runner.bus_wave(
                         config, wave, lambda: bar.update(1), concurrency
                     )
                     ended = time.perf_counter()
+                    result.add_cpu(cpu_before, runner.cpu_by_role())
                     result.wall_s += ended - started
                     runner.trace_wave(config.label, number, len(wave), started, ended)
                     after = await target_counters(runner.probes.pool, time.time())
                     result.target.add(before, after)
                 else:
+                    cpu_before = runner.cpu_by_role()
                     sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
                         wave, runner.args.max_tokens, concurrency
                     )
+                    result.add_cpu(cpu_before, runner.cpu_by_role())
                     prefill_ms = sum(session["prefill_ms"] for session in sessions)
                     now = time.perf_counter()
                     runner.trace_wave(
@@ -1040,7 +1043,6 @@ async def run_level(
                     result.target.rows += sum(batch_sizes)
                     result.target.positions += sum(batch_sizes)
                     bar.update(len(wave))
-                result.add_cpu(cpu_before, runner.cpu_by_role())
     for result in results.values():
         if result.config.on_bus:
             _with_probes(result, runner.probes)
