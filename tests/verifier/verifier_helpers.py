@@ -140,11 +140,9 @@ class BusListener:
                     self.results[result.request_id] = result
                     self.streamed.setdefault(result.request_id, []).append(result)
                     self.deliveries[result.request_id] += 1
-                if results:
-                    pass
-                elif isinstance(message, VerifierStatus):
+                if isinstance(message, VerifierStatus):
                     self.statuses.append((message, incoming.retain))
-                else:
+                elif not results:
                     self.others.append((incoming.topic, message))
                 self._changed.notify_all()
 
