@@ -85,7 +85,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -927,10 +927,12 @@ class WaveRunner:
         with (directory / "waves.jsonl").open("a", encoding="utf-8") as out:
             out.write(json.dumps(line) + "\n")
 
-    def cpu_by_role(self) -> dict[str, float]:
-        """The CPU seconds the benchmark's processes have used so far, by role (CPU_ROLES):
-        the targets are the verifiers' inference processes and plain serving's process."""
-        from bench.cpus import cpu_seconds, descendants
+    def processes_by_role(self) -> dict[str, list[int]]:
+        """The benchmark's processes by role (CPU_ROLES): the targets are the verifiers'
+        inference processes and plain serving's process. Found by walking /proc, which costs
+        milliseconds: done before a wave, never between its two readings (a process started
+        during the wave, such as a drafter's runtime, counts from the next wave on)."""
+        from bench.cpus import descendants
 
         verifiers = [child.pid for child in self.fleet.verifiers.values()]
         targets = [pid for parent in verifiers for pid in descendants(parent)[1:]]
@@ -939,12 +941,19 @@ class WaveRunner:
         agents = [pid for agent in self.fleet.agents.values() for pid in descendants(agent.pid)]
         known = {os.getpid(), *verifiers, *targets, *agents}
         return {
-            "coordinator": cpu_seconds([os.getpid()]),
-            "verifier": cpu_seconds(verifiers),
-            "agents": cpu_seconds(agents),
-            "other": cpu_seconds(p for p in descendants(os.getpid()) if p not in known),
-            "target": cpu_seconds(targets),
+            "coordinator": [os.getpid()],
+            "verifier": verifiers,
+            "agents": agents,
+            "other": [p for p in descendants(os.getpid()) if p not in known],
+            "target": targets,
         }
+
+    @staticmethod
+    def cpu_by_role(processes: Mapping[str, Sequence[int]]) -> dict[str, float]:
+        """The CPU seconds each role's processes have used so far (a stat file read each)."""
+        from bench.cpus import cpu_seconds
+
+        return {role: cpu_seconds(pids) for role, pids in processes.items()}
 
     async def bus_wave(
         self,
@@ -1003,23 +1012,25 @@ async def run_level(
                 result = results[config]
                 if config.on_bus:
                     before = await target_counters(runner.probes.pool, time.time())
-                    cpu_before = runner.cpu_by_role()  # the wave's own, not the counters' wait
+                    processes = runner.processes_by_role()  # before the wave, not in it
+                    cpu_before = runner.cpu_by_role(processes)  # not the counters' wait
                     started = time.perf_counter()
                     result.sessions += await runner.bus_wave(
                         config, wave, lambda: bar.update(1), concurrency
                     )
                     ended = time.perf_counter()
-                    result.add_cpu(cpu_before, runner.cpu_by_role())
+                    result.add_cpu(cpu_before, runner.cpu_by_role(processes))
                     result.wall_s += ended - started
                     runner.trace_wave(config.label, number, len(wave), started, ended)
                     after = await target_counters(runner.probes.pool, time.time())
                     result.target.add(before, after)
                 else:
-                    cpu_before = runner.cpu_by_role()
+                    processes = runner.processes_by_role()
+                    cpu_before = runner.cpu_by_role(processes)
                     sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
                         wave, runner.args.max_tokens, concurrency
                     )
-                    result.add_cpu(cpu_before, runner.cpu_by_role())
+                    result.add_cpu(cpu_before, runner.cpu_by_role(processes))
                     prefill_ms = sum(session["prefill_ms"] for session in sessions)
                     now = time.perf_counter()
                     runner.trace_wave(

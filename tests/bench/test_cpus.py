@@ -66,3 +66,17 @@ def test_cpu_seconds_counts_what_a_process_burned_and_nothing_for_one_gone() -> 
         child.wait()
     assert cpu_seconds([child.pid]) == 0.0
     assert cpu_seconds([]) == 0.0
+
+
+def test_a_waves_reading_is_each_roles_processes_cpu_time() -> None:
+    """Around a wave, `bench e2e` reads only the stat files of the processes found before it (a
+    walk of /proc between the two readings counted its own milliseconds as the coordinator's):
+    each role gets the sum over its processes, a role with none gets 0."""
+    from bench.e2e import WaveRunner
+
+    mine = [os.getpid()]
+    reading = WaveRunner.cpu_by_role({"coordinator": mine, "twice": mine * 2, "agents": []})
+    assert set(reading) == {"coordinator", "twice", "agents"}
+    assert reading["agents"] == 0.0
+    assert reading["coordinator"] > 0.0
+    assert reading["twice"] >= 2 * reading["coordinator"]
