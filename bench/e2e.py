@@ -189,6 +189,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the others, as devices and the control plane are other machines in the field",
     )
     parser.add_argument(
+        "--stream-clients",
+        action="store_true",
+        help="the load generator reads each session's text as it streams (an event per committed "
+        'piece); by default it asks for whole answers (`"stream": false`), as plain serving '
+        "hands them back",
+    )
+    parser.add_argument(
         "--bus-target-only",
         action="store_true",
         help="also run target-only decoding over the bus (k=0 drafts), the old baseline",
@@ -820,17 +827,24 @@ async def ask_one(
     request: dict[str, Any],
     label: str,
     timeout_s: float = SESSION_TIMEOUT_S,
+    *,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """One session through an agent's local API; an error unless it finished.
 
-    Through the agent's own client (`stream_session`: asyncio streams, a line read per event),
-    not httpx: the benchmark's coordinator shares this process's loop and CPU with this load
-    generator, which reads every token's event of every session (768 a wave of 16), and through
-    httpx sent a wave's 16 requests 17-30 ms into it, holding the opens back. On a device the
-    client is the device's app, on the device's own CPU."""
-    from device_agent.local_api import HOST, ApiError, stream_session
+    By default the client asks for the whole answer (`"stream": false`): the summary comes in
+    one reply when the session ends, as plain serving hands back whole answers. With `stream`,
+    it reads the session's events as they come, a line per committed piece of text. Either way
+    through the agent's own client (asyncio streams), not httpx: the benchmark's coordinator
+    shares this process's loop and CPU with this load generator (through httpx a wave's 16
+    requests went out 17-30 ms into it, holding the opens back). On a device the client is the
+    device's app, on the device's own CPU; here it is on the coordinator's, and a streaming
+    one reads every token's event of every session (768 a wave of 16)."""
+    from device_agent.local_api import HOST, ApiError, stream_session, whole_session
 
     async def answer() -> dict[str, Any]:
+        if not stream:
+            return await whole_session(HOST, port, request, timeout_s)
         async for event in stream_session(HOST, port, request):
             if event.event == "done":
                 return event.data
@@ -973,7 +987,7 @@ class WaveRunner:
             label = f"{config.label} {device_id} {prompt.id}"
             port = self.fleet.agent_ports[device_id]
             async with slots:
-                summary = await ask_one(port, request, label)
+                summary = await ask_one(port, request, label, stream=self.args.stream_clients)
             on_done()
             return {**summary, "prompt_id": prompt.id, "task": prompt.task, "device_id": device_id}
 
@@ -1565,6 +1579,14 @@ def _print_setup(run: BenchRun, args: argparse.Namespace) -> None:
         f"batched, no bus (loaded in {run.plain_load_s:.1f} s, not timed); adaptive: k=0, the "
         "coordinator chooses mode, drafter and k"
     )
+    print(
+        "clients (in this process, on the coordinator's CPU): "
+        + (
+            "each session's text read as it streams (--stream-clients)"
+            if args.stream_clients
+            else 'whole answers (`"stream": false`), as plain serving hands them back'
+        )
+    )
 
 
 def report(run: BenchRun, args: argparse.Namespace) -> dict[str, Any]:
@@ -1664,6 +1686,7 @@ def _settings_document(run: BenchRun, args: argparse.Namespace) -> dict[str, Any
         "limit": args.limit,
         "sessions": list(args.sessions),
         "arrivals": args.arrivals,
+        "stream_clients": args.stream_clients,
         "bus_target_only": args.bus_target_only,
         "proactive_sessions": list(args.proactive_sessions),
         "proactive_drafters": list(args.proactive_drafters),

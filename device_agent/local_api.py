@@ -12,6 +12,9 @@ Plain asyncio streams keep the agent's footprint small (no web framework on a Pi
   `event: reconciled` (`{"at", "provisional", "kept", "replaced", "replaced_text", "text"}`)
   says how many provisional tokens it kept and which ids it replaced, and `text` is the committed
   text so far (every `text` delta joined; the kept tokens have come as `text` before it).
+  With `"stream": false` the answer is instead one JSON summary (as `done` carries, whatever
+  the session's end: its `status` and `error` say which), sent when the session ends; a client
+  that hangs up before then cancels it all the same.
 - `GET /v1/sessions`: the running and recently ended sessions (sessions a restarted agent
   resumed from its journal included).
 - `GET /v1/sessions/{id}`: one session's summary so far; `GET /v1/sessions/{id}/events`: its
@@ -206,16 +209,15 @@ class LocalApi:
             writer.write(json_response(exc.status, {"error": exc.reason}, exc.allow))
             await writer.drain()
             return
-        if session is not None:
-            stream, cancel_on_hangup = session
-            await self._stream(reader, writer, stream, cancel_on_hangup)
-        else:
+        if session is None:
             await writer.drain()
+        elif session.whole:
+            await self._whole(reader, writer, session.session)
+        else:
+            await self._stream(reader, writer, session.session, session.cancel_on_hangup)
 
-    async def _route(
-        self, request: HttpRequest, writer: asyncio.StreamWriter
-    ) -> tuple[AgentSession, bool] | None:
-        """Answer a plain request; return the session to stream for a streaming one."""
+    async def _route(self, request: HttpRequest, writer: asyncio.StreamWriter) -> _Answer | None:
+        """Answer a plain request; return the session to answer with for a session's."""
         parts = [p for p in request.path.split("/") if p]
         if parts == ["v1", "health"]:
             _allow(request, "GET")
@@ -228,7 +230,7 @@ class LocalApi:
                 listing = [_brief(s) for s in sessions]
                 writer.write(json_response(HTTPStatus.OK, {"data": listing, "count": len(listing)}))
                 return None
-            return await self._start(request), True
+            return await self._start(request)
         if len(parts) in (3, 4) and parts[:2] == ["v1", "sessions"]:
             session = self.book.get(parts[2])
             if len(parts) == 4 and parts[3] != "events":
@@ -237,7 +239,7 @@ class LocalApi:
                 raise HttpError(HTTPStatus.NOT_FOUND, f"no session {parts[2]} on this device")
             if len(parts) == 4:
                 _allow(request, "GET")
-                return session, False
+                return _Answer(session, cancel_on_hangup=False)
             _allow(request, "GET", "DELETE")
             if request.method == "DELETE":
                 await session.cancel("cancelled by a local client")
@@ -245,7 +247,7 @@ class LocalApi:
             return None
         raise HttpError(HTTPStatus.NOT_FOUND, f"no route {request.path}")
 
-    async def _start(self, request: HttpRequest) -> AgentSession:
+    async def _start(self, request: HttpRequest) -> _Answer:
         try:
             body = SessionRequest.parse_json(request.body)
         except SessionError as exc:
@@ -253,9 +255,10 @@ class LocalApi:
         if not await self._bus_ready():
             raise HttpError(HTTPStatus.SERVICE_UNAVAILABLE, "the agent is not connected to the bus")
         try:
-            return await self.book.start(body)
+            session = await self.book.start(body)
         except SessionError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        return _Answer(session, cancel_on_hangup=True, whole=not body.stream)
 
     async def _bus_ready(self) -> bool:
         """Connected now, or within `connect_wait_s`: a reconnect in progress (a broker
@@ -306,6 +309,34 @@ class LocalApi:
                     await session.cancel("the local client hung up")
             with contextlib.suppress(asyncio.CancelledError, ConnectionError):
                 await sending
+
+    async def _whole(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: AgentSession
+    ) -> None:
+        """The session's summary as one JSON answer once it ends; a hangup first cancels it."""
+        hangup = asyncio.create_task(reader.read(1), name="local-api-hangup")
+        ended = asyncio.create_task(session.wait(), name=f"local-api-wait-{session.session_id}")
+        try:
+            await asyncio.wait({hangup, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hangup.cancel()
+            answered = ended.done()
+            if not answered:
+                ended.cancel()
+                await session.cancel("the local client hung up")
+        if answered:
+            writer.write(json_response(HTTPStatus.OK, ended.result().to_json()))
+            await writer.drain()
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A route's answer that is a session's: its events as they come, or its summary at the end
+    (`whole`); `cancel_on_hangup` for the client that started it."""
+
+    session: AgentSession
+    cancel_on_hangup: bool
+    whole: bool = False
 
 
 def _allow(request: HttpRequest, *methods: str) -> None:
@@ -408,6 +439,18 @@ async def request_json(
         return status, json.loads(payload) if payload else None
     except ValueError:
         raise ApiError(status, "the agent answered with something other than JSON") from None
+
+
+async def whole_session(
+    host: str, port: int, document: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """POST /v1/sessions with `"stream": false`: the session's summary once it has ended (within
+    `timeout_s`, the session's time included); ApiError on a refusal."""
+    request = {**document, "stream": False}
+    status, summary = await request_json(host, port, "POST", "/v1/sessions", request, timeout_s)
+    if status != HTTPStatus.OK or not isinstance(summary, dict):
+        raise ApiError(status, _error_reason(status, json.dumps(summary).encode()))
+    return summary
 
 
 async def stream_session(

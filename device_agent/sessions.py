@@ -107,6 +107,9 @@ class SessionRequest(BaseModel):
     # choose the mode too).
     # plain: the host decodes with no drafter at all (k is then ignored).
     mode: Literal["distributed", "cloud", "plain"] = "distributed"
+    # The local API's answer: Server-Sent Events as the text grows (True), or one JSON summary
+    # once the session has ended (False), for an app that wants the whole answer only.
+    stream: bool = True
 
     @classmethod
     def parse_json(cls, body: bytes) -> SessionRequest:

@@ -149,12 +149,15 @@ def test_the_report_holds_every_goal_even_when_no_round_could_be_matched(
     args = argparse.Namespace(
         **{"drafter": "hybrid", "k": None, "max_tokens": 3, "limit": 2, "agents": 4},
         **{"sessions": [1, 4], "arrivals": "waves", "bus_target_only": False},
+        **{"stream_clients": False},
         **{"proactive_sessions": []},
         **{"proactive_drafters": [], "broker": None},
     )
     run = BenchRun(results, "mqtt://127.0.0.1:1", "sqlite://", tmp_path, 0, 1.5)
     document = json.loads(json.dumps(report(run, args)))
     out = capsys.readouterr().out
+    assert 'clients (in this process, on the coordinator\'s CPU): whole answers' in out
+    assert document["settings"]["stream_clients"] is False
     assert "adaptive / plain serving: 2.00x" in out  # session tokens/s: 3.0 against 1.5
     assert "greedy answers equal to plain serving's (x1): 10/10" in out
     goals = {(g["goal"], g["target"]): g for g in document["goals"]}

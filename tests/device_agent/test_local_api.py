@@ -14,7 +14,15 @@ from agent_peer import BusPeer, Faults, TargetJudge, prompt_text, reference, run
 
 from broker.mosquitto import PrivateMosquitto, free_port
 from device_agent.agent import Agent
-from device_agent.local_api import HOST, MAX_BODY_BYTES, read_sse, request_json, stream_session
+from device_agent.local_api import (
+    HOST,
+    MAX_BODY_BYTES,
+    ApiError,
+    read_sse,
+    request_json,
+    stream_session,
+    whole_session,
+)
 from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
 
@@ -76,6 +84,38 @@ def test_a_session_streams_as_server_sent_events(
     assert summary["text"] == tokenizer.decode(expected)
     assert summary["rounds"] == len(summary["accepted"]) == len(summary["drafted"])
     assert 0.0 <= summary["alpha"] <= 1.0 and summary["tokens_per_s"] > 0
+
+
+def test_a_session_asked_for_whole_is_answered_once_with_its_summary(
+    mosquitto: PrivateMosquitto, models_dir: Path, target: tuple[OnnxRuntime, ChatTokenizer]
+) -> None:
+    """`"stream": false`: one JSON answer when the session ends, the same summary the stream's
+    `done` event carries (the target's tokens); a bad request is still refused with a reason."""
+    runtime, tokenizer = target
+    body = {"prompt": prompt_text("summarize-01"), "max_tokens": 24, "draft": "lookup", "k": 3}
+
+    async def scenario() -> tuple[tuple[int, dict[str, str], bytes], dict[str, Any], ApiError]:
+        peer = BusPeer(mosquitto.url, TargetJudge(runtime, tokenizer.eos_id))
+        device_id = f"api-{secrets.token_hex(3)}"
+        async with peer.running(), running_agent(mosquitto.url, device_id, models_dir) as agent:
+            raw = await raw_exchange(
+                api_port(agent), post(json.dumps({**body, "stream": False}).encode())
+            )
+            summary = await whole_session(HOST, api_port(agent), body, TIMEOUT_S)
+            with pytest.raises(ApiError) as refused:
+                await whole_session(HOST, api_port(agent), {**body, "k": 65}, TIMEOUT_S)
+            return raw, summary, refused.value
+
+    (status, headers, answer), summary, refused = asyncio.run(scenario())
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert int(headers["content-length"]) == len(answer)
+    document = json.loads(answer)
+    expected = reference("summarize-01", target, 24)
+    for whole in (document, summary):
+        assert whole["status"] == "finished" and whole["token_ids"] == expected
+        assert whole["text"] == tokenizer.decode(expected)
+    assert document["session_id"] != summary["session_id"]
+    assert refused.status == 400 and "k: Input should be less than or equal to 64" in refused.reason
 
 
 BAD_BODIES: list[tuple[bytes, str]] = [
@@ -320,6 +360,26 @@ def test_sessions_can_be_listed_watched_cancelled_and_hung_up_on(
                 await asyncio.sleep(0.02)
             assert [c.session_id for c in peer.closes] == [session_id, hung_up]
             status, summary = await request_json(HOST, port, "GET", f"/v1/sessions/{hung_up}")
+            assert status == 200 and summary["status"] == "cancelled"
+            assert "hung up" in summary["error"]
+
+            # So does one that asked for the whole answer and hangs up before it comes.
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(post(b'{"prompt": "A third.", "max_tokens": 8, "stream": false}'))
+            await writer.drain()
+            for _ in range(200):
+                if len(peer.opens) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            writer.close()
+            for _ in range(200):
+                if len(peer.closes) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(peer.closes) == 3 and peer.closes[2].session_id == peer.opens[2].session_id
+            status, summary = await request_json(
+                HOST, port, "GET", f"/v1/sessions/{peer.closes[2].session_id}"
+            )
             assert status == 200 and summary["status"] == "cancelled"
             assert "hung up" in summary["error"]
 
