@@ -1,10 +1,11 @@
 """The agent's journal of open sessions (SQLite), so that a restarted agent resumes them.
 
 One row per open session: what it is (its spec), the tokens committed so far, the round it is
-at, and, in local mode, the provisional tail with its q' rows and the spell it belongs to. A row
-is rewritten on every commit and every piece of local generation, and deleted when the session
-ends. WAL with synchronous=NORMAL makes a write a few tens of microseconds; a write lost to a
-power cut costs only a resynchronisation, since the coordinator holds every committed token.
+at, and, in local mode, the provisional tail with its q' rows and the spell it belongs to. The
+spec (the prompt, its ids, up to 64 KB of text) is written once; the progress is updated on
+every commit and every piece of local generation; the row is deleted when the session ends.
+WAL with synchronous=NORMAL makes a write a few tens of microseconds; a write lost to a power
+cut costs only a resynchronisation, since the coordinator holds every committed token.
 The provisional tail is the one thing only the device holds.
 """
 
@@ -110,27 +111,43 @@ class SessionJournal:
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except (OSError, sqlite3.Error) as exc:
             raise JournalError(f"cannot open the session journal {path}: {exc}") from exc
+        # The spec last written in full, by session: while a session's is the same object, a
+        # record updates its progress alone.
+        self._written: dict[str, SessionSpec] = {}
 
     def record(self, drafter: SessionDrafter, status: str) -> None:
-        """Write a session's current state (insert or replace its row)."""
+        """Write a session's current state: its whole row the first time (or for a new spec),
+        then its progress only. A verdict's commit rewrote the prompt and its ids every time:
+        O(prompt) on the device per round, for what never changes."""
+        session_id = drafter.spec.session_id
         spell = drafter.spell
+        progress = (
+            int(drafter.proactive),
+            json.dumps(drafter.generated),
+            drafter.round,
+            json.dumps(drafter.provisional),
+            json.dumps([[list(ids), list(probs)] for ids, probs in drafter.provisional_q]),
+            None if spell is None else json.dumps(spell.to_json()),
+            status,
+            time.time(),
+        )
+        if self._written.get(session_id) is drafter.spec:
+            updated = self._db.execute(
+                "UPDATE sessions SET proactive = ?, generated = ?, next_round = ?, "
+                "provisional = ?, provisional_q = ?, spell = ?, status = ?, updated_at = ? "
+                "WHERE session_id = ?",
+                (*progress, session_id),
+            )
+            if updated.rowcount == 1:
+                return
         self._db.execute(
             "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                drafter.spec.session_id,
-                _spec_json(drafter.spec),
-                int(drafter.proactive),
-                json.dumps(drafter.generated),
-                drafter.round,
-                json.dumps(drafter.provisional),
-                json.dumps([[list(ids), list(probs)] for ids, probs in drafter.provisional_q]),
-                None if spell is None else json.dumps(spell.to_json()),
-                status,
-                time.time(),
-            ),
+            (session_id, _spec_json(drafter.spec), *progress),
         )
+        self._written[session_id] = drafter.spec
 
     def forget(self, session_id: str) -> None:
+        self._written.pop(session_id, None)
         self._db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
 
     def open_sessions(self) -> list[JournalEntry]:

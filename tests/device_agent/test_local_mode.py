@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -265,6 +267,45 @@ def test_the_journal_keeps_open_sessions_and_their_tails(
     assert entry.spell.since == 1234.5
     reopened.forget(drafter.spec.session_id)
     assert reopened.open_sessions() == []
+    reopened.close()
+
+
+def test_the_journal_writes_a_spec_once_and_then_the_progress_alone(
+    tmp_path: Path, target: tuple[OnnxRuntime, ChatTokenizer], catalog: DrafterCatalog
+) -> None:
+    """A commit updates the session's progress and leaves its spec (the prompt) as written; a
+    journal opened again (a restarted agent) writes the whole row at its first record."""
+    runtime, tokenizer = target
+    judge = TargetJudge(runtime, tokenizer.eos_id)
+    drafter = _drafter(tokenizer, catalog, "chat-01", SAMPLED)
+    drafter.resync(judge.open(drafter.spec.open_message()))
+    path = tmp_path / "journal.sqlite3"
+    journal = SessionJournal(path)
+    journal.record(drafter, "active")
+
+    def spec_text() -> str:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return str(db.execute("SELECT spec FROM sessions").fetchone()[0])
+
+    # The same spec as another text: a full write would put the journal's own text back.
+    marked = json.dumps(json.loads(spec_text()), indent=1)
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("UPDATE sessions SET spec = ?", (marked,))
+    _round(drafter, judge)
+    journal.record(drafter, "active")
+    assert spec_text() == marked
+    (entry,) = journal.open_sessions()
+    assert entry.spec == drafter.spec and entry.generated == drafter.generated
+    assert entry.next_round == drafter.round >= 1
+    journal.close()
+
+    reopened = SessionJournal(path)
+    reopened.record(drafter, "active")
+    assert spec_text() != marked and json.loads(spec_text()) == json.loads(marked)
+    reopened.forget(drafter.spec.session_id)
+    reopened.record(drafter, "active")  # forgotten, then recorded again: a whole row
+    (entry,) = reopened.open_sessions()
+    assert entry.spec == drafter.spec and entry.generated == drafter.generated
     reopened.close()
 
 
