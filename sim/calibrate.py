@@ -336,6 +336,43 @@ def fit_bench(document: dict[str, Any], device_draft_ms: float, hop_ms: float) -
     )
 
 
+STREAMED_SHARE = 0.9  # of an adaptive run's rounds streamed (cloud, plain) to time them by
+STREAMED_MIN_ROUNDS = 100
+
+
+def fit_coordinator_round_ms(documents: Sequence[dict[str, Any]]) -> float | None:
+    """The coordinator's CPU time per streamed round, from `bench e2e`'s CPU by process (part
+    7): its process's CPU over the adaptive arm's waves at the widest level whose rounds were
+    nearly all streamed, less what it burns with no round to serve (its CPU per second over
+    plain serving's waves of the same level), per round; the median over the documents. The
+    process holds the benchmark's load generator too, which asks for whole answers (one
+    reply a session): the session's open and close are in the figure, spread over its rounds."""
+    fits = []
+    for document in documents:
+        runs = [r for r in document.get("runs", []) if "cpu_ms_per_token" in r]
+        streamed = [
+            r
+            for r in runs
+            if r.get("arm") == "adaptive"
+            and int(r.get("rounds") or 0) >= STREAMED_MIN_ROUNDS
+            and sum(r.get("round_modes", {}).get(mode, 0) for mode in ("cloud", "plain"))
+            >= STREAMED_SHARE * int(r["rounds"])
+        ]
+        if not streamed:
+            continue
+        run = max(streamed, key=lambda r: int(r["sessions"]))
+        busy_ms = float(run["cpu_ms_per_token"]["coordinator"]) * int(run["tokens"])
+        plain = next(
+            (r for r in runs if r.get("arm") == "plain" and r["sessions"] == run["sessions"]),
+            None,
+        )
+        if plain is not None and float(plain.get("wall_s") or 0.0) > 0.0:
+            idle_ms = float(plain["cpu_ms_per_token"]["coordinator"]) * int(plain["tokens"])
+            busy_ms -= idle_ms / float(plain["wall_s"]) * float(run["wall_s"])
+        fits.append(max(0.0, busy_ms) / int(run["rounds"]))
+    return statistics.median(fits) if fits else None
+
+
 def _bus_sessions(document: dict[str, Any]) -> list[dict[str, Any]]:
     return [s for s in document.get("sessions", []) if s.get("arm") != "plain" and "wait_ms" in s]
 
@@ -710,7 +747,14 @@ def calibrate(
             values["open_ms"] = max(0.0, timings.open_ms)
         else:
             unfit.append("session open time: no single-session level in the JSON")
-    unfit.append("coordinator time per streamed round: not separable here (0.5 ms used)")
+    coordinator_ms = fit_coordinator_round_ms(e2e)
+    if coordinator_ms is not None:
+        values["coordinator_round_ms"] = coordinator_ms
+    else:
+        unfit.append(
+            "coordinator time per streamed round: no bench e2e run with CPU by process over "
+            "mostly streamed rounds (0.5 ms used)"
+        )
     timed = run_passes(rounds, documents)
     # The shape of the cost from bench e2e's passes where there are enough (they span 1 to 32
     # rows; bench adaptive's, 1 to 3), its level in each run from that run's own (host_speed).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import Engine
@@ -17,7 +18,7 @@ from coordinator.db.models import (
     Round,
     SessionStatus,
 )
-from sim.calibrate import calibrate
+from sim.calibrate import calibrate, fit_coordinator_round_ms
 from specfleet.cli import main
 from tests.sim.conftest import flat_profile
 
@@ -158,3 +159,29 @@ def test_acceptance_is_fitted_per_benchmark_prompt_and_pulled_toward_its_task() 
     assert 0.0 < by_prompt["chat-02"].accept[0] < task
     assert by_prompt["chat-01"].accept[0] > 0.85 and by_prompt["chat-02"].accept[0] < 0.15
     assert by_prompt["chat-01"].rounds == 40
+
+
+def _run(arm: str, sessions: int, coordinator_ms_per_token: float, **fields: Any) -> dict[str, Any]:
+    return {"arm": arm, "sessions": sessions, "label": f"{arm} x{sessions}",
+            "cpu_ms_per_token": {"coordinator": coordinator_ms_per_token}} | fields  # fmt: skip
+
+
+def test_the_coordinators_time_per_streamed_round_comes_from_bench_e2es_cpu_by_process() -> None:
+    """Its CPU over the adaptive arm's widest level of mostly streamed rounds, less its CPU per
+    second with no round to serve (over plain serving's waves), per round; a document without
+    such a run gives nothing, and the median of several is taken."""
+    plain = _run("plain", 16, 0.2, tokens=1000, wall_s=10.0)
+    adaptive = _run("adaptive", 16, 2.0, tokens=1000, rounds=1000, wall_s=11.0,
+                    round_modes={"plain": 950, "cloud": 40, "distributed": 10})  # fmt: skip
+    narrow = _run("adaptive", 4, 9.0, tokens=400, rounds=400, wall_s=4.0,
+                  round_modes={"plain": 400})  # fmt: skip
+    # 2,000 ms busy, less 20 ms a second over 11 s, over 1,000 rounds.
+    assert fit_coordinator_round_ms([{"runs": [plain, narrow, adaptive]}]) == pytest.approx(1.78)
+    devices = _run("adaptive", 32, 2.0, tokens=1000, rounds=1000, wall_s=9.0,
+                   round_modes={"distributed": 900, "plain": 100})  # fmt: skip
+    assert fit_coordinator_round_ms([{"runs": [devices]}]) is None
+    assert fit_coordinator_round_ms([{"runs": [{"arm": "adaptive", "sessions": 16}]}]) is None
+    alone = {"runs": [_run("adaptive", 16, 1.0, tokens=500, rounds=500, wall_s=5.0,
+                           round_modes={"cloud": 500})]}  # fmt: skip
+    assert fit_coordinator_round_ms([alone]) == pytest.approx(1.0)
+    assert fit_coordinator_round_ms([alone, {"runs": [plain, adaptive]}, alone]) == 1.0
