@@ -156,7 +156,7 @@ def test_the_report_holds_every_goal_even_when_no_round_could_be_matched(
     run = BenchRun(results, "mqtt://127.0.0.1:1", "sqlite://", tmp_path, 0, 1.5)
     document = json.loads(json.dumps(report(run, args)))
     out = capsys.readouterr().out
-    assert 'clients (in this process, on the coordinator\'s CPU): whole answers' in out
+    assert "clients (in this process, on the coordinator's CPU): whole answers" in out
     assert document["settings"]["stream_clients"] is False
     assert "adaptive / plain serving: 2.00x" in out  # session tokens/s: 3.0 against 1.5
     assert "greedy answers equal to plain serving's (x1): 10/10" in out
