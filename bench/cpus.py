@@ -10,7 +10,7 @@ serving's process) the same core to themselves and puts everything else on the o
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -26,13 +26,9 @@ def descendants(pid: int) -> list[int]:
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        # The command may hold spaces and parentheses: the fields start after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        fields = _stat_fields(entry.name)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, queue = [], [pid]
     while queue:
         current = queue.pop()
@@ -64,13 +60,25 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     /proc; a process gone meanwhile counts nothing."""
     ticks = 0
     for pid in pids:
-        try:
-            stat = (PROC / str(pid) / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # from the state on: field 3
-        ticks += int(fields[11]) + int(fields[12])  # utime and stime, fields 14 and 15
+        fields = _stat_fields(str(pid))
+        if fields is not None:
+            ticks += int(fields[11]) + int(fields[12])  # utime and stime, fields 14 and 15
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(processes: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """The CPU seconds each role's processes have used so far (a stat file read each)."""
+    return {role: cpu_seconds(pids) for role, pids in processes.items()}
+
+
+def _stat_fields(pid: str) -> list[str] | None:
+    """/proc/PID/stat from its third field (the state) on; None for a process gone meanwhile.
+    The command may hold spaces and parentheses: the fields start after the last ')'."""
+    try:
+        stat = (PROC / pid / "stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def split(cpus: set[int]) -> tuple[set[int], set[int]] | None:

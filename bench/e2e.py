@@ -85,7 +85,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -962,12 +962,16 @@ class WaveRunner:
             "target": targets,
         }
 
-    @staticmethod
-    def cpu_by_role(processes: Mapping[str, Sequence[int]]) -> dict[str, float]:
-        """The CPU seconds each role's processes have used so far (a stat file read each)."""
-        from bench.cpus import cpu_seconds
+    @contextlib.contextmanager
+    def cpu_of(self, result: RunResult) -> Iterator[None]:
+        """What the benchmark's processes burn within the block, by role, added to `result`:
+        their processes found before it, their stat files read on each side of it."""
+        from bench.cpus import cpu_by_role
 
-        return {role: cpu_seconds(pids) for role, pids in processes.items()}
+        processes = self.processes_by_role()
+        before = cpu_by_role(processes)
+        yield
+        result.add_cpu(before, cpu_by_role(processes))
 
     async def bus_wave(
         self,
@@ -1026,25 +1030,21 @@ async def run_level(
                 result = results[config]
                 if config.on_bus:
                     before = await target_counters(runner.probes.pool, time.time())
-                    processes = runner.processes_by_role()  # before the wave, not in it
-                    cpu_before = runner.cpu_by_role(processes)  # not the counters' wait
-                    started = time.perf_counter()
-                    result.sessions += await runner.bus_wave(
-                        config, wave, lambda: bar.update(1), concurrency
-                    )
-                    ended = time.perf_counter()
-                    result.add_cpu(cpu_before, runner.cpu_by_role(processes))
+                    with runner.cpu_of(result):  # the wave's, not the counters' wait
+                        started = time.perf_counter()
+                        result.sessions += await runner.bus_wave(
+                            config, wave, lambda: bar.update(1), concurrency
+                        )
+                        ended = time.perf_counter()
                     result.wall_s += ended - started
                     runner.trace_wave(config.label, number, len(wave), started, ended)
                     after = await target_counters(runner.probes.pool, time.time())
                     result.target.add(before, after)
                 else:
-                    processes = runner.processes_by_role()
-                    cpu_before = runner.cpu_by_role(processes)
-                    sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
-                        wave, runner.args.max_tokens, concurrency
-                    )
-                    result.add_cpu(cpu_before, runner.cpu_by_role(processes))
+                    with runner.cpu_of(result):
+                        sessions, wall_s, batch_sizes, pass_ms = await runner.plain.wave(
+                            wave, runner.args.max_tokens, concurrency
+                        )
                     prefill_ms = sum(session["prefill_ms"] for session in sessions)
                     now = time.perf_counter()
                     runner.trace_wave(

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench.cpus import available, cpu_seconds, descendants, pin_tree, split
+from bench.cpus import available, cpu_by_role, cpu_seconds, descendants, pin_tree, split
 
 
 def test_a_process_tree_is_found_and_pinned() -> None:
@@ -72,10 +72,8 @@ def test_a_waves_reading_is_each_roles_processes_cpu_time() -> None:
     """Around a wave, `bench e2e` reads only the stat files of the processes found before it (a
     walk of /proc between the two readings counted its own milliseconds as the coordinator's):
     each role gets the sum over its processes, a role with none gets 0."""
-    from bench.e2e import WaveRunner
-
     mine = [os.getpid()]
-    reading = WaveRunner.cpu_by_role({"coordinator": mine, "twice": mine * 2, "agents": []})
+    reading = cpu_by_role({"coordinator": mine, "twice": mine * 2, "agents": []})
     assert set(reading) == {"coordinator", "twice", "agents"}
     assert reading["agents"] == 0.0
     assert reading["coordinator"] > 0.0
