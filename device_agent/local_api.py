@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -296,37 +296,43 @@ class LocalApi:
                 writer.write(sse_event("error", {"error": error, "summary": summary.to_json()}))
             await writer.drain()
 
-        # The client sends nothing more, so a read that returns means it hung up.
-        hangup = asyncio.create_task(reader.read(1), name="local-api-hangup")
-        sending = asyncio.create_task(forward(), name=f"local-api-stream-{session.session_id}")
-        try:
-            await asyncio.wait({hangup, sending}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hangup.cancel()
-            if not sending.done():
-                sending.cancel()
-                if cancel_on_hangup:
-                    await session.cancel("the local client hung up")
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-                await sending
+        await _until_hangup(reader, session, forward(), "stream", cancel_on_hangup)
 
     async def _whole(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: AgentSession
     ) -> None:
         """The session's summary as one JSON answer once it ends; a hangup first cancels it."""
-        hangup = asyncio.create_task(reader.read(1), name="local-api-hangup")
-        ended = asyncio.create_task(session.wait(), name=f"local-api-wait-{session.session_id}")
-        try:
-            await asyncio.wait({hangup, ended}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            hangup.cancel()
-            answered = ended.done()
-            if not answered:
-                ended.cancel()
-                await session.cancel("the local client hung up")
-        if answered:
-            writer.write(json_response(HTTPStatus.OK, ended.result().to_json()))
+
+        async def answer() -> None:
+            summary = await session.wait()
+            writer.write(json_response(HTTPStatus.OK, summary.to_json()))
             await writer.drain()
+
+        await _until_hangup(reader, session, answer(), "wait", cancel_on_hangup=True)
+
+
+async def _until_hangup(
+    reader: asyncio.StreamReader,
+    session: AgentSession,
+    work: Coroutine[Any, Any, None],
+    name: str,
+    cancel_on_hangup: bool,
+) -> None:
+    """Run `work` (a session's answer) to its end, or until the client hangs up: then it stops,
+    and with `cancel_on_hangup` (the client that started the session) the session too."""
+    # The client sends nothing more, so a read that returns means it hung up.
+    hangup = asyncio.create_task(reader.read(1), name="local-api-hangup")
+    working = asyncio.create_task(work, name=f"local-api-{name}-{session.session_id}")
+    try:
+        await asyncio.wait({hangup, working}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+        if not working.done():
+            working.cancel()
+            if cancel_on_hangup:
+                await session.cancel("the local client hung up")
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await working
 
 
 @dataclass(frozen=True)
@@ -448,9 +454,10 @@ async def whole_session(
     `timeout_s`, the session's time included); ApiError on a refusal."""
     request = {**document, "stream": False}
     status, summary = await request_json(host, port, "POST", "/v1/sessions", request, timeout_s)
-    if status != HTTPStatus.OK or not isinstance(summary, dict):
-        raise ApiError(status, _error_reason(status, json.dumps(summary).encode()))
-    return summary
+    if status == HTTPStatus.OK and isinstance(summary, dict):
+        return summary
+    reason = summary.get("error") if isinstance(summary, dict) else None
+    raise ApiError(status, str(reason) if reason else f"HTTP {status}")
 
 
 async def stream_session(
