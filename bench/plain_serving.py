@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from inference.heap import keep_freed_memory
 from inference.runtime import KVCache, Runtime
 from inference.speculative import apply_stop_rules
 
@@ -155,6 +156,7 @@ def _serve_main(conn: Connection, models_dir: Path | None, threads: int) -> None
     # Ctrl-C goes to the whole process group; the benchmark decides when this process stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     started = time.perf_counter()
+    keep_freed_memory()  # as the verifier's inference process does: the baseline loses nothing
     try:
         from modelbuild.target_build import load_target
 

@@ -20,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import resource
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ from typing import TextIO
 from broker.messages import VerifyRequest
 from core.aio import timeout
 from inference.child_process import STOP_TIMEOUT_S, exit_reason, kill_and_reap
+from inference.heap import keep_freed_memory
 from inference.runtime import Runtime
 from verifier.core import MAX_SESSIONS, CoreStats, Verification, VerifierCore
 
@@ -97,6 +99,22 @@ class Steps:
     requests: list[VerifyRequest]  # plain rounds: no tokens, no cloud window
     limits: tuple[int, ...]  # [rows] rounds a row may run in this call, >= 1
     eos_ids: tuple[int | None, ...]  # [rows] the token that ends a row's answer
+    # [rows] whether a row's last round in this call is its session's last (its answer's
+    # length reached): a row that ends there, or at its end token, has its cache dropped
+    # before the next pass. Empty: not known, nothing dropped.
+    ends: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Sessions whose answers ended: their caches go before the next batch. A finished
+    session's cache kept in the LRU was copied out of its pass's presents when the other rows
+    went on, and held ~6 MB a session until evicted; new sessions then grew the heap onto new
+    pages (bench e2e at 32 streams: 27-53 thousand page faults a wave in the inference process,
+    41 in plain serving's). Sent only between batches, as anything sent during `Steps` cuts
+    it short."""
+
+    session_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -138,7 +156,8 @@ class PassTrace:
     monotonic clock at its start, the clock `time.perf_counter` reads in every process here, so
     the lines line up with other processes' records), `rows`, `positions` (the widest row's: a
     padded pass pays for it), `prefills` and `prefilled` (rows whose context was computed first,
-    and its positions), `draft_ms` (the host drafting inside it), `ms`, `steps` (a pass the
+    and its positions), `draft_ms` (the host drafting inside it), `ms`, `stack_ms` (of it, the
+    rows' caches stacked or copied into the batch's), `steps` (a pass the
     child ran on by itself) and `rows_of` (each row's session, by the first 8 characters of its
     id, and round: "3f2a9c1e:12"). Where the target's time goes, pass by pass: what aggregates
     hide (a pass of one row beside passes of fifteen, a prefill that ran alone, a round run
@@ -156,6 +175,8 @@ class PassTrace:
         verifications: Sequence[Verification],
         ms: float,
         steps: bool,
+        stack_ms: float = 0.0,
+        faults: int = 0,
     ) -> None:
         if self._file is None:
             return
@@ -176,6 +197,8 @@ class PassTrace:
             "prefilled": prefilled,
             "draft_ms": round(draft_ms, 3),
             "ms": round(ms, 3),
+            "stack_ms": round(stack_ms, 3),
+            "faults": faults,
             "steps": steps,
             "rows_of": [f"{request.session_id[:8]}:{request.round}" for request in requests],
         }
@@ -199,6 +222,7 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     started = time.perf_counter()
+    keep_freed_memory()  # a pass's presents on reused pages, not on new ones (inference.heap)
     try:
         from modelbuild.target_build import PRECISIONS, load_target, load_target_identity
         from verifier.core import VerifierCore, kv_bytes_per_position
@@ -270,13 +294,17 @@ def child_main(conn: Connection, config: ChildConfig) -> None:
             gc.freeze()
             frozen = True
         try:
-            batch: list[VerifyRequest] | Steps | Interrupt | None = conn.recv()
+            batch: list[VerifyRequest] | Steps | Interrupt | Forget | None = conn.recv()
         except EOFError:  # the worker is gone; nobody will read what we compute
             return
         if batch is None:
             return
         if isinstance(batch, Interrupt):
             continue  # it came after the call it meant to cut short had ended
+        if isinstance(batch, Forget):
+            for session_id in batch.session_ids:
+                core.drop(session_id)
+            continue
         plan = batch if isinstance(batch, Steps) else None
         requests = batch.requests if isinstance(batch, Steps) else batch
         idle_ms = (time.perf_counter() - replied) * 1e3
@@ -306,11 +334,14 @@ def timed_pass(
     stacking rows' caches."""
     t0 = time.perf_counter()
     stacked = stacking_ms(runtime)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     verifications = core.verify_batch(requests)
     ms = (time.perf_counter() - t0) * 1e3
+    stacked = stacking_ms(runtime) - stacked
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     if trace is not None:
-        trace.write(t0, requests, verifications, ms, steps)
-    return verifications, ms, stacking_ms(runtime) - stacked
+        trace.write(t0, requests, verifications, ms, steps, stacked, faults)
+    return verifications, ms, stacked
 
 
 def run_steps(
@@ -331,12 +362,13 @@ def run_steps(
         going = []
         for row, verification in zip(rows, last, strict=True):
             token = verification.next_token
-            if (
-                verification.ok
-                and token is not None
-                and token != plan.eos_ids[row]
-                and done < plan.limits[row]
-            ):
+            if not verification.ok or token is None:
+                continue
+            if token == plan.eos_ids[row] or (done >= plan.limits[row] and _ends(plan, row)):
+                # Its answer is whole: its cache would only be copied out of this pass's
+                # presents when the others go on (`Forget`).
+                core.drop(requests[row].session_id)
+            elif done < plan.limits[row]:
                 request = requests[row]
                 requests[row] = request.model_copy(
                     update={
@@ -352,6 +384,10 @@ def run_steps(
         )
         rows = going
         yield Step(tuple(going), last, compute_ms, stack_ms)
+
+
+def _ends(plan: Steps, row: int) -> bool:
+    return row < len(plan.ends) and plan.ends[row]
 
 
 # The pass shapes timed at start: enough distinct (rows, positions) for the three terms of
@@ -406,6 +442,7 @@ class InferenceChild:
         self.ready: ChildReady | None = None
         self.starts = 0
         self._stepping = False  # a `Steps` call is in flight and was not interrupted
+        self._forgotten: list[str] = []  # sessions ended: `Forget` goes with the next batch
 
     @property
     def pid(self) -> int | None:
@@ -419,6 +456,7 @@ class InferenceChild:
         """Spawn the process and wait until it has loaded the target."""
         self.kill()
         self._stepping = False
+        self._forgotten.clear()  # a new process holds no caches
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
             target=child_main, args=(child_conn, self.config), name=self.name, daemon=True
@@ -457,6 +495,9 @@ class InferenceChild:
         if self._conn is None or not self.alive:
             raise ChildDied("the inference process is not running")
         try:
+            if self._forgotten:
+                self._conn.send(Forget(tuple(self._forgotten)))
+                self._forgotten.clear()
             if isinstance(requests, Steps):
                 self._conn.send(requests)
                 self._stepping = True
@@ -484,6 +525,11 @@ class InferenceChild:
                 yield message
         finally:
             self._stepping = False
+
+    def forget(self, session_id: str) -> None:
+        """A session whose answer ended: the process drops its cache before its next batch
+        (not now, which would cut a `Steps` call in flight short)."""
+        self._forgotten.append(session_id)
 
     def interrupt(self) -> None:
         """Cut a `Steps` call in flight short after its current pass (nothing otherwise)."""

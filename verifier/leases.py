@@ -133,15 +133,18 @@ class LeaseBook:
         to_device: ToDevice,
         to_coordinator: ToCoordinator,
         report: ToCoordinator | None = None,
+        ended: Callable[[str], None] | None = None,
     ) -> None:
         """`report` sends a round's RoundDone (by default as `to_coordinator` does): the round
-        is persisted and answered by then, so it may wait for a quieter moment."""
+        is persisted and answered by then, so it may wait for a quieter moment. `ended` hears
+        of each session whose answer ended here (its cache is of no more use)."""
         self.verifier_id = verifier_id
         self.writer = writer
         self._verify = verify
         self._to_device = to_device
         self._to_coordinator = to_coordinator
         self._report = report or to_coordinator
+        self._ended = ended
         self.sessions: dict[str, LeasedSession] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -426,6 +429,8 @@ class LeaseBook:
         )
         if finished:
             self.sessions.pop(held.session_id, None)
+            if self._ended is not None:
+                self._ended(held.session_id)
 
     async def _resync(self, held: LeasedSession, round_index: int) -> None:
         """Catch up with the database when it holds rounds this lease had not heard of."""

@@ -239,6 +239,7 @@ class VerifierWorker:
                 self._to_device,
                 self._to_coordinator,
                 report=self._report,
+                ended=lambda session_id: self.child.forget(session_id),
             )
 
     # -- state, for the heartbeat and for tests --------------------------------------------
@@ -641,7 +642,12 @@ class VerifierWorker:
         )
         if max(limits) < 2:
             return None
-        return Steps(requests, limits, tuple(stream.spec.eos_id for stream in turn))
+        # A row whose call ends where its answer reaches max_new ends its session there.
+        ends = tuple(
+            stream.spec.max_new - stream.generated <= limit
+            for stream, limit in zip(turn, limits, strict=True)
+        )
+        return Steps(requests, limits, tuple(stream.spec.eos_id for stream in turn), ends)
 
     def _count_pass(
         self,
@@ -723,6 +729,7 @@ class VerifierWorker:
             if stream.finished:
                 # A stream that ran out of rounds opens again; its session's rounds still count.
                 self.goodput.forget_stream(stream.session_id)
+                self.child.forget(stream.session_id)
         result = VerifyResult(
             request_id=stream.request_id,
             session_id=stream.session_id,

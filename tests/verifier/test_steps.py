@@ -4,6 +4,7 @@ its limit or its end token, and anything the worker sends down the pipe stops th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 from pathlib import Path
@@ -13,7 +14,15 @@ from verifier_helpers import greedy_reference, make_request, prompt_ids
 from broker.messages import VerifyRequest
 from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
-from verifier.child import Interrupt, PassTrace, Steps, run_steps, timed_pass
+from verifier.child import (
+    ChildConfig,
+    InferenceChild,
+    Interrupt,
+    PassTrace,
+    Steps,
+    run_steps,
+    timed_pass,
+)
 from verifier.core import VerifierCore
 
 Target = tuple[OnnxRuntime, ChatTokenizer]
@@ -94,3 +103,36 @@ def test_the_pass_trace_has_a_line_per_pass_with_its_rows(target: Target, tmp_pa
         assert (line["rows"], line["prefills"], line["positions"], line["steps"]) == (2, 0, 1, True)
         assert [row.split(":")[1] for row in line["rows_of"]] == [str(number)] * 2
         assert line["ms"] > 0 and line["t"] > opening["t"]
+        assert line["stack_ms"] >= 0 and line["faults"] >= 0
+
+
+def test_a_row_whose_answer_ends_in_the_run_has_its_cache_dropped_there(target: Target) -> None:
+    runtime, _ = target
+    core = VerifierCore(runtime)
+    requests = plain_rounds((2, 4, 7), "ends")
+    reference = greedy_reference(2, 4)
+    # Row 0 ends at its end token, row 1 at its answer's length, row 2 at this call's limit
+    # only: its session goes on in the next call, and keeps its cache.
+    plan = Steps(requests, (4, 2, 2), (reference[1], None, None), (False, True, False))
+    first = core.verify_batch(requests)
+    ours, _theirs = multiprocessing.Pipe()
+    steps = list(run_steps(core, runtime, plan, first, ours))
+    assert [step.rows for step in steps] == [(0, 1, 2)]
+    assert [core.cached_tokens(r.session_id) is None for r in requests] == [True, True, False]
+
+
+def test_a_forgotten_session_leaves_the_inference_process_with_its_next_batch() -> None:
+    async def scenario() -> tuple[int, int]:
+        child = InferenceChild(ChildConfig(cloud_drafts=False, profile=False))
+        await child.start()
+        try:
+            both = plain_rounds((1, 3), "forget")
+            before = await child.verify(both, timeout_s=120)
+            child.forget(both[0].session_id)
+            again = make_request(both[1].session_id, 1, (*prompt_ids(3), 1), ())
+            after = await child.verify([again], timeout_s=120)
+            return before.stats.sessions_cached, after.stats.sessions_cached
+        finally:
+            child.stop()
+
+    assert asyncio.run(scenario()) == (2, 1)
