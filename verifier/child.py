@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from core.aio import timeout
 from inference.child_process import STOP_TIMEOUT_S, exit_reason, kill_and_reap
 from inference.heap import keep_freed_memory
 from inference.runtime import Runtime
+from inference.speculative import apply_stop_rules
 from verifier.core import MAX_SESSIONS, CoreStats, Verification, VerifierCore
 
 log = logging.getLogger(__name__)
@@ -90,19 +92,25 @@ class ChildFailed:
 
 @dataclass(frozen=True)
 class Steps:
-    """Plain stream rounds that the child runs on by itself: after each pass, each row whose
-    stream goes on runs its next round (its context grown by the token just decided) in the
-    next pass, up to `limits[i]` rounds of row i in all, and only while nothing else comes down
-    the pipe. What the worker would send pass by pass, without the pipe and the worker between
-    two passes (vLLM's multi-step scheduling does the same for its decode steps)."""
+    """Stream rounds that the child runs on by itself: after each pass, each row whose stream
+    goes on runs its next round (its context grown by the tokens just committed) in the next
+    pass, up to `limits[i]` rounds of row i in all, and only while nothing else comes down the
+    pipe. What the worker would send pass by pass, without the pipe and the worker between two
+    passes (vLLM's multi-step scheduling does the same for its decode steps).
 
-    requests: list[VerifyRequest]  # plain rounds: no tokens, no cloud window
+    A row's rounds are plain, or drafted here with a window of `windows[i]` (the pass's choice,
+    cut to the stream's cap), each cut further so that its accepted tokens and the target's own
+    fit in what the answer has left (`HostStream.cap`). A row stops where the stop rules end its
+    answer: at its end token, or at `left[i]` tokens (what its session may still generate when
+    the call starts); its cache is then dropped before the next pass."""
+
+    requests: list[VerifyRequest]  # a round of each row: plain, or drafted here (no tokens)
     limits: tuple[int, ...]  # [rows] rounds a row may run in this call, >= 1
     eos_ids: tuple[int | None, ...]  # [rows] the token that ends a row's answer
-    # [rows] whether a row's last round in this call is its session's last (its answer's
-    # length reached): a row that ends there, or at its end token, has its cache dropped
-    # before the next pass. Empty: not known, nothing dropped.
-    ends: tuple[bool, ...] = ()
+    # [rows] tokens the row's answer may still take; empty: not known (no stop but eos)
+    left: tuple[int, ...] = ()
+    # [rows] the window of the row's rounds before the cut to what is left; empty: all plain
+    windows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ class Step:
     verifications: list[Verification]  # [len(rows)]
     compute_ms: float
     stack_ms: float = 0.0
+    windows: tuple[int, ...] = ()  # [len(rows)] each round's window as it was asked for
 
 
 @dataclass(frozen=True)
@@ -358,36 +367,50 @@ def run_steps(
     requests = list(plan.requests)
     last = list(first)
     rows = list(range(len(requests)))
+    generated = [0] * len(requests)  # by row, tokens its rounds of this call committed
     for done in range(1, max(plan.limits, default=1)):
         going = []
         for row, verification in zip(rows, last, strict=True):
             token = verification.next_token
             if not verification.ok or token is None:
                 continue
-            if token == plan.eos_ids[row] or (done >= plan.limits[row] and _ends(plan, row)):
+            accepted = list((verification.draft_tokens or ())[: verification.n_accepted])
+            left = plan.left[row] if row < len(plan.left) else sys.maxsize
+            eos = plan.eos_ids[row]
+            kept, ended = apply_stop_rules(
+                generated[row], accepted, token, left, -1 if eos is None else eos
+            )
+            generated[row] += len(kept)
+            if ended:
                 # Its answer is whole: its cache would only be copied out of this pass's
                 # presents when the others go on (`Forget`).
                 core.drop(requests[row].session_id)
             elif done < plan.limits[row]:
                 request = requests[row]
+                window = _window(plan, row, left - generated[row] - 1)
                 requests[row] = request.model_copy(
                     update={
                         "round": request.round + 1,
-                        "context_ids": (*request.context_ids, token),
+                        "context_ids": (*request.context_ids, *kept),
+                        "cloud_draft": plan.requests[row].cloud_draft if window else None,
+                        "cloud_k": window or None,
                     }
                 )
                 going.append(row)
         if not going or conn.poll():
             return
-        last, compute_ms, stack_ms = timed_pass(
-            core, runtime, [requests[row] for row in going], trace, steps=True
-        )
+        ran = [requests[row] for row in going]
+        last, compute_ms, stack_ms = timed_pass(core, runtime, ran, trace, steps=True)
         rows = going
-        yield Step(tuple(going), last, compute_ms, stack_ms)
+        windows = tuple(request.cloud_k or 0 for request in ran)
+        yield Step(tuple(going), last, compute_ms, stack_ms, windows)
 
 
-def _ends(plan: Steps, row: int) -> bool:
-    return row < len(plan.ends) and plan.ends[row]
+def _window(plan: Steps, row: int, room: int) -> int:
+    """Row `row`'s next window: its own, cut to `room` (what its answer has left after the
+    target's token), as `HostStream.cap` cuts it."""
+    window = plan.windows[row] if row < len(plan.windows) else 0
+    return max(0, window if window < room else room)
 
 
 # The pass shapes timed at start: enough distinct (rows, positions) for the three terms of

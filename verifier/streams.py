@@ -108,6 +108,14 @@ class HostStream:
         left = self.spec.max_new - self.generated - 1
         return max(0, min(self.opening.cloud_k, left, MAX_CLOUD_K))
 
+    def window(self, k: int) -> int:
+        """Its rounds' window in a pass that chose k: `cap` before the cut to what its answer
+        has left (adaptive: k within its cap; fixed: its own window)."""
+        if self.draft is None or self.opening.cloud_k is None:
+            return 0
+        cap = min(self.opening.cloud_k, MAX_CLOUD_K)
+        return (k if k < cap else cap) if self.spec.adaptive else cap
+
     @property
     def rounds_left(self) -> int:
         """Plain rounds it may still run: one a token, within its rounds and its session's

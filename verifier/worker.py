@@ -359,9 +359,9 @@ class VerifierWorker:
                 if isinstance(message, StreamRedraft):
                     if self.streams.redraft(message) is None:
                         log.debug("no stream %s to redraft", message.request_id)
-                    elif message.cloud_draft is not None:
-                        # Rounds run on plainly in the child stop, so that the next pass weighs
-                        # the new drafter's windows.
+                    else:
+                        # Rounds run on in the child stop, so that the next pass weighs the
+                        # new drafter's windows (or drafts no more with the old one).
                         self.child.interrupt()
                     continue
                 if isinstance(message, SessionLease | LeaseEnd):
@@ -584,7 +584,9 @@ class VerifierWorker:
             for stream, r, v in streamed
         ]
         self._put_results(results)
-        self._observe_drafting(turn, requests[len(batch) :], verifications[len(batch) :])
+        self._observe_drafting(
+            turn, [r.cloud_k or 0 for r in requests[len(batch) :]], verifications[len(batch) :]
+        )
         if steps is None:
             return
         try:
@@ -604,15 +606,15 @@ class VerifierWorker:
 
     def _observe_drafting(
         self,
-        turn: list[HostStream],
-        requests: list[VerifyRequest],
+        turn: Sequence[HostStream],
+        windows: Sequence[int],
         verifications: Sequence[Verification],
     ) -> None:
         """What drafting the streams' windows took, per drafter, for as many rows as it drafted
         together in the pass (a feature head steps them all in one call)."""
         drafted: dict[str, tuple[int, int, float]] = {}  # drafter -> rows, window, ms
-        for stream, request, verification in zip(turn, requests, verifications, strict=True):
-            draft, window = stream.draft, request.cloud_k or 0
+        for stream, window, verification in zip(turn, windows, verifications, strict=True):
+            draft = stream.draft
             if draft is None or window <= 0 or verification.error:
                 continue
             rows, widest, ms = drafted.get(draft, (0, 0, 0.0))
@@ -627,13 +629,14 @@ class VerifierWorker:
         requests: list[VerifyRequest],
         choice: PassChoice | None,
     ) -> Steps | None:
-        """The pass as a `Steps` call, where the child may run its rounds on by itself: every
-        row a plain round of a stream, with no device round waiting and every stream in it (a
-        pass that leaves a stream out takes turns, one pass at a time), and plain chosen for
-        more than re-timing plain passes of its size (`GoodputControl.retimes_plain`)."""
+        """The pass as a `Steps` call, where the child may run its rounds on by itself, each
+        stream's at the window of this pass: every row a round of a stream, with no device
+        round waiting and every stream in it (a pass that leaves a stream out takes turns, one
+        pass at a time), and plain chosen for more than re-timing plain passes of its size
+        (`GoodputControl.retimes_plain`)."""
         if self.config.steps_per_call < 2 or batch or not turn or len(turn) < len(self.streams):
             return None
-        if any(request.tokens or request.cloud_k for request in requests):
+        if any(request.tokens for request in requests):
             return None
         if choice is not None and self.goodput.retimes_plain(choice):
             return None
@@ -642,12 +645,14 @@ class VerifierWorker:
         )
         if max(limits) < 2:
             return None
-        # A row whose call ends where its answer reaches max_new ends its session there.
-        ends = tuple(
-            stream.spec.max_new - stream.generated <= limit
-            for stream, limit in zip(turn, limits, strict=True)
+        k = 0 if choice is None else choice.k
+        return Steps(
+            requests,
+            limits,
+            tuple(stream.spec.eos_id for stream in turn),
+            left=tuple(stream.spec.max_new - stream.generated for stream in turn),
+            windows=tuple(stream.window(k) for stream in turn),
         )
-        return Steps(requests, limits, tuple(stream.spec.eos_id for stream in turn), ends)
 
     def _count_pass(
         self,
@@ -676,9 +681,14 @@ class VerifierWorker:
         round of a stream stopped or moved meanwhile is dropped (it was never published; its
         session's next round computes it again)."""
         rows, compute_ms = step.rows, step.compute_ms
-        self._count_pass(len(rows), compute_ms, compute_ms, 0.0, (1, compute_ms - step.stack_ms))
+        windows = step.windows or (0,) * len(rows)
+        verify_ms = max(0.0, compute_ms - sum(v.draft_ms for v in step.verifications))
+        widest = max((len(v.draft_tokens or ()) for v in step.verifications), default=0)
+        self._count_pass(
+            len(rows), compute_ms, compute_ms, 0.0, (widest + 1, verify_ms - step.stack_ms)
+        )
         results: list[tuple[HostStream, VerifyResult]] = []
-        for row, verification in zip(rows, step.verifications, strict=True):
+        for row, verification, window in zip(rows, step.verifications, windows, strict=True):
             stream = turn[row]
             fits = verification.round == stream.round and verification.base_len == len(
                 stream.context
@@ -686,11 +696,12 @@ class VerifierWorker:
             if not self.streams.is_current(stream) or not fits:
                 log.debug("dropped round %d of %s", verification.round, stream.session_id)
                 continue
-            at = (verification.round, verification.base_len, 0)
+            at = (verification.round, verification.base_len, window)
             results.append(
-                (stream, self._emit_stream(stream, at, verification, compute_ms, 0, choice))
+                (stream, self._emit_stream(stream, at, verification, verify_ms, 0, choice))
             )
         self._put_results(results)
+        self._observe_drafting([turn[row] for row in rows], windows, step.verifications)
 
     def _emit_stream(
         self,

@@ -113,7 +113,7 @@ def test_a_row_whose_answer_ends_in_the_run_has_its_cache_dropped_there(target: 
     reference = greedy_reference(2, 4)
     # Row 0 ends at its end token, row 1 at its answer's length, row 2 at this call's limit
     # only: its session goes on in the next call, and keeps its cache.
-    plan = Steps(requests, (4, 2, 2), (reference[1], None, None), (False, True, False))
+    plan = Steps(requests, (4, 2, 2), (reference[1], None, None), left=(48, 2, 48))
     first = core.verify_batch(requests)
     ours, _theirs = multiprocessing.Pipe()
     steps = list(run_steps(core, runtime, plan, first, ours))

@@ -196,6 +196,52 @@ def test_plain_rounds_run_on_in_the_inference_process_as_pass_by_pass(
     assert any("run on in the inference process" in r for r in reasons[4])
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_drafted_rounds_run_on_in_the_inference_process_as_pass_by_pass(
+    mosquitto: PrivateMosquitto, adaptive: bool
+) -> None:
+    """Rounds drafted on the host run on in the child too, each at the call's window cut to
+    what the answer has left: a fixed window's rounds are those of pass-by-pass running (the
+    same drafts, verdicts and ends), and either way the answer is the target's own."""
+    seen: dict[int, list[tuple[int, int, tuple[int, ...] | None, int, int | None, bool]]] = {}
+    reasons: dict[int, list[str]] = {}
+    run_on: dict[int, int] = {}
+
+    for steps in (1, 4):
+
+        async def body(worker: VerifierWorker, listener: BusListener, steps: int = steps) -> None:
+            requests = [stream_request(p, "hybrid", max_new=20, adaptive=adaptive) for p in (5, 6)]
+            for request in requests:
+                await listener.client.publish(worker.work_topic, encode(request))
+            rounds = [await listener.stream_end(r.request_id) for r in requests]
+            seen[steps] = [
+                (r.round, r.base_len, r.draft_tokens, r.n_accepted, r.next_token, r.stream_ends)
+                for run in rounds
+                for r in run
+            ]
+            reasons[steps] = [r.pass_choice.reason for run in rounds for r in run if r.pass_choice]
+            for prompt, run in zip((5, 6), rounds, strict=True):
+                assert committed(run) == list(greedy_reference(prompt, 20))
+                # No window reached past the answer's 20 tokens.
+                assert all(
+                    r.base_len + len(r.draft_tokens or ()) < len(prompt_ids(prompt)) + 20
+                    for r in run
+                )
+            assert len(worker.streams) == 0
+            # A pass the child ran on by itself has no pipe: its round trip is its compute.
+            run_on[steps] = sum(
+                t.roundtrip_ms == t.compute_ms for t in worker.counters.timings if t.size == 2
+            )
+
+        run_with_worker(mosquitto, body, steps_per_call=steps)
+    assert run_on[1] == 0 and run_on[4] > 0
+    if adaptive:
+        assert any("run on in the inference process" in r for r in reasons[4])
+    else:
+        assert seen[4] == seen[1]
+        assert any(r[2] for r in seen[4])  # windows were drafted
+
+
 def test_a_pass_that_opens_a_session_leaves_the_streams_that_ran_the_last_to_the_next() -> None:
     """A stream's first round prefills its prompt in a forward of its own: a pass of streams
     that opens one leaves those that ran the pass before to the next pass, once in a row, where
