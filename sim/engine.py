@@ -448,9 +448,11 @@ class Verifier:
         self.load = 0
         self.busy = False
         self.waiting = False
-        # Plain passes the inference process still runs by itself after a plain choice
-        # (`verifier.child.Steps`, STEPS_PER_CALL a call), until other work arrives.
+        # Passes the inference process still runs by itself after a choice for every stream
+        # (`verifier.child.Steps`, STEPS_PER_CALL a call), until other work arrives, at the
+        # window of that choice.
         self.run_on = 0
+        self.run_on_choice: m.PassChoice | None = None
         # The streams of a pass whose device windows went in a pass of their own
         # (`GoodputControl.apart`): the next pass is theirs, as the worker runs it right after.
         self.streams_next: list[Session] = []
@@ -527,7 +529,8 @@ class Verifier:
         choice: m.PassChoice | None = None
         whole = not batch and len(turn) == len(self.streams)  # every stream, no device row
         if turn and self.run_on > 0 and whole:
-            self.run_on -= 1  # the child runs the plain rounds on by itself
+            self.run_on -= 1  # the child runs the rounds on by itself, at the call's window
+            choice = self.run_on_choice
         elif turn:
             self.run_on = 0
             rows = [
@@ -542,16 +545,12 @@ class Verifier:
                 # The device windows first, in a pass of their own (VerifierWorker._apart).
                 self.streams_next = turn
                 turn, caps, choice = [], [], None
-            elif (
-                choice.k == 0
-                and whole
-                and not any(fixed)
-                and not self.control.retimes_plain(choice)
-            ):
-                # A plain choice for every stream: a `Steps` call (VerifierWorker._steps), as
-                # many passes as its rows have rounds left, STEPS_PER_CALL at most.
+            elif whole and not self.control.retimes_plain(choice):
+                # A choice for every stream: a `Steps` call (VerifierWorker._steps), as many
+                # passes as its rows have rounds left, STEPS_PER_CALL at most.
                 left = max(s.length - s.generated for s in turn)
                 self.run_on = min(STEPS_PER_CALL, left) - 1
+                self.run_on_choice = choice
         self._run_pass(batch, turn, caps, choice)
 
     def _next_rows(self) -> tuple[list[_Row], list[Session]]:
