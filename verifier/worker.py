@@ -591,6 +591,7 @@ class VerifierWorker:
             return
         try:
             number = 1
+            horizon = max(steps.limits)  # the passes the call may run, as extended
             async for step in self.child.steps(self.config.batch_timeout_s):
                 number += 1
                 ran = None
@@ -598,6 +599,10 @@ class VerifierWorker:
                     reason = f"{choice.reason}; pass {number} run on in the inference process"
                     ran = choice.model_copy(update={"rows": len(step.rows), "reason": reason[:256]})
                 self._emit_step(turn, step, ran)
+                if number == horizon - 1:  # the child runs the call's last pass now
+                    more = self._extension(turn, step, choice)
+                    self.child.extend(more)
+                    horizon += more
                 self._outbox.release_reports()  # the child runs its next pass meanwhile
         except ChildDied as exc:
             # The streams stand at their last round published, and go on from there.
@@ -653,6 +658,27 @@ class VerifierWorker:
             left=tuple(stream.spec.max_new - stream.generated for stream in turn),
             windows=tuple(stream.window(k) for stream in turn),
         )
+
+    def _extension(self, turn: list[HostStream], step: Step, choice: PassChoice | None) -> int:
+        """Passes a `Steps` call in flight may run on after its last (0: none): as many as
+        the next call would run, where it would be the same call (nothing waiting, no stream
+        gained or lost, the same window chosen for the rows still running), within every such
+        row's rounds."""
+        if not self.child.stepping or not self._queue.empty():
+            return 0
+        going = [turn[row] for row in step.rows]
+        if len(going) != len(self.streams) or not all(map(self.streams.is_current, going)):
+            return 0
+        # The call's last pass, now running, takes one more round of each.
+        rounds = min(stream.spec.rounds - stream.rounds_done - 1 for stream in going)
+        more = min(self.config.steps_per_call, rounds)
+        if more < 1:
+            return 0
+        fixed = [stream.cap for stream in going if not stream.adaptive]
+        again = self._choose(going, fixed)
+        if again.k != (0 if choice is None else choice.k) or self.goodput.retimes_plain(again):
+            return 0
+        return more
 
     def _count_pass(
         self,

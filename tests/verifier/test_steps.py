@@ -16,6 +16,7 @@ from inference.onnx_runtime import OnnxRuntime
 from inference.tokenizer import ChatTokenizer
 from verifier.child import (
     ChildConfig,
+    Extend,
     InferenceChild,
     Interrupt,
     PassTrace,
@@ -80,6 +81,31 @@ def test_anything_down_the_pipe_stops_the_run_and_is_left_for_the_next_receive(
     theirs.send(Interrupt())
     assert list(run_steps(core, runtime, plan, first, ours)) == []
     assert isinstance(ours.recv(), Interrupt)
+
+
+def test_an_extend_lets_the_rows_run_on_and_anything_else_ends_the_run_held_for_the_loop(
+    target: Target,
+) -> None:
+    runtime, _ = target
+    core = VerifierCore(runtime)
+    requests = plain_rounds((1, 2), "extend")
+    plan = Steps(requests, (2, 2), (None, None))
+    first = core.verify_batch(requests)
+    ours, theirs = multiprocessing.Pipe()
+    held: list[object] = []
+    theirs.send(Extend(2))
+    steps = list(run_steps(core, runtime, plan, first, ours, None, held))
+    assert [step.rows for step in steps] == [(0, 1)] * 3  # 2 rounds a row, and 2 more
+    assert held == []
+    for row, prompt in ((0, 1), (1, 2)):
+        tokens = [first[row].next_token] + [step.verifications[row].next_token for step in steps]
+        assert tokens == list(greedy_reference(prompt, 4))
+    theirs.send(Extend(2))
+    theirs.send(Interrupt())
+    more = plain_rounds((3,), "extend-then-stop")
+    again = core.verify_batch(more)
+    assert list(run_steps(core, runtime, Steps(more, (3,), (None,)), again, ours, None, held)) == []
+    assert held == [Interrupt()] and not ours.poll()
 
 
 def test_the_pass_trace_has_a_line_per_pass_with_its_rows(target: Target, tmp_path: Path) -> None:

@@ -194,6 +194,8 @@ def test_plain_rounds_run_on_in_the_inference_process_as_pass_by_pass(
     assert seen[4] == seen[1] and len(seen[1]) == 40
     assert not any("run on in the inference process" in r for r in reasons[1])
     assert any("run on in the inference process" in r for r in reasons[4])
+    # The worker chose plain again while each call's last pass ran: the call went on (`Extend`).
+    assert any("pass 9 run on" in r for r in reasons[4])
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
