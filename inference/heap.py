@@ -4,7 +4,7 @@ A pass of the target hands back every layer's keys and values for every row (~19
 rows of ~130 positions), and a batch whose rows changed copies them. glibc serves blocks of
 that size from fresh `mmap`s and hands freed memory back to the kernel, so the next pass
 touches new pages: each costs a page fault, ~1.3 us here under a virtual machine. In the
-verifier's inference process at 32 streams that came to 45-60 thousand faults a wave, which
+verifier's inference process at 32 streams that came to 27-60 thousand faults a wave, which
 made single passes 80-215 ms slower than their neighbours (a copy of 25 rows out of 28 took 54
 ms on new pages and 6 on reused ones).
 

@@ -118,7 +118,7 @@ class Forget:
     """Sessions whose answers ended: their caches go before the next batch. A finished
     session's cache kept in the LRU was copied out of its pass's presents when the other rows
     went on, and held ~6 MB a session until evicted; new sessions then grew the heap onto new
-    pages (bench e2e at 32 streams: 27-53 thousand page faults a wave in the inference process,
+    pages (bench e2e at 32 streams: 27-60 thousand page faults a wave in the inference process,
     41 in plain serving's). Sent only between batches, as anything sent during `Steps` cuts
     it short."""
 
@@ -177,11 +177,12 @@ class PassTrace:
     the lines line up with other processes' records), `rows`, `positions` (the widest row's: a
     padded pass pays for it), `prefills` and `prefilled` (rows whose context was computed first,
     and its positions), `draft_ms` (the host drafting inside it), `ms`, `stack_ms` (of it, the
-    rows' caches stacked or copied into the batch's), `steps` (a pass the
-    child ran on by itself) and `rows_of` (each row's session, by the first 8 characters of its
-    id, and round: "3f2a9c1e:12"). Where the target's time goes, pass by pass: what aggregates
-    hide (a pass of one row beside passes of fifteen, a prefill that ran alone, a round run
-    twice). A write that fails (a full disk) ends the trace, not the pass."""
+    rows' caches stacked or copied into the batch's), `faults` (the page faults the process
+    took meanwhile), `steps` (a pass the child ran on by itself) and `rows_of` (each row's
+    session, by the first 8 characters of its id, and round: "3f2a9c1e:12"). Where the
+    target's time goes, pass by pass: what aggregates hide (a pass of one row beside passes of
+    fifteen, a prefill that ran alone, a round run twice). A write that fails (a full disk) ends
+    the trace, not the pass."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
