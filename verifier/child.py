@@ -38,6 +38,7 @@ from inference.heap import keep_freed_memory
 from inference.runtime import Runtime
 from inference.speculative import apply_stop_rules
 from verifier.core import MAX_SESSIONS, CoreStats, Verification, VerifierCore
+from verifier.streams import cut_window
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,9 @@ class Steps:
 
     A row's rounds are plain, or drafted here with a window of `windows[i]` (the pass's choice,
     cut to the stream's cap), each cut further so that its accepted tokens and the target's own
-    fit in what the answer has left (`HostStream.cap`). A row stops where the stop rules end its
-    answer: at its end token, or at `left[i]` tokens (what its session may still generate when
-    the call starts); its cache is then dropped before the next pass."""
+    fit in what the answer has left (`verifier.streams.cut_window`). A row stops where the stop
+    rules end its answer: at its end token, or at `left[i]` tokens (what its session may still
+    generate when the call starts); its cache is then dropped before the next pass."""
 
     requests: list[VerifyRequest]  # a round of each row: plain, or drafted here (no tokens)
     limits: tuple[int, ...]  # [rows] rounds a row may run in this call, >= 1
@@ -149,8 +150,8 @@ class Step:
     rows: tuple[int, ...]  # indices into the call's requests
     verifications: list[Verification]  # [len(rows)]
     compute_ms: float
-    stack_ms: float = 0.0
-    windows: tuple[int, ...] = ()  # [len(rows)] each round's window as it was asked for
+    stack_ms: float
+    windows: tuple[int, ...]  # [len(rows)] each round's window as it was asked for
 
 
 @dataclass(frozen=True)
@@ -418,7 +419,8 @@ def run_steps(
                 core.drop(requests[row].session_id)
             elif done < limits[row]:
                 request = requests[row]
-                window = _window(plan, row, left - generated[row] - 1)
+                own = plan.windows[row] if row < len(plan.windows) else 0
+                window = cut_window(own, left - generated[row])
                 requests[row] = request.model_copy(
                     update={
                         "round": request.round + 1,
@@ -435,13 +437,6 @@ def run_steps(
         rows = going
         windows = tuple(request.cloud_k or 0 for request in ran)
         yield Step(tuple(going), last, compute_ms, stack_ms, windows)
-
-
-def _window(plan: Steps, row: int, room: int) -> int:
-    """Row `row`'s next window: its own, cut to `room` (what its answer has left after the
-    target's token), as `HostStream.cap` cuts it."""
-    window = plan.windows[row] if row < len(plan.windows) else 0
-    return max(0, window if window < room else room)
 
 
 # The pass shapes timed at start: enough distinct (rows, positions) for the three terms of

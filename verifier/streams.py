@@ -48,6 +48,14 @@ def pass_turn(
     return chosen
 
 
+def cut_window(window: int, left: int) -> int:
+    """`window` cut so that its accepted tokens and the target's own fit in the `left` tokens
+    the answer may still take: the worker's cut of a stream's round, and the inference
+    process's of the rounds it runs on (`verifier.child.run_steps`)."""
+    room = left - 1
+    return max(0, window if window < room else room)
+
+
 @dataclass
 class HostStream:
     """One session's stream: where it stands and how far it may go."""
@@ -103,18 +111,20 @@ class HostStream:
     def cap(self) -> int:
         """The widest window of its next round: the stream's cap, cut so that the accepted
         tokens plus the target's own fit in what the session may still generate."""
-        if self.draft is None or self.opening.cloud_k is None:
-            return 0
-        left = self.spec.max_new - self.generated - 1
-        return max(0, min(self.opening.cloud_k, left, MAX_CLOUD_K))
+        return cut_window(self._own_window, self.spec.max_new - self.generated)
 
     def window(self, k: int) -> int:
         """Its rounds' window in a pass that chose k: `cap` before the cut to what its answer
         has left (adaptive: k within its cap; fixed: its own window)."""
+        own = self._own_window
+        return (k if k < own else own) if self.spec.adaptive else own
+
+    @property
+    def _own_window(self) -> int:
+        """Its drafter's window, MAX_CLOUD_K at most (0: it drafts nothing)."""
         if self.draft is None or self.opening.cloud_k is None:
             return 0
-        cap = min(self.opening.cloud_k, MAX_CLOUD_K)
-        return (k if k < cap else cap) if self.spec.adaptive else cap
+        return min(self.opening.cloud_k, MAX_CLOUD_K)
 
     @property
     def rounds_left(self) -> int:
@@ -139,7 +149,7 @@ class HostStream:
     def request(self, k: int) -> VerifyRequest:
         """This round as the core verifies it: drafted here with a window of k (0: plain), or
         its own fixed window."""
-        window = min(k, self.cap) if self.spec.adaptive else self.cap
+        window = cut_window(self.window(k), self.spec.max_new - self.generated)
         return self.opening.model_copy(
             update={
                 "round": self.round,

@@ -559,8 +559,7 @@ class VerifierWorker:
         self._sessions_cached = reply.stats.sessions_cached
         # Cloud rounds were drafted inside the same call; what the target took is the rest.
         verifications = reply.verifications
-        drafting_ms = sum(v.draft_ms for v in verifications)
-        verify_ms = max(0.0, reply.compute_ms - drafting_ms)
+        verify_ms = _target_ms(reply.compute_ms, verifications)
         prefilled = sum(v.prefilled for v in verifications)
         widest = max(
             (len(r.tokens) or len(v.draft_tokens or ()))
@@ -707,8 +706,8 @@ class VerifierWorker:
         round of a stream stopped or moved meanwhile is dropped (it was never published; its
         session's next round computes it again)."""
         rows, compute_ms = step.rows, step.compute_ms
-        windows = step.windows or (0,) * len(rows)
-        verify_ms = max(0.0, compute_ms - sum(v.draft_ms for v in step.verifications))
+        windows = step.windows
+        verify_ms = _target_ms(compute_ms, step.verifications)
         widest = max((len(v.draft_tokens or ()) for v in step.verifications), default=0)
         self._count_pass(
             len(rows), compute_ms, compute_ms, 0.0, (widest + 1, verify_ms - step.stack_ms)
@@ -890,6 +889,12 @@ class VerifierWorker:
             self._loaded = ready
             return
         raise VerifierError(f"the inference process failed to restart {RESTART_ATTEMPTS} times")
+
+
+def _target_ms(compute_ms: float, verifications: Sequence[Verification]) -> float:
+    """Of a pass's time in the inference process, the target's: its rounds' host drafting
+    ran inside the same call."""
+    return max(0.0, compute_ms - sum(v.draft_ms for v in verifications))
 
 
 def _ran_at(request: VerifyRequest) -> tuple[int, int, int]:
