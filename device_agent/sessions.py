@@ -870,7 +870,7 @@ class SessionBook:
     def get(self, session_id: str) -> AgentSession | None:
         return self._sessions.get(session_id) or self._recent.get(session_id)
 
-    def _spec(self, request: SessionRequest, session_id: str) -> tuple[SessionSpec, int]:
+    def _spec(self, request: SessionRequest, session_id: str) -> SessionSpec:
         draft = request.draft or self.settings.default_draft
         if not self.catalog.has(draft) and not (self.on_demand and _on_demand_name(draft)):
             raise SessionError(
@@ -902,7 +902,7 @@ class SessionBook:
             spec.open_message()  # the bus contract's own limits (prompt length, ...)
         except ValidationError as exc:
             raise SessionError(validation_reason(exc)) from None
-        return spec, tokenizer.eos_id
+        return spec
 
     async def start(self, request: SessionRequest, session_id: str | None = None) -> AgentSession:
         """Open a session and run it; raises SessionError when it cannot start."""
@@ -929,21 +929,21 @@ class SessionBook:
         self, request: SessionRequest, session_id: str
     ) -> tuple[SessionSpec, ChatTokenizer, Proposer]:
         """A new session's spec, tokenizer and drafter; runs on the drafting thread."""
-        spec, _ = self._spec(request, session_id)
+        spec = self._spec(request, session_id)
+        return (spec, *self._parts(spec))
+
+    def _parts(self, spec: SessionSpec) -> tuple[ChatTokenizer, Proposer]:
+        """A session's tokenizer and drafter (each may load from disk); runs on the drafting
+        thread."""
         proposer = self._acquire(spec.draft_model, spec.sampling.temperature, None)
-        return spec, self.catalog.tokenizer(), proposer
+        return self.catalog.tokenizer(), proposer
 
     async def _session(self, spec: SessionSpec, proactive: bool, **state: Any) -> AgentSession:
         """A session with its own drafter; `state` restores the drafter's (from the journal)."""
         loop = asyncio.get_running_loop()
-
-        def parts() -> tuple[ChatTokenizer, Proposer]:
-            proposer = self._acquire(spec.draft_model, spec.sampling.temperature, None)
-            return self.catalog.tokenizer(), proposer
-
         try:
             # A drafter may load from disk: off the loop.
-            tokenizer, proposer = await loop.run_in_executor(self.executor, parts)
+            tokenizer, proposer = await loop.run_in_executor(self.executor, self._parts, spec)
         except CatalogError as exc:
             raise SessionError(str(exc)) from None
         return self._new_session(spec, proactive, tokenizer, proposer, **state)
