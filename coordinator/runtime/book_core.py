@@ -44,7 +44,7 @@ class BookCore:
         publish: Publish,
         *,
         target: TargetIdentity | None = None,
-        admit: Callable[[str], Awaitable[bool]],
+        admit: Callable[[str], bool],
         quotas: Quotas,
         idle_timeout_s: float,
         vocab_size: int | None = None,
@@ -52,6 +52,7 @@ class BookCore:
     ) -> None:
         self._db = sessions
         self.store = SessionStore(sessions)
+        # Whether a device may open sessions (blocking: called in the open's thread).
         self._admit = admit
         self.pool = pool
         self._publish = publish
@@ -66,6 +67,7 @@ class BookCore:
         self.vocab_size = vocab_size
         self._open_limit = RateLimiter(quotas.session_opens_per_s, quotas.session_open_burst)
         self._opening: Counter[str] = Counter()  # sessions being created, by device
+        self._open_turn = asyncio.Lock()  # SQLite: one open at a time (`SessionBook._open`)
         self.round_observers: list[RoundObserver] = []
         engine = sessions.kw.get("bind")
         if not isinstance(engine, Engine):

@@ -317,26 +317,22 @@ class Fleet:
 
     async def admit(self, device_id: str, kind: str = "other") -> bool:
         """Whether the device is registered; in the quickstart, unknown devices are enrolled."""
+        return await asyncio.to_thread(self.admitted, device_id, kind)
+
+    def admitted(self, device_id: str, kind: str = "other") -> bool:
+        """`admit` in the calling thread (blocking): for work that reads the database in one
+        hop to a thread, the registry's lookup, and an enrolment or refusal, among it."""
         try:
-            device = await asyncio.to_thread(self.registry.get, device_id)
+            device = self.registry.get(device_id)
         except DeviceNotFoundError:
             if not self.accept_unknown_devices:
                 log.warning("refused unregistered device %s", device_id)
-                await asyncio.to_thread(
-                    self.events.append,
-                    "device.refused",
-                    device_id=device_id,
-                    detail={"reason": "not registered"},
+                self.events.append(
+                    "device.refused", device_id=device_id, detail={"reason": "not registered"}
                 )
                 return False
             device_kind = kind if kind in {k.value for k in DeviceKind} else DeviceKind.OTHER
-            await asyncio.to_thread(
-                self.registry.provision,
-                device_id,
-                device_kind,
-                ("quickstart",),
-                actor="coordinator",
-            )
+            self.registry.provision(device_id, device_kind, ("quickstart",), actor="coordinator")
             log.info("enrolled quickstart device %s", device_id)
             return True
         return device.status is not DeviceStatus.RETIRED

@@ -148,7 +148,7 @@ class Coordinator:
             self.verifiers,
             self.publish,
             target=target,
-            admit=self.fleet.admit,
+            admit=self.fleet.admitted,
             quotas=quotas,
             idle_timeout_s=settings.session_idle_timeout_s,
             vocab_size=vocab_size

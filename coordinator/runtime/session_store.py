@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -16,6 +18,16 @@ from coordinator.db.models import DecodingSession, Round, SessionStatus, utcnow
 from coordinator.runtime.session_state import LiveSession, restore
 
 DEFAULT_K = 4
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What a session's open found: the session (stored already, or created now), else why it
+    was refused."""
+
+    live: LiveSession | None
+    created: bool = False
+    refusal: str | None = None
 
 
 class SessionStore:
@@ -61,6 +73,29 @@ class SessionStore:
                 detail={"task_type": request.task_type, "k": row.k, "draft_model": row.draft_model},
             )
         return LiveSession.from_row(row, next_round=0)
+
+    def open(
+        self,
+        device_id: str,
+        session_uuid: uuid.UUID,
+        request: m.SessionOpen,
+        default_draft: str,
+        *,
+        admitted: Callable[[str], bool],
+        refusal: str | None,
+    ) -> Opening:
+        """A session's open in one call (one hop to a thread, where a lookup, the device's
+        admission and the insert were three): the stored session when there is one (a resume),
+        else a new one unless the device is not `admitted` or the open has a `refusal` (the
+        checks the caller made of it as a new session)."""
+        stored = self.load(str(session_uuid))
+        if stored is not None:
+            return Opening(stored)
+        if not admitted(device_id):
+            return Opening(None, refusal="unregistered device")
+        if refusal is not None:
+            return Opening(None, refusal=refusal)
+        return Opening(self.create(device_id, session_uuid, request, default_draft), created=True)
 
     def load(self, session_id: str) -> LiveSession | None:
         try:
