@@ -542,6 +542,10 @@ class VerifyRequest(_Message):
     # verifies them in the same pass; `tokens` and q' are then empty.
     cloud_draft: Name | None = None
     cloud_k: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
+    # How far a long match in the context may run past cloud_k when the round is its pass's
+    # only row, where a position costs the target little (`HybridProposer.drafting`): set by a
+    # verifier for its own streams' rounds, never on the bus.
+    cloud_reach: int | None = Field(default=None, ge=1, le=MAX_CLOUD_K)
     # A host stream from `round` on (cloud_k is then the cap of each pass's window; without
     # cloud_draft the stream is plain decoding).
     stream: StreamSpec | None = None
@@ -554,6 +558,8 @@ class VerifyRequest(_Message):
         check_sparse_q(self.tokens, self.q_ids, self.q_probs)
         if (self.cloud_draft is None) != (self.cloud_k is None):
             raise ValueError("cloud_draft and cloud_k come together")
+        if self.cloud_reach is not None and self.cloud_k is None:
+            raise ValueError("cloud_reach goes with cloud_k")
         if (self.cloud_k is not None or self.stream is not None) and (self.tokens or self.q_ids):
             raise ValueError("a cloud round or stream request carries no tokens and no q'")
         return self

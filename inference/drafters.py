@@ -45,6 +45,10 @@ LOOKUP_MIN_NGRAM = 1
 NGRAM_MIN_CONTEXT = 1
 NEURAL_TOP_K = 8  # K of the sparse q' a sampling draft sends
 DEFAULT_K = {LOOKUP: 2, NGRAM: 2, HYBRID: 8}
+# The hybrid's first tier: a match of 3-4 tokens in the context, whose continuation is copied
+# as far as the window lets it; the one tier that may reach past a pass's window
+# (`HybridProposer.reaching`).
+LONG_MATCH = "lookup-long"
 DEFAULT_NEURAL_K = 2
 HYBRID_NEURAL_MIN_CONFIDENCE = 0.3
 HYBRID_NEURAL_MAX_TOKENS = 2
@@ -208,7 +212,9 @@ def make_proposer(
     if name == NGRAM:
         return ngram()
     if name == HYBRID:
-        return HybridProposer(tiered_copying(load_ngram_table(ngram_path)), name=HYBRID)
+        return HybridProposer(
+            tiered_copying(load_ngram_table(ngram_path)), name=HYBRID, reaching=(LONG_MATCH,)
+        )
     if name.startswith(HYBRID_PREFIX):
         # The draft steps in where copying has only weak evidence: after the long matches and
         # the 3-token table contexts, before the 1-token match, for at most a few tokens, and
@@ -229,7 +235,10 @@ def make_proposer(
             )
             at = next(i for i, tier in enumerate(tiers) if tier.name == HYBRID_HEAD_BEFORE)
             return HybridProposer(
-                [*tiers[:at], feature_draft, *tiers[at:]], fill=HYBRID_HEAD_FILL, name=name
+                [*tiers[:at], feature_draft, *tiers[at:]],
+                fill=HYBRID_HEAD_FILL,
+                name=name,
+                reaching=(LONG_MATCH,),
             )
         draft = neural(
             model,
@@ -238,7 +247,7 @@ def make_proposer(
             max_tokens=HYBRID_NEURAL_MAX_TOKENS,
         )
         at = next(i for i, tier in enumerate(tiers) if tier.name == HYBRID_NEURAL_BEFORE)
-        return HybridProposer([*tiers[:at], draft, *tiers[at:]], name=name)
+        return HybridProposer([*tiers[:at], draft, *tiers[at:]], name=name, reaching=(LONG_MATCH,))
     if name in heads:
         # No feature yet (a first round, a rewind, local mode): the hybrid drafts instead.
         fallback = HybridProposer(tiered_copying(load_ngram_table(ngram_path)), name=HYBRID)
@@ -260,7 +269,7 @@ def tiered_copying(table: NGramTable) -> list[Proposer]:
     the target only a few percent more than a decode step.
     """
     return [
-        PromptLookupProposer(4, 3, name="lookup-long"),
+        PromptLookupProposer(4, 3, name=LONG_MATCH),
         PromptLookupProposer(2, 2, max_tokens=LOOKUP_2_MAX_TOKENS, name="lookup-2"),
         NGramTableProposer(
             table,

@@ -641,15 +641,23 @@ class HybridProposer:
     """Asks its drafters in order and takes the first non-empty proposal.
 
     With `fill`, a proposal shorter than k is extended by the following drafters from the
-    context plus what is already proposed.
+    context plus what is already proposed. A drafter named in `reaching` (a long match in the
+    context) may propose up to a `reach` wider than k (`drafting`).
     """
 
-    def __init__(self, proposers: Sequence[Proposer], fill: bool = False, name: str = "hybrid"):
+    def __init__(
+        self,
+        proposers: Sequence[Proposer],
+        fill: bool = False,
+        name: str = "hybrid",
+        reaching: Iterable[str] = (),
+    ):
         if not proposers:
             raise ValueError("a hybrid needs at least one drafter")
         self.name = name
         self.proposers = list(proposers)
         self.fill = fill
+        self.reaching = frozenset(reaching)
         self._used: list[tuple[Proposer, int]] = []  # who proposed how many, in order
 
     def get_candidates(
@@ -658,9 +666,19 @@ class HybridProposer:
         return run_drafting(self.drafting(context_ids, k, rng))
 
     def drafting(
-        self, context_ids: Sequence[int], k: int, rng: np.random.Generator | None = None
+        self,
+        context_ids: Sequence[int],
+        k: int,
+        rng: np.random.Generator | None = None,
+        reach: int = 0,
     ) -> Drafting:
-        """`get_candidates` as a generator of its drafters' head steps (`draft_together`)."""
+        """`get_candidates` as a generator of its drafters' head steps (`draft_together`).
+
+        With `reach` > k, a drafter in `reaching` that proposes first may propose up to `reach`
+        tokens; a proposal past k ends the window, nothing filled after it. Where a position
+        costs the target little (a pass of one row), a long match copies as far as it goes, as
+        a device's hybrid does with its own window, while the window the pass chose still
+        bounds every other drafter (a neural one costs a step a token)."""
         self._used = []
         parts: list[Candidates] = []
         context = [int(t) for t in context_ids]
@@ -668,11 +686,15 @@ class HybridProposer:
             remaining = k - sum(part.n for part in parts)
             if remaining <= 0 or (parts and not self.fill):
                 break
-            candidates = yield from drafting(proposer, context, remaining, rng)
+            reaches = not parts and reach > k and getattr(proposer, "name", "") in self.reaching
+            budget = reach if reaches else remaining
+            candidates = yield from drafting(proposer, context, budget, rng)
             if candidates.n:
                 parts.append(candidates)
                 self._used.append((proposer, candidates.n))
                 context += candidates.tokens.tolist()
+                if candidates.n > remaining:
+                    break  # it ran past the window
         return concat_candidates(parts)
 
     def update_candidate_strategy(self, n_accepted: int) -> None:

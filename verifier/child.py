@@ -38,7 +38,7 @@ from inference.heap import keep_freed_memory
 from inference.runtime import Runtime
 from inference.speculative import apply_stop_rules
 from verifier.core import MAX_SESSIONS, CoreStats, Verification, VerifierCore
-from verifier.streams import cut_window
+from verifier.streams import copy_reach, cut_window
 
 log = logging.getLogger(__name__)
 
@@ -421,12 +421,14 @@ def run_steps(
                 request = requests[row]
                 own = plan.windows[row] if row < len(plan.windows) else 0
                 window = cut_window(own, left - generated[row])
+                far = plan.requests[row].cloud_reach or 0
                 requests[row] = request.model_copy(
                     update={
                         "round": request.round + 1,
                         "context_ids": (*request.context_ids, *kept),
                         "cloud_draft": plan.requests[row].cloud_draft if window else None,
                         "cloud_k": window or None,
+                        "cloud_reach": copy_reach(window, far, left - generated[row]),
                     }
                 )
                 going.append(row)

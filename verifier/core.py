@@ -216,7 +216,10 @@ class VerifierCore:
             refusal = DrafterError("this verifier does not draft cloud rounds")
             windows: list[HostDraft | Exception] = [refusal] * len(cloud)
         else:
-            windows = self.drafters.draft_many([requests[index] for index in cloud])
+            # The pass's only row: its extra positions cost the target little, and a long
+            # match may run past its window (`VerifyRequest.cloud_reach`).
+            lone = len(requests) == 1
+            windows = self.drafters.draft_many([requests[index] for index in cloud], reach=lone)
         drafted: dict[int, HostDraft] = {}
         for index, host in zip(cloud, windows, strict=True):
             request = requests[index]

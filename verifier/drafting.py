@@ -57,6 +57,7 @@ from inference.drafts import TFLITE_SUFFIX
 from inference.proposers import (
     Drafting,
     FeatureHeadStep,
+    HybridProposer,
     Proposer,
     draft_together,
     drafting,
@@ -79,7 +80,7 @@ SESSION_PROPOSERS_KEPT = 64
 class HostDraft:
     """The window a verifier host drafted for one cloud round."""
 
-    tokens: tuple[int, ...]  # [n], n <= cloud_k
+    tokens: tuple[int, ...]  # [n], n <= cloud_k (or cloud_reach, a long match of a lone row)
     q: SparseDraftProbs | None  # [n, K]; None for a greedy session
     draft_ms: float
 
@@ -280,23 +281,28 @@ class HostDrafters:
             raise drafted
         return drafted
 
-    def draft_many(self, requests: Sequence[VerifyRequest]) -> list[HostDraft | Exception]:
-        """The windows of a pass's cloud rounds, in order; what failed, in its place.
+    def draft_many(
+        self, requests: Sequence[VerifyRequest], *, reach: bool = False
+    ) -> list[HostDraft | Exception]:
+        """The windows of a pass's cloud rounds, in order; what failed, in its place. With
+        `reach` (the pass's only row), a hybrid's long match may run to `cloud_reach`.
 
         The drafts run together (`draft_together`): a feature head steps every session's
         chain in one call. A session's drafter holds its state, so a session that comes twice
         (a resend) drafts its second window after the first, in a second lockstep."""
         results: dict[int, HostDraft | Exception] = {}
         for wave in session_waves(enumerate(r.session_id for r in requests)):
-            drafted = self._draft_together([requests[index] for index in wave])
+            drafted = self._draft_together([requests[index] for index in wave], reach)
             results.update(zip(wave, drafted, strict=True))
         return [results[index] for index in range(len(requests))]
 
-    def _draft_together(self, requests: Sequence[VerifyRequest]) -> list[HostDraft | Exception]:
+    def _draft_together(
+        self, requests: Sequence[VerifyRequest], reach: bool
+    ) -> list[HostDraft | Exception]:
         drafts: list[Drafting | Exception] = []
         for request in requests:
             try:
-                drafts.append(self._start(request))
+                drafts.append(self._start(request, reach))
             except Exception as exc:
                 drafts.append(exc)
         started = [d for d in drafts if not isinstance(d, Exception)]
@@ -319,8 +325,9 @@ class HostDrafters:
             out.append(HostDraft(tokens, q, done.ms))
         return out
 
-    def _start(self, request: VerifyRequest) -> Drafting:
-        """A cloud round's draft, ready to run: its drafter, with the session's feature."""
+    def _start(self, request: VerifyRequest, reach: bool = False) -> Drafting:
+        """A cloud round's draft, ready to run: its drafter, with the session's feature; with
+        `reach`, a hybrid's long match may run to the request's `cloud_reach`."""
         if request.cloud_draft is None or request.cloud_k is None:
             raise ValueError("not a cloud round request")
         sampling = request.sampling
@@ -330,4 +337,6 @@ class HostDrafters:
         rng = None
         if not sampling.greedy:
             rng = round_rng(sampling.seed, request.round, RngStream.DRAFT)
+        if reach and request.cloud_reach and isinstance(proposer, HybridProposer):
+            return proposer.drafting(request.context_ids, request.cloud_k, rng, request.cloud_reach)
         return drafting(proposer, request.context_ids, request.cloud_k, rng)

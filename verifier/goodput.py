@@ -302,17 +302,32 @@ class PositionAcceptance:
 
     def expected_from(self, rates: Sequence[float]) -> list[float]:
         """E(j) for j = 0..len(rates): each position's rate here pulled towards `rates`
-        (the (drafter, task) rate at that position), worth STREAM_PRIOR_WEIGHT rounds."""
+        (the (drafter, task) rate at that position), worth STREAM_PRIOR_WEIGHT rounds.
+
+        A position deeper than any window this stream was given has no rounds of its own; it
+        takes the rate of the deepest one it had, worth as many rounds as reached that one,
+        pulled towards the task's rate there as a position of its own is. Scored on the task's
+        rate alone, a stream held to windows it always filled was never offered a wider one
+        (`bench e2e` at one session: a summary copying its source, windows of 3 accepted whole
+        in five rounds running, kept to 3, where its task's wide windows from other prompts
+        held at half; the fixed drafter's windows of 8 on it took 7 rounds to the adaptive
+        arm's 9), the same as `rates` carries a task's rate down to its unseen positions."""
         positions = self.positions
-        return _expected_by_window(
-            [
-                rate
-                if i >= len(positions)
-                else (positions[i].accepted + rate * STREAM_PRIOR_WEIGHT)
-                / (positions[i].reached + STREAM_PRIOR_WEIGHT)
-                for i, rate in enumerate(rates)
-            ]
-        )
+        out: list[float] = []
+        deepest, reached = 0.0, 0.0  # the deepest own position's rate, and its rounds
+        for i, rate in enumerate(rates):
+            if i < len(positions):
+                position = positions[i]
+                own = (position.accepted + rate * STREAM_PRIOR_WEIGHT) / (
+                    position.reached + STREAM_PRIOR_WEIGHT
+                )
+                deepest, reached = own, position.reached
+            else:
+                own = (deepest * reached + rate * STREAM_PRIOR_WEIGHT) / (
+                    reached + STREAM_PRIOR_WEIGHT
+                )
+            out.append(own)
+        return _expected_by_window(out)
 
     def expected_by_window(self, k: int, prior: float) -> list[float]:
         """E(j) for j = 0..k (at least; more when a wider window was asked since the last

@@ -17,10 +17,18 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from broker.messages import MAX_CLOUD_K, StreamRedraft, StreamSpec, VerifyRequest
+from inference.drafters import DEFAULT_K, HYBRID
 from inference.speculative import apply_stop_rules
 from verifier.goodput import PRIOR_ACCEPT, StreamRow
 
 S = TypeVar("S")
+
+# How far an adaptive stream's long match in its context may copy in a pass of its own row
+# alone, whatever window the pass chose: a device's hybrid window. A lone row's position costs
+# the target ~1.6 ms (~7% of its pass) where a token of it costs ~14 (bench e2e at one session,
+# this CPU), and the long match's tokens are mostly right: at one session the adaptive arm's
+# windows of 1-3 took 9-25 rounds for answers the fixed drafter's windows of 8 took in 7-17.
+COPY_REACH = DEFAULT_K[HYBRID]
 
 
 def pass_turn(
@@ -54,6 +62,14 @@ def cut_window(window: int, left: int) -> int:
     process's of the rounds it runs on (`verifier.child.run_steps`)."""
     room = left - 1
     return max(0, window if window < room else room)
+
+
+def copy_reach(window: int, own_reach: int, left: int) -> int | None:
+    """How far a drafted round's long match may run past `window` when the round is its pass's
+    only row (`VerifyRequest.cloud_reach`): `own_reach` cut to what the answer has left; None
+    for a plain round, or where it reaches no further than the window."""
+    far = cut_window(own_reach, left)
+    return far if window > 0 and far > window else None
 
 
 @dataclass
@@ -148,14 +164,16 @@ class HostStream:
 
     def request(self, k: int) -> VerifyRequest:
         """This round as the core verifies it: drafted here with a window of k (0: plain), or
-        its own fixed window."""
-        window = cut_window(self.window(k), self.spec.max_new - self.generated)
+        its own fixed window; an adaptive stream's long match may reach further (`reach`)."""
+        left = self.spec.max_new - self.generated
+        window = cut_window(self.window(k), left)
         return self.opening.model_copy(
             update={
                 "round": self.round,
                 "context_ids": tuple(self.context),
                 "cloud_draft": self.draft if window > 0 else None,
                 "cloud_k": window if window > 0 else None,
+                "cloud_reach": copy_reach(window, COPY_REACH if self.spec.adaptive else 0, left),
                 "stream": None,
             }
         )

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import pytest
 from verifier_helpers import (
+    GREEDY,
     cloud_request,
     draft_from,
     greedy_reference,
@@ -21,6 +22,7 @@ from inference.artifacts import default_models_dir
 from inference.features import features_from_wire
 from inference.onnx_runtime import OnnxRuntime
 from inference.sampling import SamplingParams, SparseDraftProbs, rejection_sample, round_rng
+from inference.speculative import decode_target
 from inference.tokenizer import ChatTokenizer
 from modelbuild.gguf_source import GgufModel
 from modelbuild.onnx_graph import DecoderSpec, build_decoder
@@ -321,6 +323,37 @@ def test_cloud_rounds_drafted_by_the_host_equal_the_target_alone(
         reference = list(greedy_reference(p, max_new))
         assert generated[p][: len(reference)] == reference
     assert drafted > 0
+
+
+@pytest.mark.parametrize("draft", ["hybrid", "hybrid+draft-l1"])
+def test_a_lone_rows_long_match_copies_past_its_window_and_the_verdict_is_the_targets(
+    target: Target, host_drafters: HostDrafters, draft: str
+) -> None:
+    """A context that ends with the start of a span it holds earlier: the hybrid's long match
+    copies on. In a pass of its own row alone the copy runs past the window of 1 to the round's
+    `cloud_reach`; beside another row the window holds. Either way the committed tokens are the
+    target's own greedy continuation."""
+    runtime, _ = target
+    span = prompt_ids(2)
+    context = (*span, *span[:12])
+    reference = decode_target(runtime, context, 10, GREEDY).tokens
+
+    def round_of(session: str) -> VerifyRequest:
+        request = cloud_request(session, 3, context, draft, 1, SamplingSpec())
+        return request.model_copy(update={"cloud_reach": 8})
+
+    (lone,) = VerifierCore(runtime, drafters=host_drafters).verify_batch([round_of("lone")])
+    beside, other = VerifierCore(runtime, drafters=host_drafters).verify_batch(
+        [round_of("beside"), cloud_request("other", 3, prompt_ids(4), draft, 1, SamplingSpec())]
+    )
+    assert lone.ok and beside.ok and other.ok
+    assert lone.draft_tokens is not None and 1 < len(lone.draft_tokens) <= 8
+    assert lone.draft_tokens == tuple(span[12 : 12 + len(lone.draft_tokens)])  # the copy
+    assert beside.draft_tokens is not None and len(beside.draft_tokens) <= 1
+    for verification in (lone, beside):
+        assert verification.draft_tokens is not None and verification.next_token is not None
+        kept = [*verification.draft_tokens[: verification.n_accepted], verification.next_token]
+        assert kept == list(reference[: len(kept)])
 
 
 def test_sampled_cloud_rounds_send_q_and_are_reproducible(

@@ -465,3 +465,30 @@ def test_a_streams_own_record_is_of_the_drafter_that_made_it() -> None:
     assert control.expected_tokens(StreamRow("lookup", "chat", 2, 0.5, "s1"), 2) < 1.2
     control.observe_round("eagle", "chat", 2, 2, 0, stream="s1")
     assert control.expected_tokens(fresh, 2) < before
+
+
+def test_a_stream_that_fills_its_windows_is_offered_wider_ones() -> None:
+    """Windows of 3 accepted whole, round after round, on a task whose wide windows from other
+    prompts hold at half: the positions the stream was never given take the rate of its
+    deepest one, pulled towards the task's, so a lone row gets a wider window; a stream whose
+    windows of 3 failed at the first token is scored below the task."""
+    control = fitted()
+    for _ in range(60):  # other prompts: each token of a window of 8 holds at half
+        for n in (0, 1, 2, 3, 4, 8):
+            control.observe_round("hybrid", "summarize", 8, 8, n)
+    filled, failed = (
+        StreamRow("hybrid", "summarize", 8, 0.5, "s-filled"),
+        StreamRow("hybrid", "summarize", 8, 0.5, "s-failed"),
+    )
+    before = control.expected_tokens(filled, 8)
+    for _ in range(5):
+        control.observe_round("hybrid", "summarize", 3, 3, 3, stream="s-filled")
+        control.observe_round("hybrid", "summarize", 3, 3, 0, stream="s-failed")
+    own = control._stream_accept["s-filled"][1]
+    task = control._stats("hybrid", "summarize").rates(8, 0.5)
+    carried = own.expected_from(task)
+    assert carried[8] - carried[3] > 1.0  # positions 4..8 still add a token and more
+    assert control.expected_tokens(filled, 8) > before + 1.5
+    assert control.choose([filled], []).k > 3
+    assert control.expected_tokens(failed, 8) < before - 1.0
+    assert control.choose([failed], []).k < control.choose([filled], []).k

@@ -18,7 +18,7 @@ from broker.messages import (
     encode,
 )
 from broker.mosquitto import PrivateMosquitto
-from verifier.streams import HostStream, HostStreams
+from verifier.streams import COPY_REACH, HostStream, HostStreams
 from verifier.worker import VerifierWorker
 
 MAX_NEW = 12
@@ -357,3 +357,18 @@ def test_a_redraft_for_a_stream_that_ended_changes_nothing() -> None:
     assert (stream.draft, stream.cap, stream.row().draft) == (None, 0, None)
     streams.stop(request.session_id)
     assert streams.redraft(redraft) is None
+
+
+def test_an_adaptive_streams_drafted_round_may_copy_as_far_as_a_devices_hybrid() -> None:
+    """`cloud_reach`: an adaptive stream's drafted round may copy a long match up to the
+    hybrid's own window (COPY_REACH), cut to what its answer has left; a plain round, or a
+    fixed window's, reaches no further than its window."""
+    stream = HostStream.open(stream_request(1, "hybrid", max_new=40), 0.0)
+    assert (stream.request(1).cloud_k, stream.request(1).cloud_reach) == (1, COPY_REACH)
+    assert stream.request(0).cloud_reach is None and stream.request(0).cloud_k is None
+    stream.generated = 36  # 4 tokens left: 3 drafted at most, and the target's own
+    assert (stream.request(1).cloud_k, stream.request(1).cloud_reach) == (1, 3)
+    stream.generated = 38
+    assert (stream.request(1).cloud_k, stream.request(1).cloud_reach) == (1, None)
+    fixed = HostStream.open(stream_request(1, "hybrid", max_new=40, adaptive=False), 0.0)
+    assert fixed.request(0).cloud_k == 4 and fixed.request(0).cloud_reach is None
