@@ -492,3 +492,29 @@ def test_a_stream_that_fills_its_windows_is_offered_wider_ones() -> None:
     assert control.choose([filled], []).k > 3
     assert control.expected_tokens(failed, 8) < before - 1.0
     assert control.choose([failed], []).k < control.choose([filled], []).k
+
+
+def test_no_stream_in_a_pass_is_slowed_by_the_others_windows() -> None:
+    """A window is chosen for a pass of several streams only where every one of them commits
+    at least as many tokens a second as it would plainly: three streams that copy well beside
+    one that accepts almost nothing decode plainly (the fourth would be slowed, and a batch that
+    ends together ends with it); four that copy well speculate; a lone stream's own goodput
+    decides for it alone."""
+    control = fitted()
+    learned(control, "hybrid", [4])  # the task's rate: windows of 8 hold for 4 tokens
+    good = [StreamRow("hybrid", "chat", 8, 0.5, f"s-good-{i}") for i in range(4)]
+    poor = StreamRow("hybrid", "chat", 8, 0.5, "s-poor")
+    for _ in range(12):
+        for row in good:
+            control.observe_round("hybrid", "chat", 8, 8, 6, stream=row.stream)
+    for _ in range(40):
+        control.observe_round("hybrid", "chat", 8, 8, 0, stream="s-poor")
+    assert control.expected_tokens(poor, 2) < 1.2
+    assert control.choose(good, []).k >= 2
+    mixed = control.choose([*good[:3], poor], [])
+    assert mixed.k == 0
+    # By tokens a second over the pass alone, the window would have won.
+    assert max(v for key, v in mixed.goodput.items() if key != "0") > mixed.goodput["0"] * 1.2
+    # A plain stream (the coordinator chose no drafter for it) is slowed by any window too.
+    assert control.choose([*good[:3], StreamRow(None, "chat", 0, 0.5)], []).k == 0
+    assert control.choose([good[0]], []).k >= 2
