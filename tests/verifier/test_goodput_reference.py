@@ -98,7 +98,13 @@ def reference_choose(
         margin = SPECULATION_MARGIN if rows > 1 else LONE_SPECULATION_MARGIN
         return goodput[str(k)] / (1.0 + margin * extra)
 
-    best = max((int(k) for k in goodput), key=lambda k: (worth(k), -k))
+    def slows_a_stream(k: int) -> bool:
+        """Some stream of several would commit fewer tokens a second than plainly."""
+        least = min(expected(kind, k) for kind in kinds)
+        return k > 0 and len(streams) > 1 and least * cost_at[0] < cost_at[k]
+
+    allowed = [int(k) for k in goodput if not slows_a_stream(int(k))]
+    best = max(allowed, key=lambda k: (worth(k), -k))
     if best > 0 and worth(best) <= plain:
         best = 0
     reason = f"k={best}: {goodput[str(best)]:.1f} tok/s predicted for {rows} rows" + (
