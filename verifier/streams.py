@@ -164,7 +164,7 @@ class HostStream:
 
     def request(self, k: int) -> VerifyRequest:
         """This round as the core verifies it: drafted here with a window of k (0: plain), or
-        its own fixed window; an adaptive stream's long match may reach further (`reach`)."""
+        its own fixed window; an adaptive stream's long match may reach further (`copy_reach`)."""
         left = self.spec.max_new - self.generated
         window = cut_window(self.window(k), left)
         return self.opening.model_copy(
