@@ -420,7 +420,8 @@ def run_steps(
             elif done < limits[row]:
                 request = requests[row]
                 own = plan.windows[row] if row < len(plan.windows) else 0
-                window = cut_window(own, left - generated[row])
+                room = left - generated[row]  # what its answer has left
+                window = cut_window(own, room)
                 far = plan.requests[row].cloud_reach or 0
                 requests[row] = request.model_copy(
                     update={
@@ -428,7 +429,7 @@ def run_steps(
                         "context_ids": (*request.context_ids, *kept),
                         "cloud_draft": plan.requests[row].cloud_draft if window else None,
                         "cloud_k": window or None,
-                        "cloud_reach": copy_reach(window, far, left - generated[row]),
+                        "cloud_reach": copy_reach(window, far, room),
                     }
                 )
                 going.append(row)
