@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 from coordinator.db.engine import read_one_snapshot
 from coordinator.db.events import SYSTEM_ACTOR
 from coordinator.db.models import DecodingSession, Event, Round, SessionStatus, utcnow
+from coordinator.db.prepared import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,31 @@ _UPDATE_DOWNLINK = (
 _INSERT_EVENTS = sa.insert(Event).inline()
 SESSION_FINISHED = "session.finished"
 _ROUND_COLUMNS = tuple(column for column in sa.inspect(Round).columns if column.key != "id")
+# The same insert with a named parameter per column, for a dialect's `Prepared` form.
+_INSERT_ROUND_VALUES = sa.insert(Round).values(
+    {column.key: sa.bindparam(column.key, type_=column.type) for column in _ROUND_COLUMNS}
+)
+
+
+@dataclass(frozen=True)
+class _PreparedRounds:
+    """A batch's three statements compiled once for SQLite (coordinator.db.prepared): its
+    commit runs tens of ms after the last, on cold caches, where SQLAlchemy's per-call work was
+    most of its time."""
+
+    insert_rounds: Prepared
+    update_session: Prepared
+    update_downlink: Prepared
+
+    @classmethod
+    def of(cls, engine: Engine) -> _PreparedRounds | None:
+        if engine.dialect.name != "sqlite":
+            return None
+        return cls(
+            Prepared(_INSERT_ROUND_VALUES, engine.dialect),
+            Prepared(_UPDATE_SESSION, engine.dialect),
+            Prepared(_UPDATE_DOWNLINK, engine.dialect),
+        )
 
 
 def _round_values(row: Round) -> dict[str, Any]:
@@ -124,6 +150,7 @@ class RoundWriter:
         self._inline_connection: Connection | None = None  # the event loop's thread only
         self.batches = 0
         self.inline_batches = 0  # of `batches`, those committed on the event loop's thread
+        self._prepared = _PreparedRounds.of(engine)
 
     def stored(self, session_id: uuid.UUID) -> tuple[list[int], int, SessionStatus] | None:
         """What the database holds of a session: its committed ids (prompt included), the next
@@ -313,37 +340,39 @@ class RoundWriter:
             connection = self._connection
         now = utcnow()
         pipeline = _pipelined(connection) if pipelined else contextlib.nullcontext()
+        rounds = [_round_values(item.row) for item in batch]
+        states = [
+            {
+                "b_session": item.row.session_id,
+                "b_committed_ids": item.generated,
+                "b_committed_len": item.row.committed_len,
+                "b_status": item.status,
+                "b_at": now,
+                "b_finished_at": now if item.status is SessionStatus.FINISHED else None,
+            }
+            for item in batch
+        ]
+        downlinks = [
+            {
+                "b_session": item.row.session_id,
+                "b_round": item.row.round_index - 1,
+                "b_downlink_ms": item.downlink_ms,
+            }
+            for item in batch
+            if item.downlink_ms is not None and item.row.round_index > 0
+        ]
+        prepared = self._prepared
         with pipeline, connection.begin():
             # The rounds' foreign key makes a session that vanished fail the insert.
-            connection.execute(
-                _INSERT_ROUNDS,
-                [_round_values(item.row) for item in batch],
-            )
-            connection.execute(
-                _UPDATE_SESSION,
-                [
-                    {
-                        "b_session": item.row.session_id,
-                        "b_committed_ids": item.generated,
-                        "b_committed_len": item.row.committed_len,
-                        "b_status": item.status,
-                        "b_at": now,
-                        "b_finished_at": now if item.status is SessionStatus.FINISHED else None,
-                    }
-                    for item in batch
-                ],
-            )
-            downlinks = [
-                {
-                    "b_session": item.row.session_id,
-                    "b_round": item.row.round_index - 1,
-                    "b_downlink_ms": item.downlink_ms,
-                }
-                for item in batch
-                if item.downlink_ms is not None and item.row.round_index > 0
-            ]
-            if downlinks:
-                connection.execute(_UPDATE_DOWNLINK, downlinks)
+            if prepared is not None:
+                prepared.insert_rounds.execute(connection, rounds)
+                prepared.update_session.execute(connection, states)
+                prepared.update_downlink.execute(connection, downlinks)
+            else:
+                connection.execute(_INSERT_ROUNDS, rounds)
+                connection.execute(_UPDATE_SESSION, states)
+                if downlinks:
+                    connection.execute(_UPDATE_DOWNLINK, downlinks)
             finished = [
                 {
                     "at": now,

@@ -387,3 +387,78 @@ def test_sqlite_commits_a_lone_round_after_the_quiet_turns_or_at_once(
     # Queued, the writer woken, (the quiet turns,) committed, the write woken: 3 turns at once.
     quiet = round_writer.GATHER_QUIET_TURNS if gather else 0
     assert all(quiet + 1 <= n <= quiet + 3 for n in turns), turns
+
+
+def test_sqlite_writes_through_its_prepared_statements_what_sqlalchemy_writes(
+    sqlite_engine: Engine,
+) -> None:
+    """The SQLite writer's statements run on the driver's cursor (coordinator.db.prepared):
+    every column of every row they store is what `Connection.execute` stores for the same
+    batch, None and JSON and enums and the finished session's end included."""
+    sessions = make_sessionmaker(sqlite_engine)
+    DeviceRegistry(sessions, hash_iterations=10).provision(DEVICE, "pi")
+    prepared_session, plain_session = open_session(sessions), open_session(sessions)
+
+    def rows(session_id: uuid.UUID) -> list[tuple[Round, list[int], SessionStatus]]:
+        first = round_row(session_id, 0, 0)
+        second = round_row(session_id, 1, 2)
+        second.mode = Mode.CLOUD
+        second.provisional = True
+        second.policy = {"k": 3, "reason": 'é, "quoted"'}
+        second.q_ids = [[7, 1], [8, 2]]
+        second.q_probs = [[0.75, 0.25], [0.5, 0.5]]
+        second.t_queue_ms = None
+        return [
+            (first, [7, 9], SessionStatus.ACTIVE),
+            (second, [7, 9, 7, 9], SessionStatus.FINISHED),
+        ]
+
+    async def write_all(writer: RoundWriter, session_id: uuid.UUID) -> None:
+        for row, generated, status in rows(session_id):
+            await writer.write(row, generated, status, device_id=DEVICE, downlink_ms=1.25)
+
+    async def main() -> None:
+        for session_id, prepared in ((prepared_session, True), (plain_session, False)):
+            writer = RoundWriter(sqlite_engine)
+            assert writer._prepared is not None
+            if not prepared:
+                writer._prepared = None  # SQLAlchemy's own execution, as on PostgreSQL
+            running = asyncio.create_task(writer.run(), name="test-round-writer")
+            try:
+                await asyncio.wait_for(write_all(writer, session_id), 30)
+            finally:
+                running.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await running
+
+    asyncio.run(main())
+
+    def stored(table: str, key: str, session_id: uuid.UUID) -> list[dict[str, object]]:
+        with sqlite_engine.connect() as connection:
+            result = connection.exec_driver_sql(
+                f"SELECT * FROM {table} WHERE {key} = ? ORDER BY rowid", (session_id.hex,)
+            )
+            found = [dict(row._mapping) for row in result]
+        for row in found:  # what differs by design: the row's own id and when it was written
+            for column in ("id", "session_id", "created_at", "updated_at", "at"):
+                row.pop(column, None)
+            if "finished_at" in row:
+                row["finished_at"] = row["finished_at"] is not None
+        return found
+
+    for table, key in (("rounds", "session_id"), ("events", "session_id")):
+        assert stored(table, key, prepared_session) == stored(table, key, plain_session)
+    assert stored("sessions", "id", prepared_session) == stored("sessions", "id", plain_session)
+    with sessions() as db:
+        ended = db.get(DecodingSession, prepared_session)
+        assert ended is not None and ended.status is SessionStatus.FINISHED
+        assert ended.finished_at is not None and ended.committed_ids == [7, 9, 7, 9]
+        second = db.scalars(
+            sa.select(Round).where(Round.session_id == prepared_session, Round.round_index == 1)
+        ).one()
+        assert second.mode is Mode.CLOUD and second.q_probs == [[0.75, 0.25], [0.5, 0.5]]
+        assert second.policy == {"k": 3, "reason": 'é, "quoted"'}
+        first = db.scalars(
+            sa.select(Round).where(Round.session_id == prepared_session, Round.round_index == 0)
+        ).one()
+        assert first.t_downlink_ms == 1.25  # the next round's downlink, updated in place
