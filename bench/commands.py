@@ -52,6 +52,11 @@ BENCHMARKS = (
         "a pass's cloud drafts drafted together (one feature-head call a step) against one by one",
     ),
     (
+        "round-floor",
+        "bench.round_floor",
+        "a direct round's hops alone (bus, pipe, commit) on this host: the overhead's floor",
+    ),
+    (
         "draft-boundary",
         "bench.draft_boundary",
         "a drafting round's cost with the draft in a child process against in-process",

@@ -195,6 +195,10 @@ EXAMPLES: dict[str, str] = {
         specfleet bench co-runner --json
         specfleet bench co-runner --rows 4 --loads objects --passes 30 --turns 4
     """,
+    "specfleet bench round-floor": """
+        specfleet bench round-floor --json
+        specfleet bench round-floor --compute-ms 25 --rounds 1000
+    """,
     "specfleet bench draft-boundary": """
         specfleet bench draft-boundary --json
         specfleet bench draft-boundary --drafts draft-l1,draft-l1-tflite --k 2 --rounds 500
