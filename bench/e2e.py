@@ -98,6 +98,7 @@ if TYPE_CHECKING:
     from bench.plain_serving import PlainServer
     from broker import messages as m
     from coordinator.db.models import Round, SessionStatus
+    from coordinator.db.round_writer import RoundRecord
     from coordinator.runtime.service import Coordinator
     from localfleet.fleet import LocalFleet
 
@@ -514,7 +515,7 @@ class CoordinatorProbes:
                     yield result
 
         async def timed_write(
-            row: Round, generated: list[int], status: SessionStatus, **details: Any
+            row: Round | RoundRecord, generated: list[int], status: SessionStatus, **details: Any
         ) -> None:
             started = time.perf_counter()
             await write_round(row, generated, status, **details)

@@ -26,8 +26,8 @@ from sqlalchemy.exc import IntegrityError
 
 from broker import messages as m
 from broker.topics import DRAFT_CHANNELS, DeviceChannel, parse_device_topic
-from coordinator.db.models import Round, SessionStatus
-from coordinator.db.round_writer import RoundWriter
+from coordinator.db.models import SessionStatus
+from coordinator.db.round_writer import RoundRecord, RoundWriter
 from inference.speculative import apply_stop_rules
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ class LeaseBook:
         policy_record = held.policy_record or held.policy.model_dump(mode="json")
         if draft.drafter_note:  # why the device drafted with another drafter (memory, a fetch)
             policy_record = {**policy_record, "device": {"note": draft.drafter_note}}
-        row = Round(
+        row = RoundRecord(
             session_id=uuid.UUID(held.session_id),
             round_index=draft.round,
             base_len=draft.base_len,

@@ -10,7 +10,8 @@ import contextlib
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from datetime import datetime
 from typing import Any, cast
 
 import sqlalchemy as sa
@@ -18,9 +19,10 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from broker.messages import Mode
 from coordinator.db.engine import read_one_snapshot
 from coordinator.db.events import SYSTEM_ACTOR
-from coordinator.db.models import DecodingSession, Event, Round, SessionStatus, utcnow
+from coordinator.db.models import DecodingSession, Event, JsonDict, Round, SessionStatus, utcnow
 from coordinator.db.prepared import Prepared
 
 log = logging.getLogger(__name__)
@@ -96,8 +98,50 @@ class _PreparedRounds:
         )
 
 
-def _round_values(row: Round) -> dict[str, Any]:
-    """The INSERT parameters of a transient Round: what is set, else the column's default."""
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """A round to store, as plain values: what a verifier answering a device hands the writer.
+
+    Its fields are the `rounds` table's columns (less the id), with the model's defaults. A
+    Round instance does as well (the coordinator's rounds, which its observers read too); this
+    one costs no ORM instrumentation on the way of a verdict: building a Round and reading its
+    values back took 0.18 ms one round every 30 ms on this project's 2-vCPU host, where the
+    CPU's caches go cold between rounds (0.03 ms back to back)."""
+
+    session_id: uuid.UUID
+    round_index: int
+    base_len: int
+    draft_tokens: list[int]
+    k: int
+    n_accepted: int
+    next_token: int
+    committed_len: int
+    draft_model: str | None = None
+    verifier_id: str | None = None
+    policy: JsonDict | None = None
+    mode: Mode = Mode.DISTRIBUTED
+    provisional: bool = False
+    q_ids: list[list[int]] | None = None
+    q_probs: list[list[float]] | None = None
+    t_draft_ms: float | None = None
+    t_uplink_ms: float | None = None
+    t_queue_ms: float | None = None
+    t_verify_ms: float | None = None
+    t_downlink_ms: float | None = None
+    created_at: datetime | None = None  # None: when the writer takes its values
+
+
+_RECORD_FIELDS = tuple(field.name for field in fields(RoundRecord))
+
+
+def _round_values(row: Round | RoundRecord) -> dict[str, Any]:
+    """The INSERT parameters of a round: a record's fields, or what is set on a transient
+    Round, else the column's default."""
+    if isinstance(row, RoundRecord):
+        recorded = {name: getattr(row, name) for name in _RECORD_FIELDS}
+        if recorded["created_at"] is None:
+            recorded["created_at"] = utcnow()
+        return recorded
     assigned = sa.inspect(row).dict
     values: dict[str, Any] = {}
     for column in _ROUND_COLUMNS:
@@ -115,7 +159,7 @@ def _round_values(row: Round) -> dict[str, Any]:
 
 @dataclass
 class _Write:
-    row: Round
+    row: Round | RoundRecord
     generated: list[int]
     status: SessionStatus
     device_id: str
@@ -171,7 +215,7 @@ class RoundWriter:
 
     async def write(
         self,
-        row: Round,
+        row: Round | RoundRecord,
         generated: list[int],
         status: SessionStatus,
         *,
@@ -182,8 +226,8 @@ class RoundWriter:
         """Return once the round, the session's tokens and the downlink before are committed.
         `gather`: the round's pass verified other rows too, whose rounds may be on their way:
         on SQLite the commit waits a few loop turns for them (`GATHER_QUIET_TURNS`)."""
-        if row.created_at is None:
-            row.created_at = utcnow()
+        if isinstance(row, Round) and row.created_at is None:
+            row.created_at = utcnow()  # a record's is set with its values
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         write = _Write(row, generated, status, device_id, downlink_ms, done, gather)
         self._queue.put_nowait(write)

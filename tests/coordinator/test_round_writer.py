@@ -4,6 +4,7 @@ of the round before, and the finished session's end and event."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -18,7 +19,7 @@ from coordinator.db import round_writer
 from coordinator.db.engine import make_sessionmaker, read_one_snapshot
 from coordinator.db.models import DecodingSession, Event, Round, SessionStatus
 from coordinator.db.registry import DeviceRegistry
-from coordinator.db.round_writer import RoundWriter
+from coordinator.db.round_writer import RoundRecord, RoundWriter
 
 DEVICE = "writer-pi"
 PROMPT_IDS = [1, 2, 3, 4]
@@ -462,3 +463,55 @@ def test_sqlite_writes_through_its_prepared_statements_what_sqlalchemy_writes(
             sa.select(Round).where(Round.session_id == prepared_session, Round.round_index == 0)
         ).one()
         assert first.t_downlink_ms == 1.25  # the next round's downlink, updated in place
+
+
+def test_a_round_record_names_every_column_with_the_models_defaults() -> None:
+    """The writer's plain record of a round (a verifier's direct rounds) stays the table's
+    twin: a column added to Round and not to RoundRecord fails here."""
+    columns = {column.key: column for column in sa.inspect(Round).columns if column.key != "id"}
+    record_fields = {field.name: field for field in dataclasses.fields(RoundRecord)}
+    assert set(record_fields) == set(columns)
+    for name, column in columns.items():
+        default = column.default
+        if isinstance(default, sa.ColumnDefault) and default.is_scalar:
+            assert record_fields[name].default == default.arg, name
+
+
+def test_a_record_stores_the_row_a_round_stores(sessions: sessionmaker[Session]) -> None:
+    as_round, as_record = open_session(sessions), open_session(sessions)
+
+    def record_of(row: Round) -> RoundRecord:
+        """What is set on the Round; the record's defaults for the rest (as the model's)."""
+        names = {field.name for field in dataclasses.fields(RoundRecord)}
+        return RoundRecord(**{k: v for k, v in sa.inspect(row).dict.items() if k in names})
+
+    async def body(writer: RoundWriter) -> None:
+        for index, (committed, status) in enumerate(
+            [(0, SessionStatus.ACTIVE), (2, SessionStatus.FINISHED)]
+        ):
+            generated = [7, 9] * (committed // 2 + 1)
+            first, second = round_row(as_round, index, committed), round_row(as_record, index, 0)
+            await writer.write(first, generated, status, device_id=DEVICE, downlink_ms=2.5)
+            second.base_len, second.committed_len = first.base_len, first.committed_len
+            await writer.write(
+                record_of(second), generated, status, device_id=DEVICE, downlink_ms=2.5
+            )
+
+    run_writer(sessions, body)
+    with sessions() as db:
+
+        def stored(session_id: uuid.UUID) -> list[dict[str, object]]:
+            rows = db.scalars(
+                sa.select(Round).where(Round.session_id == session_id).order_by(Round.round_index)
+            ).all()
+            assert all(row.created_at is not None for row in rows)
+            skip = {"id", "session_id", "created_at"}
+            return [
+                {c.key: getattr(row, c.key) for c in sa.inspect(Round).columns if c.key not in skip}
+                for row in rows
+            ]
+
+        assert len(stored(as_record)) == 2
+        assert stored(as_record) == stored(as_round)
+        ended = db.get(DecodingSession, as_record)
+        assert ended is not None and ended.status is SessionStatus.FINISHED
