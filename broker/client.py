@@ -160,14 +160,25 @@ class BusClient:
         self._lost.set()
 
     async def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        await self.published(topic, self.start_publish(topic, payload, qos, retain))
+
+    def start_publish(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False
+    ) -> asyncio.Future[Any]:
+        """Queue the packet now, and write it now where it can (`_write_at_once`): in the
+        caller's step, not when the loop next runs a new task, behind every other callback
+        ready by then. `published` waits for its acknowledgement; raises BusConnectionError
+        when the connection is known lost."""
         if self._lost.is_set():
             raise BusConnectionError(f"publish to {topic} failed: the connection was lost")
+        return _started(self._client.publish(topic, payload, qos=qos, retain=retain))
+
+    async def published(self, topic: str, publishing: asyncio.Future[Any]) -> None:
+        """Until the broker has acknowledged what `start_publish` started (at once for QoS 0);
+        BusConnectionError if the connection is lost first."""
         lost = self._lost_waiter
         if lost is None:
             lost = self._lost_waiter = asyncio.ensure_future(self._lost.wait())
-        # Started in this step: the packet is queued (and written, `_write_at_once`) now, not
-        # when the loop next runs a new task, behind every other callback ready by then.
-        publishing = _started(self._client.publish(topic, payload, qos=qos, retain=retain))
         await asyncio.wait((publishing, lost), return_when=asyncio.FIRST_COMPLETED)
         if not publishing.done():
             publishing.cancel()
