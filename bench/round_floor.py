@@ -36,7 +36,6 @@ import struct
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -84,9 +83,12 @@ class Placement:
         found = cpus.split(cpus.available())
         return cls(None, None) if found is None else cls(*found)
 
-    def pin(self, which: set[int] | None, pid: int = 0) -> None:
-        if which is not None:
-            os.sched_setaffinity(pid, which)
+    def pin(self, pid: int, *, target: bool = False) -> None:
+        """`pid`'s threads and its children's onto the target's core, or the others' (what
+        it starts after inherits that)."""
+        cpus_for = self.target if target else self.others
+        if cpus_for is not None:
+            cpus.pin_tree(pid, cpus_for)
 
     def describe(self) -> str:
         if self.target is None:
@@ -103,13 +105,11 @@ def run(args: argparse.Namespace) -> int:
     if args.compute_ms <= 0 or args.gap_ms < 0:
         raise CommandError("--compute-ms must be above 0 and --gap-ms at least 0")
     placement = Placement.here()
-    placement.pin(placement.others)
+    placement.pin(os.getpid())  # and so every process it starts, but for the children it pins
     print(f"placement: {placement.describe()}; compute {args.compute_ms} ms a round")
     legs: dict[str, list[float]] = {}
-    legs["pipe"] = _in_process(_pipe_rounds, placement, args)
+    legs["pipe"] = asyncio.run(_pipe_rounds(placement, args))
     with PrivateMosquitto() as broker:
-        if broker.pid is not None:
-            placement.pin(placement.others, broker.pid)
         for label, piped in (("bus", False), ("bus + pipe", True)):
             legs[label] = _bus_rounds(broker.url, piped, placement, args, label)
     back_to_back, paced = _commit_rounds(args)
@@ -150,10 +150,8 @@ def run(args: argparse.Namespace) -> int:
 # -- the pipe ----------------------------------------------------------------------------------
 
 
-def _child(conn: Connection, target: set[int] | None) -> None:
+def _child(conn: Connection) -> None:
     """Spin `compute_ms` for each message and answer with what it spun."""
-    if target is not None:
-        os.sched_setaffinity(0, target)
     while True:
         try:
             compute_ms = conn.recv()
@@ -174,9 +172,11 @@ class _Child:
     def __init__(self, placement: Placement) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, theirs = context.Pipe()
-        self._process = context.Process(target=_child, args=(theirs, placement.target))
+        self._process = context.Process(target=_child, args=(theirs,))
         self._process.start()
         theirs.close()
+        assert self._process.pid is not None  # started
+        placement.pin(self._process.pid, target=True)
 
     async def compute(self, compute_ms: float) -> float:
         """The child's compute, ms, once it has answered."""
@@ -201,15 +201,6 @@ class _Child:
             self._process.join()
 
 
-def _in_process(
-    rounds: Callable[[Placement, argparse.Namespace], Any],
-    placement: Placement,
-    args: argparse.Namespace,
-) -> list[float]:
-    result: list[float] = asyncio.run(rounds(placement, args))
-    return result
-
-
 async def _pipe_rounds(placement: Placement, args: argparse.Namespace) -> list[float]:
     child = _Child(placement)
     overheads: list[float] = []
@@ -229,7 +220,6 @@ async def _pipe_rounds(placement: Placement, args: argparse.Namespace) -> list[f
 
 
 def _verifier(url: str, piped: bool, placement: Placement, compute_ms: float, ready: Any) -> None:
-    placement.pin(placement.others)
     asyncio.run(_verifier_main(url, piped, placement, compute_ms, ready))
 
 

@@ -112,8 +112,7 @@ class Outbox:
         while self._next <= number:
             self._ready.clear()
             await self._ready.wait()
-        items = [(n, *self._items[n]) for n in range(number, self._next) if n in self._items]
-        return items, self._next
+        return self._waiting(number), self._next
 
     async def _unstarted(self) -> list[tuple[int, str, bytes | Message]]:
         """The waiting items `publish` has not started, once there is one (those `_put`
@@ -121,9 +120,13 @@ class Outbox:
         while self._cursor >= self._next:
             self._ready.clear()
             await self._ready.wait()
-        items = [(n, *self._items[n]) for n in range(self._cursor, self._next) if n in self._items]
+        items = self._waiting(self._cursor)
         self._cursor = self._next
         return items
+
+    def _waiting(self, number: int) -> list[tuple[int, str, bytes | Message]]:
+        """The items still waiting, numbered `number` on."""
+        return [(n, *self._items[n]) for n in range(number, self._next) if n in self._items]
 
     def sent(self, number: int) -> None:
         self._items.pop(number, None)
@@ -158,8 +161,7 @@ class Outbox:
                 log.error("dropped a message for %s: %s", topic, exc.reason)
                 self.sent(item)
                 return
-        await client.publish(topic, payload)
-        self.sent(item)
+        await self._acknowledged(client, item, topic, client.start_publish(topic, payload))
 
     async def _acknowledged(
         self, client: BusClient, item: int, topic: str, publishing: asyncio.Future[object]
